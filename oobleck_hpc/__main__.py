@@ -1,0 +1,3 @@
+from oobleck_hpc.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,374 @@
+"""The YAML job file as typed dataclasses.
+
+One dataclass per concern; every field is documented where it is declared. Loading is strict:
+an unknown key is answered with the list of valid keys, a value of the wrong type or out of range
+with the file, the key, the value and the fix -- before any process is started or node allocated.
+
+    job = load_job("examples/gpt-tiny-local.yaml")
+    job.cluster.nodes, job.train.global_microbatches, ...
+
+A job can also be built in Python (`JobConfig(model=ModelConfig(name="gpt-tiny"), ...)`) and
+checked with `job.validate()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from oobleck_hpc.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-tiny"
+    """A model of the built-in GPT family (gpt-tiny, gpt2-small, gpt3-350m ... gpt3-175b),
+    or a label for the user's own model when `factory` is set."""
+    factory: str | None = None
+    """`package.module:function` returning the user's own layer list (see oobleck_hpc/models)."""
+    seed: int = 0
+    """Every layer is built from (seed, layer index): replicas start bit-identical."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype is float32; bfloat16 turns on autocast for the compute."""
+
+    def check(self, where: _Where) -> None:
+        if self.factory is not None and ":" not in self.factory:
+            where.fail("factory", self.factory, "is not of the form package.module:function",
+                       "write e.g. 'mypkg.models:build_layers'")
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "stdlib"
+    """'stdlib' (the Python standard library's source files: real text on every machine, no
+    download) or a path to a UTF-8 text file or a directory of them."""
+    seq_len: int | None = None
+    """Tokens per sample; defaults to the model's context length."""
+    cache_dir: str = ".cache/oobleck_hpc"
+    """Where the tokenised corpus is memory-mapped from (tokenised once, reused by every node)."""
+
+    def check(self, where: _Where) -> None:
+        if self.seq_len is not None and self.seq_len < 2:
+            where.fail("seq_len", self.seq_len, "must be at least 2", "use e.g. 64")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    """Optimizer steps to run (the job's end; a resumed job continues to this same number)."""
+    microbatch_size: int = 2
+    """Samples per microbatch (the unit the pipelines schedule and the profile was measured at)."""
+    global_microbatches: int = 16
+    """Global batch in microbatches; fixed for the whole job, re-split across pipelines on failure."""
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    """Clip by the global gradient norm over all layers (0 disables)."""
+    log_every: int = 5
+    """Outside a TTY: one log line every this many steps."""
+
+    def check(self, where: _Where) -> None:
+        for key in ("steps", "microbatch_size", "global_microbatches"):
+            if getattr(self, key) < 1:
+                where.fail(key, getattr(self, key), "must be at least 1", "use a positive integer")
+        if self.lr <= 0:
+            where.fail("lr", self.lr, "must be positive", "use e.g. 3e-4")
+        if not 0 <= self.min_lr <= self.lr:
+            where.fail("min_lr", self.min_lr, f"must lie in [0, lr={self.lr}]", "lower it")
+        if self.warmup_steps < 0:
+            where.fail("warmup_steps", self.warmup_steps, "must be >= 0", "use 0 for no warm-up")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            where.fail("betas", list(self.betas), "must be two numbers in [0, 1)", "use [0.9, 0.95]")
+        if self.grad_clip < 0:
+            where.fail("grad_clip", self.grad_clip, "must be >= 0", "use 0 to disable clipping")
+        if self.log_every < 1:
+            where.fail("log_every", self.log_every, "must be at least 1", "use e.g. 5")
+
+
+@dataclass
+class ClusterConfig:
+    launch: Literal["local", "slurm"] = "local"
+    """'local': node agents are processes on this machine (the embedded default);
+    'slurm': one agent per allocated node, started by srun (see `oobleck-hpc submit`)."""
+    nodes: int = 4
+    """Nodes to start with (under Slurm: nodes to allocate)."""
+    gpus_per_node: int = 2
+    """Worker processes per node: one per GPU (on CPU: one per pretend GPU)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto' picks cuda when GPUs are visible, else cpu."""
+
+    def check(self, where: _Where) -> None:
+        if self.nodes < 1:
+            where.fail("nodes", self.nodes, "must be at least 1", "use a positive integer")
+        if self.gpus_per_node < 1:
+            where.fail("gpus_per_node", self.gpus_per_node, "must be at least 1",
+                       "use the number of GPUs of one node (CPU runs: worker processes per node)")
+
+
+@dataclass
+class FaultToleranceConfig:
+    f: int = 1
+    """Simultaneous node losses survived in place (at least f+1 pipelines are kept)."""
+    collective_timeout_s: float = 5.0
+    """torch.distributed timeout: bounds how long a hung peer can stall a collective."""
+    heartbeat_s: float = 0.5
+    """Interval of the agents' heartbeats on the control plane."""
+    lease_s: float = 3.0
+    """A node whose heartbeat is older than this is declared lost (catches hangs, partitions)."""
+
+    def check(self, where: _Where) -> None:
+        if self.f < 0:
+            where.fail("f", self.f, "must be >= 0", "use 0 to disable in-place recovery")
+        for key in ("collective_timeout_s", "heartbeat_s", "lease_s"):
+            if getattr(self, key) <= 0:
+                where.fail(key, getattr(self, key), "must be positive", "use a few seconds")
+        if self.lease_s <= self.heartbeat_s:
+            where.fail("lease_s", self.lease_s, f"must exceed heartbeat_s={self.heartbeat_s}",
+                       "use a lease of several heartbeats, e.g. 6x")
+
+
+@dataclass
+class ProfileConfig:
+    library: str = "profiles"
+    """Directory of the HDF5 profile library (profiles/<model>/<device>/<dtype>-mb<k>.h5)."""
+    path: str | None = None
+    """An explicit profile file; overrides the library lookup."""
+    device: str | None = None
+    """Device name in the library (e.g. 'cpu', 'A100-80G'); defaults to the job's device."""
+    analytic: bool = False
+    """Use an analytic profile (FLOP and byte counts) when no measured one is in the library."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Shared directory for checkpoints; none: no checkpoints (fallback impossible)."""
+    every_steps: int = 0
+    """Save every this many steps (0: not by steps)."""
+    every_minutes: float = 0.0
+    """Save every this many minutes of wall time (0: not by time)."""
+    keep: int = 3
+    """Checkpoints kept; older ones are deleted after a newer one is published."""
+
+    def check(self, where: _Where) -> None:
+        if self.every_steps < 0 or self.every_minutes < 0:
+            where.fail("every_steps", self.every_steps, "intervals must be >= 0", "use 0 to disable")
+        if self.keep < 1:
+            where.fail("keep", self.keep, "must be at least 1", "keep at least the latest")
+
+
+@dataclass
+class SlurmConfig:
+    partition: str | None = None
+    account: str | None = None
+    time_min: int = 60
+    """Wall-time limit in minutes (sbatch --time)."""
+    gpus_per_node: int | None = None
+    """GPUs to request per node (--gpus-per-node); none on CPU clusters."""
+    signal_delay_s: int = 90
+    """The pre-timeout signal arrives this long before the time limit (checkpoint + requeue)."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Further sbatch flags, e.g. {qos: high, constraint: a100}."""
+
+
+@dataclass
+class FaultConfig:
+    node: int
+    """Index of the node (0-based, in the job's initial node order) that fails."""
+    step: int
+    """Training step during which the fault fires."""
+    phase: Literal["forward", "backward", "gradient_sync", "optimizer", "reconfiguration"] = "forward"
+    kind: Literal["kill", "hang", "exit"] = "kill"
+
+
+@dataclass
+class JobConfig:
+    name: str = "job"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    faults: list[FaultConfig] = field(default_factory=list)
+    """Injected failures, for tests and demos."""
+    run_dir: str | None = None
+    """Where events, metrics and logs go; default runs/<name>."""
+    source: str = field(default="<python>", compare=False, repr=False)
+    """The file this job was read from (for error messages); not a YAML key."""
+
+    def check(self, where: _Where) -> None:
+        for i, fault in enumerate(self.faults):
+            if not 0 <= fault.node < self.cluster.nodes:
+                where.fail(f"faults[{i}].node", fault.node,
+                           f"is not a node of this job (cluster.nodes={self.cluster.nodes})",
+                           f"use an index in 0..{self.cluster.nodes - 1}")
+            if not 0 <= fault.step < self.train.steps:
+                where.fail(f"faults[{i}].step", fault.step,
+                           f"is not a step of this job (train.steps={self.train.steps})",
+                           f"use a step in 0..{self.train.steps - 1}")
+
+    def validate(self) -> JobConfig:
+        _walk(self, _Where(self.source, ""))
+        return self
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or f"runs/{self.name}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("source")
+        return out
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class _Where:
+    source: str
+    prefix: str
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def child(self, name: str) -> _Where:
+        return _Where(self.source, self.key(name))
+
+    def fail(self, name: str, value: Any, problem: str, fix: str) -> typing.NoReturn:
+        raise ConfigError(self.source, self.key(name), f"value {value!r} {problem}", fix)
+
+
+def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Read and validate a YAML job file. `overrides` maps dotted keys to values
+    (e.g. {"cluster.nodes": 8}) and is applied before validation."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(str(path), "<file>", f"cannot be read ({e.strerror})",
+                          "pass the path of an existing YAML job file") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), "<file>", f"is not valid YAML ({e})", "fix the syntax") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "<top>", f"is a {type(data).__name__}, not a mapping",
+                          "write the job as 'key: value' lines")
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, last = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return job_from_dict(data, source=str(path))
+
+
+def job_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
+    job = _build(JobConfig, data, _Where(source, ""))
+    job.source = source
+    return job.validate()
+
+
+def _build(cls: type, data: Any, where: _Where) -> Any:
+    name = where.prefix or "<top>"
+    if not isinstance(data, dict):
+        raise ConfigError(where.source, name, f"is {data!r}, not a mapping",
+                          f"give '{name}' as indented 'key: value' lines")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(where.source, where.key(str(unknown[0])), "is not a known key",
+                          f"valid keys here are: {', '.join(fields)}")
+    kwargs = {}
+    for key, value in data.items():
+        kwargs[key] = _convert(hints[key], value, where, key)
+    missing = [k for k, f in fields.items()
+               if k not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(where.source, where.key(missing[0]), "is required but missing",
+                          f"add '{missing[0]}:' to this section")
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, where: _Where, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, where, key)
+    if origin is Literal:
+        if value not in args:
+            where.fail(key, value, "is not one of the choices",
+                       f"use one of: {', '.join(map(str, args))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where.child(key))
+    if origin is list:
+        if not isinstance(value, list):
+            where.fail(key, value, "is not a list", "write it as a YAML list ('- item' lines)")
+        return [_convert(args[0], v, where, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            where.fail(key, value, f"is not a list of {len(args)} numbers",
+                       f"write it as [{', '.join('x' * len(args))}]")
+        return tuple(_convert(a, v, where, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            where.fail(key, value, "is not a mapping", "write it as indented 'key: value' lines")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            where.fail(key, value, "is not true/false", "write true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            where.fail(key, value, "is not an integer", "write a whole number without quotes")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            where.fail(key, value, "is not a number", "write a number without quotes")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            where.fail(key, value, "is not a string", "write text (quote it if YAML reads it as a number)")
+        return value
+    raise TypeError(f"config type {tp!r} of {where.key(key)} is not supported")  # a bug, not input
+
+
+def _walk(obj: Any, where: _Where) -> None:
+    """Run each dataclass's own check(), depth first, with the key path for messages."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _walk(value, where.child(f.name))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    _walk(item, where.child(f"{f.name}[{i}]"))
+    check = getattr(obj, "check", None)
+    if check is not None:
+        check(where)
