@@ -1,0 +1,57 @@
+"""The job file: strict loading, and errors that name the file, the key, the value and the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from oobleck_hpc.config import JobConfig, load_job
+from oobleck_hpc.errors import ConfigError
+
+EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_bundled_examples_load(path):
+    job = load_job(path)
+    assert isinstance(job, JobConfig) and job.source == str(path)
+
+
+@pytest.mark.parametrize("text, key, words", [
+    ("cluster:\n  nodez: 3\n", "cluster.nodez", "valid keys here are: launch, nodes, gpus_per_node, device"),
+    ("train:\n  lr: fast\n", "train.lr", "not a number"),
+    ("cluster:\n  launch: k8s\n", "cluster.launch", "use one of: local, slurm"),
+    ("cluster:\n  nodes: 0\n", "cluster.nodes", "at least 1"),
+    ("train:\n  steps: 2.5\n", "train.steps", "not an integer"),
+    ("faults:\n  - {node: 9, step: 1}\n", "faults[0].node", "use an index in 0..3"),
+    ("faults:\n  - {step: 1}\n", "faults[0].node", "required but missing"),
+    ("faults:\n  - {node: 1, step: 1, kind: explode}\n", "faults[0].kind", "kill, hang, exit"),
+    ("fault_tolerance:\n  heartbeat_s: 2\n  lease_s: 1\n", "fault_tolerance.lease_s", "must exceed heartbeat_s"),
+    ("model:\n  factory: mypkg.build\n", "model.factory", "package.module:function"),
+    ("train: [1, 2]\n", "train", "not a mapping"),
+    ("- just\n- a list\n", "<top>", "not a mapping"),
+    ("train: {lr: [\n", "<file>", "not valid YAML"),
+])
+def test_bad_job_files_are_explained(tmp_path, text, key, words):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: key '{key}'"), message
+    assert words in message and "Fix:" in message
+
+
+def test_missing_file_is_explained(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_job(tmp_path / "nope.yaml")
+
+
+def test_scientific_notation_and_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  lr: 3e-4\n")  # YAML 1.1 reads this as a string
+    job = load_job(path, overrides={"cluster.nodes": 7})
+    assert job.train.lr == 3e-4 and job.cluster.nodes == 7
+
+
+def test_defaults_are_valid():
+    JobConfig().validate()
