@@ -1,0 +1,487 @@
+"""HDF5 profile store and the shared profile library. The ONLY module of the package that imports h5py.
+
+File layout (one file per model x device x dtype x microbatch size; `h5dump FILE` shows all of it):
+
+    /                      attributes: format = "oobleck_hpc.profile", schema_version,
+                           every Fingerprint field (model_name, arch_hash, microbatch_size, dtype,
+                           device_name, gpus_per_node, interconnect, source, torch_version,
+                           cuda_version, nccl_version, tool_version, created_at),
+                           checksum_sha256
+    /machine               group; attributes: device_name, device_memory_bytes, gpus_per_node,
+                           interconnect, and for each link L in (p2p_intra, p2p_inter,
+                           allreduce_intra, allreduce_inter): L_latency_ms, L_bandwidth
+    /layers/<field>        one 1-D dataset per LayerProfile field, one row per layer in model order:
+                           name (UTF-8 strings), forward_ms, backward_ms, forward_spread_ms,
+                           backward_spread_ms (float64), param_bytes, grad_bytes, optimizer_bytes,
+                           activation_bytes, output_bytes (int64)
+
+`checksum_sha256` is the SHA-256 of a canonical serialisation of the datasets (field name, dtype,
+shape, raw little-endian bytes, in a fixed field order) followed by the canonical JSON of the
+fingerprint and machine attributes. Any change to numbers or metadata after writing is caught by
+`load_profile` / `verify`.
+
+Library layout: `<library>/<model>/<device>/<dtype>-mb<k>.h5` (see `library_path`).
+
+Durability and concurrency (several jobs on several nodes may write one shared NFS/Lustre
+library at once):
+- every write goes to a temporary file in the destination directory (hidden name `.NAME.tmp-...`,
+  unique per process), is flushed and fsync'ed, then published with one atomic directory
+  operation -- `os.replace` when overwriting is allowed, `os.link` (fails if the name exists,
+  so never clobbers) otherwise -- and the directory is fsync'ed. A reader therefore sees either
+  no file or a complete one, never a half-written one.
+- `import_profiles` never overwrites a different existing file: identical content is skipped,
+  different content is refused (or kept beside it under a suffixed name with `keep_both`), and
+  each case is reported.
+- loading opens files read-only and never modifies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import h5py
+import numpy as np
+
+from oobleck_hpc.errors import ProfileError
+from oobleck_hpc.profiling.profile import (
+    SCHEMA_VERSION,
+    Fingerprint,
+    LayerProfile,
+    LinkCost,
+    MachineProfile,
+    ModelProfile,
+)
+
+FORMAT = "oobleck_hpc.profile"
+SUFFIX = ".h5"
+_LINKS = ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter")
+_FLOAT_FIELDS = ("forward_ms", "backward_ms", "forward_spread_ms", "backward_spread_ms")
+_INT_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
+_LAYER_FIELDS = ("name",) + _FLOAT_FIELDS + _INT_FIELDS
+_FP_FIELDS = tuple(f.name for f in dataclasses.fields(Fingerprint))
+_FP_INT = {"microbatch_size", "gpus_per_node", "schema_version"}
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def safe_name(text: str) -> str:
+    """A file-system safe path component: keeps letters, digits, '.', '_' and '-'."""
+    out = re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip()).strip("-.")
+    return out or "unnamed"
+
+
+def library_path(library_dir: str | Path, fingerprint: Fingerprint) -> Path:
+    """`<library>/<model>/<device>/<dtype>-mb<k>.h5` for the profile a fingerprint describes."""
+    return (Path(library_dir) / safe_name(fingerprint.model_name) / safe_name(fingerprint.device_name)
+            / f"{safe_name(fingerprint.dtype)}-mb{fingerprint.microbatch_size}{SUFFIX}")
+
+
+def library_path_for(library_dir: str | Path, model: str, device: str, dtype: str,
+                     microbatch_size: int) -> Path:
+    """`library_path` from the four names that choose a file (before a fingerprint exists)."""
+    return (Path(library_dir) / safe_name(model) / safe_name(device)
+            / f"{safe_name(dtype)}-mb{microbatch_size}{SUFFIX}")
+
+
+# ----------------------------------------------------------------------------- checksum
+
+
+def _layer_arrays(layers: tuple[LayerProfile, ...]) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {
+        "name": np.array([x.name.encode("utf-8") for x in layers], dtype=object)}
+    for f in _FLOAT_FIELDS:
+        arrays[f] = np.array([getattr(x, f) for x in layers], dtype="<f8")
+    for f in _INT_FIELDS:
+        arrays[f] = np.array([getattr(x, f) for x in layers], dtype="<i8")
+    return arrays
+
+
+def _machine_attrs(machine: MachineProfile) -> dict[str, object]:
+    attrs: dict[str, object] = {
+        "device_name": machine.device_name,
+        "device_memory_bytes": int(machine.device_memory_bytes),
+        "gpus_per_node": int(machine.gpus_per_node),
+        "interconnect": machine.interconnect,
+    }
+    for link in _LINKS:
+        cost: LinkCost = getattr(machine, link)
+        attrs[f"{link}_latency_ms"] = float(cost.latency_ms)
+        attrs[f"{link}_bandwidth"] = float(cost.bandwidth)
+    return attrs
+
+
+def _checksum(arrays: dict[str, np.ndarray], fingerprint: Fingerprint, machine: MachineProfile) -> str:
+    h = hashlib.sha256()
+    for name in _LAYER_FIELDS:
+        a = arrays[name]
+        if name == "name":
+            data = b"\0".join(a.tolist())
+            h.update(f"{name}|str|{len(a)}|".encode())
+        else:
+            data = np.ascontiguousarray(a).tobytes()
+            h.update(f"{name}|{a.dtype.str}|{len(a)}|".encode())
+        h.update(data)
+    meta = {"fingerprint": asdict(fingerprint), "machine": _machine_attrs(machine)}
+    h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def profile_checksum(profile: ModelProfile) -> str:
+    """The checksum `save_profile` stores for this profile."""
+    return _checksum(_layer_arrays(profile.layers), profile.fingerprint, profile.machine)
+
+
+# ----------------------------------------------------------------------------- durable writes
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # some file systems do not allow opening directories; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_path(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _publish(tmp: Path, dest: Path, overwrite: bool) -> bool:
+    """Move a complete, fsync'ed temporary file to `dest` atomically. Returns False (and leaves
+    `dest` alone) when `dest` exists and `overwrite` is False."""
+    if overwrite:
+        os.replace(tmp, dest)
+    else:
+        try:
+            os.link(tmp, dest)  # atomic create-if-absent, also on NFS
+        except FileExistsError:
+            return False
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    _fsync_dir(dest.parent)
+    return True
+
+
+def _write_h5(profile: ModelProfile, path: Path) -> str:
+    arrays = _layer_arrays(profile.layers)
+    checksum = _checksum(arrays, profile.fingerprint, profile.machine)
+    with h5py.File(path, "w") as f:
+        f.attrs["format"] = FORMAT
+        for name in _FP_FIELDS:
+            f.attrs[name] = getattr(profile.fingerprint, name)
+        f.attrs["checksum_sha256"] = checksum
+        machine = f.create_group("machine")
+        for k, v in _machine_attrs(profile.machine).items():
+            machine.attrs[k] = v
+        layers = f.create_group("layers")
+        for name in _LAYER_FIELDS:
+            if name == "name":
+                layers.create_dataset(name, data=[s.decode() for s in arrays[name]],
+                                      dtype=h5py.string_dtype("utf-8"))
+            else:
+                layers.create_dataset(name, data=arrays[name])
+        f.flush()
+    return checksum
+
+
+def save_profile(profile: ModelProfile, path: str | Path, overwrite: bool = False) -> Path:
+    """Write `profile` to `path` atomically (temporary file in the same directory, fsync, rename,
+    fsync of the directory). An existing file is replaced only with `overwrite=True`; otherwise a
+    ProfileError says so (nothing already written is lost)."""
+    path = Path(path)
+    if profile.fingerprint.schema_version != SCHEMA_VERSION:
+        raise ProfileError(f"cannot write {path}: profile has schema_version "
+                           f"{profile.fingerprint.schema_version}, this version writes {SCHEMA_VERSION}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not overwrite:
+        raise ProfileError(f"{path} already exists; refusing to overwrite it. Fix: pass "
+                           f"--force (overwrite=True) to replace it, or write to another --out directory")
+    tmp = _temp_path(path)
+    try:
+        _write_h5(profile, tmp)
+        _fsync_file(tmp)
+        if not _publish(tmp, path, overwrite):
+            raise ProfileError(f"{path} was created by another process while this one was "
+                               f"writing; left it untouched. Fix: pass --force to replace it")
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _attr(obj: h5py.HLObject, name: str, path: Path, where: str) -> object:
+    if name not in obj.attrs:
+        raise ProfileError(f"{path}: attribute '{name}' missing in {where}; the file is not a "
+                           f"complete oobleck_hpc profile (schema {SCHEMA_VERSION}). Fix: re-create it "
+                           f"with `oobleck-hpc profile JOB.yaml` or re-import it from its source")
+    value = obj.attrs[name]
+    if isinstance(value, bytes):
+        value = value.decode("utf-8")
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value
+
+
+def load_profile(path: str | Path) -> ModelProfile:
+    """Read a profile written by `save_profile`. The file is opened read-only and never modified.
+    Raises ProfileError (naming the file and the fix) when it is missing, not HDF5, truncated,
+    of another schema, incomplete, or when its checksum does not match its content."""
+    path = Path(path)
+    fix = ("Fix: re-create it with `oobleck-hpc profile JOB.yaml`, re-import it from its "
+           "source library, or delete it")
+    if not path.is_file():
+        raise ProfileError(f"profile {path} does not exist. Fix: create it with "
+                           f"`oobleck-hpc profile JOB.yaml` or point profile.path at an existing file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise ProfileError(f"{path} is not a readable HDF5 file (corrupt or truncated: {e}). {fix}") from e
+    try:
+        with f:
+            fmt = f.attrs.get("format")
+            if isinstance(fmt, bytes):
+                fmt = fmt.decode()
+            if fmt != FORMAT:
+                raise ProfileError(f"{path} is HDF5 but not an oobleck_hpc profile (format "
+                                   f"attribute {fmt!r}, expected {FORMAT!r}). {fix}")
+            schema = _attr(f, "schema_version", path, "/")
+            if schema != SCHEMA_VERSION:
+                raise ProfileError(f"{path} has schema_version {schema}, this version of oobleck_hpc "
+                                   f"reads schema {SCHEMA_VERSION}. Fix: re-create the profile with "
+                                   f"this version (`oobleck-hpc profile JOB.yaml`)")
+            fp_values = {}
+            for name in _FP_FIELDS:
+                v = _attr(f, name, path, "/")
+                fp_values[name] = int(v) if name in _FP_INT else str(v)
+            fingerprint = Fingerprint(**fp_values)
+            stored = str(_attr(f, "checksum_sha256", path, "/"))
+            if "machine" not in f or "layers" not in f:
+                raise ProfileError(f"{path}: group '/machine' or '/layers' missing. {fix}")
+            m = f["machine"]
+            links = {link: LinkCost(latency_ms=float(_attr(m, f"{link}_latency_ms", path, "/machine")),
+                                    bandwidth=float(_attr(m, f"{link}_bandwidth", path, "/machine")))
+                     for link in _LINKS}
+            machine = MachineProfile(
+                device_name=str(_attr(m, "device_name", path, "/machine")),
+                device_memory_bytes=int(_attr(m, "device_memory_bytes", path, "/machine")),
+                gpus_per_node=int(_attr(m, "gpus_per_node", path, "/machine")),
+                interconnect=str(_attr(m, "interconnect", path, "/machine")),
+                **links)
+            g = f["layers"]
+            arrays: dict[str, np.ndarray] = {}
+            for name in _LAYER_FIELDS:
+                if name not in g:
+                    raise ProfileError(f"{path}: dataset '/layers/{name}' missing. {fix}")
+                if name == "name":
+                    arrays[name] = np.array([s if isinstance(s, bytes) else s.encode()
+                                             for s in g[name][()]], dtype=object)
+                else:
+                    arrays[name] = np.asarray(g[name][()], dtype="<f8" if name in _FLOAT_FIELDS else "<i8")
+            lengths = {len(a) for a in arrays.values()}
+            if len(lengths) != 1:
+                raise ProfileError(f"{path}: the /layers datasets have different lengths "
+                                   f"{sorted(lengths)}. {fix}")
+    except ProfileError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise ProfileError(f"{path} could not be read ({type(e).__name__}: {e}); the file is "
+                           f"corrupt or truncated. {fix}") from e
+    actual = _checksum(arrays, fingerprint, machine)
+    if actual != stored:
+        raise ProfileError(f"{path}: checksum mismatch (stored {stored[:16]}..., content "
+                           f"{actual[:16]}...): the file was modified or damaged after it was "
+                           f"written. {fix}")
+    layers = tuple(
+        LayerProfile(name=arrays["name"][i].decode("utf-8"),
+                     **{k: float(arrays[k][i]) for k in _FLOAT_FIELDS},
+                     **{k: int(arrays[k][i]) for k in _INT_FIELDS})
+        for i in range(len(arrays["name"])))
+    return ModelProfile(fingerprint=fingerprint, machine=machine, layers=layers)
+
+
+def stored_checksum(path: str | Path) -> str:
+    """The checksum attribute of a file (after `load_profile` has verified it)."""
+    load_profile(path)
+    with h5py.File(path, "r") as f:
+        v = f.attrs["checksum_sha256"]
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def verify(path: str | Path) -> ModelProfile:
+    """Check schema, completeness and checksum of one file; returns the profile or raises
+    ProfileError. (The same checks `load_profile` does: loading is verifying.)"""
+    return load_profile(path)
+
+
+# ----------------------------------------------------------------------------- library
+
+
+@dataclass(frozen=True)
+class LibraryEntry:
+    path: Path
+    profile: ModelProfile | None
+    error: str | None = None
+    """Set (and `profile` None) when the file fails verification."""
+
+
+def profile_files(library_dir: str | Path) -> list[Path]:
+    """Every profile file under a library directory (sorted; temporary files are skipped)."""
+    root = Path(library_dir)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise ProfileError(f"profile library {root} is not a directory. Fix: pass an existing "
+                           f"directory (the repository ships one in profiles/)")
+    return sorted(p for p in root.rglob(f"*{SUFFIX}") if not p.name.startswith("."))
+
+
+def list_library(library_dir: str | Path) -> list[LibraryEntry]:
+    """Load every profile file under `library_dir`; bad files are listed with their error."""
+    entries = []
+    for p in profile_files(library_dir):
+        try:
+            entries.append(LibraryEntry(p, load_profile(p)))
+        except ProfileError as e:
+            entries.append(LibraryEntry(p, None, str(e)))
+    return entries
+
+
+@dataclass
+class ImportReport:
+    """What `import_profiles` did with each source file."""
+
+    imported: list[tuple[Path, Path]] = field(default_factory=list)
+    """(source, destination) newly written."""
+    identical: list[tuple[Path, Path]] = field(default_factory=list)
+    """Destination already held the same profile (same checksum): nothing written."""
+    kept_both: list[tuple[Path, Path]] = field(default_factory=list)
+    """Destination held a different profile; the source was stored beside it under this name."""
+    refused: list[tuple[Path, Path]] = field(default_factory=list)
+    """Destination held a different profile; nothing written (policy 'refuse')."""
+    invalid: list[tuple[Path, str]] = field(default_factory=list)
+    """Source files that failed verification; not imported."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused and not self.invalid
+
+    def lines(self) -> list[str]:
+        out = [f"imported   {s} -> {d}" for s, d in self.imported]
+        out += [f"identical  {s} == {d} (skipped)" for s, d in self.identical]
+        out += [f"kept both  {s} -> {d} (a different profile already has the canonical name)"
+                for s, d in self.kept_both]
+        out += [f"REFUSED    {s}: {d} exists with a different profile (use --keep-both to store "
+                f"both, or remove {d} first)" for s, d in self.refused]
+        out += [f"INVALID    {s}: {e}" for s, e in self.invalid]
+        return out
+
+
+def _copy_durably(src: Path, dest: Path, overwrite: bool) -> tuple[bool, Path]:
+    """Copy src to dest through a verified, fsync'ed temporary file. Returns (published, tmp)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_path(dest)
+    try:
+        shutil.copyfile(src, tmp)
+        _fsync_file(tmp)
+        load_profile(tmp)  # the copy itself is complete and valid before it gets its name
+        return _publish(tmp, dest, overwrite), tmp
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def import_profiles(src: str | Path, dst: str | Path,
+                    on_conflict: Literal["refuse", "keep-both"] = "refuse") -> ImportReport:
+    """Copy every valid profile under `src` (a file or a library directory) into the library
+    `dst`, each to its canonical `library_path`. Never overwrites a different file: identical
+    profiles are skipped, different ones refused or (keep-both) stored as
+    `<dtype>-mb<k>.<checksum12>.h5` beside the existing one. Safe when several processes import
+    into the same library at once: every published file is complete and verified."""
+    report = ImportReport()
+    dst = Path(dst)
+    for s in profile_files(src):
+        try:
+            profile = load_profile(s)
+        except ProfileError as e:
+            report.invalid.append((s, str(e)))
+            continue
+        checksum = profile_checksum(profile)
+        dest = library_path(dst, profile.fingerprint)
+        for _ in range(3):  # an existing file may vanish between the link attempt and the compare
+            published, _tmp = _copy_durably(s, dest, overwrite=False)
+            if published:
+                report.imported.append((s, dest))
+                break
+            try:
+                existing = stored_checksum(dest)
+            except FileNotFoundError:
+                continue
+            except ProfileError:
+                existing = None  # a damaged existing file is a different file: never replaced here
+            if existing == checksum:
+                report.identical.append((s, dest))
+            elif on_conflict == "keep-both":
+                alt = dest.with_name(f"{dest.stem}.{checksum[:12]}{SUFFIX}")
+                published, _tmp = _copy_durably(s, alt, overwrite=False)
+                if published:
+                    report.kept_both.append((s, alt))
+                else:
+                    report.identical.append((s, alt))  # same checksum name: same content
+            else:
+                report.refused.append((s, dest))
+            break
+    return report
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+def diff_profiles(a: ModelProfile, b: ModelProfile) -> list[str]:
+    """Human-readable differences, fingerprint and machine first, then layer by layer."""
+    out = []
+    for k in _FP_FIELDS:
+        va, vb = getattr(a.fingerprint, k), getattr(b.fingerprint, k)
+        if va != vb:
+            out.append(f"fingerprint.{k}: {va!r} -> {vb!r}")
+    ma, mb = _machine_attrs(a.machine), _machine_attrs(b.machine)
+    for k in ma:
+        if ma[k] != mb[k]:
+            out.append(f"machine.{k}: {ma[k]!r} -> {mb[k]!r}")
+    if a.num_layers != b.num_layers:
+        out.append(f"layers: {a.num_layers} -> {b.num_layers}")
+    for i, (x, y) in enumerate(zip(a.layers, b.layers)):
+        for k in _LAYER_FIELDS:
+            vx, vy = getattr(x, k), getattr(y, k)
+            if vx != vy:
+                if isinstance(vx, (int, float)) and not isinstance(vx, bool) and vx:
+                    out.append(f"layer {i} ({x.name}) {k}: {vx:g} -> {vy:g} ({100 * (vy - vx) / vx:+.1f} %)")
+                else:
+                    out.append(f"layer {i} ({x.name}) {k}: {vx!r} -> {vy!r}")
+    return out
