@@ -192,15 +192,16 @@ def _write_h5(profile: ModelProfile, path: Path) -> str:
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT
         for name in _FP_FIELDS:
-            f.attrs[name] = getattr(profile.fingerprint, name)
+            value = getattr(profile.fingerprint, name)  # plain str/int (str subclasses do not convert)
+            f.attrs[name] = int(value) if name in _FP_INT else str(value)
         f.attrs["checksum_sha256"] = checksum
         machine = f.create_group("machine")
         for k, v in _machine_attrs(profile.machine).items():
-            machine.attrs[k] = v
+            machine.attrs[k] = str(v) if isinstance(v, str) else v
         layers = f.create_group("layers")
         for name in _LAYER_FIELDS:
             if name == "name":
-                layers.create_dataset(name, data=[s.decode() for s in arrays[name]],
+                layers.create_dataset(name, data=np.array([s.decode() for s in arrays[name]], dtype=object),
                                       dtype=h5py.string_dtype("utf-8"))
             else:
                 layers.create_dataset(name, data=arrays[name])

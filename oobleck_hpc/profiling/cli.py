@@ -1,0 +1,172 @@
+"""`oobleck-hpc profile JOB.yaml` and `oobleck-hpc profiles ls|show|verify|import|diff`.
+
+    oobleck-hpc profile JOB.yaml [--out DIR] [--force] [--repeats N] [--warmup N]
+        measure the job's model on this machine; writes <DIR>/<model>/<device>/<dtype>-mb<k>.h5
+        (DIR defaults to the job's profile.library)
+    oobleck-hpc profiles ls [DIR]                 model, device, dtype, microbatch, source, date
+    oobleck-hpc profiles show FILE                one profile as a table
+    oobleck-hpc profiles verify [DIR|FILE ...]    schema + checksum of every file; exit 2 if any is bad
+    oobleck-hpc profiles import SRC [--library DIR] [--keep-both]
+        copy another library's profiles in; never overwrites a different file (exit 2 if refused)
+    oobleck-hpc profiles diff A B                 layer by layer differences
+
+Heavy modules (torch, h5py) are imported inside the commands, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_LIBRARY = "profiles"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure a job's model on this machine into the profile library")
+    p.add_argument("job", help="YAML job file")
+    p.add_argument("--out", default=None, help="library directory to write to (default: the job's profile.library)")
+    p.add_argument("--force", action="store_true", help="replace an existing profile file")
+    p.add_argument("--repeats", type=int, default=20, help="timed iterations per layer (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per layer (default 5)")
+    p.set_defaults(func=_profile)
+
+    p = sub.add_parser("profiles", help="list, show, verify, import and compare HDF5 profiles")
+    ps = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    q = ps.add_parser("ls", help="list a library")
+    q.add_argument("library", nargs="?", default=DEFAULT_LIBRARY)
+    q.set_defaults(func=_ls)
+    q = ps.add_parser("show", help="print one profile as a table")
+    q.add_argument("file")
+    q.set_defaults(func=_show)
+    q = ps.add_parser("verify", help="check schema and checksum of every profile file")
+    q.add_argument("paths", nargs="*", default=[DEFAULT_LIBRARY])
+    q.set_defaults(func=_verify)
+    q = ps.add_parser("import", help="copy profiles from another library")
+    q.add_argument("src", help="a profile file or a library directory")
+    q.add_argument("--library", default=DEFAULT_LIBRARY, help="destination library (default: profiles)")
+    q.add_argument("--keep-both", action="store_true",
+                   help="when a different profile has the same name, store the new one beside it")
+    q.set_defaults(func=_import)
+    q = ps.add_parser("diff", help="compare two profiles layer by layer")
+    q.add_argument("a")
+    q.add_argument("b")
+    q.set_defaults(func=_diff)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.profiling.profiler import ProfilerOptions, profile_and_save
+
+    job = load_job(args.job)
+    options = ProfilerOptions(warmup=args.warmup, repeats=args.repeats,
+                              comm_procs=max(2, job.cluster.gpus_per_node))
+    path = profile_and_save(job, args.out, overwrite=args.force, options=options)
+    print(f"wrote {path}")
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from oobleck_hpc.profiling.store import list_library
+
+    entries = list_library(args.library)
+    rows = [("model", "device", "dtype", "mb", "gpn", "layers", "source", "created", "file")]
+    bad = []
+    for e in entries:
+        if e.profile is None:
+            bad.append(e)
+            continue
+        fp = e.profile.fingerprint
+        rows.append((fp.model_name, fp.device_name, fp.dtype, str(fp.microbatch_size),
+                     str(fp.gpus_per_node), str(e.profile.num_layers), fp.source, fp.created_at,
+                     str(e.path)))
+    _table(rows)
+    for e in bad:
+        print(f"BAD {e.path}: {e.error}")
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _show(args: argparse.Namespace) -> int:
+    from oobleck_hpc.profiling.store import load_profile
+
+    p = load_profile(args.file)
+    fp, m = p.fingerprint, p.machine
+    print(f"{args.file}")
+    for k, v in vars(fp).items():
+        print(f"  {k}: {v}")
+    print(f"  device memory: {_fmt_bytes(m.device_memory_bytes)}, GPUs per node: {m.gpus_per_node}")
+    for link in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter"):
+        c = getattr(m, link)
+        print(f"  {link}: latency {c.latency_ms:.4f} ms, bandwidth {c.bandwidth / 1e9:.3f} GB/s")
+    rows = [("#", "layer", "fwd ms", "+-", "bwd ms", "+-", "params", "grads", "optim", "activ", "output")]
+    for i, x in enumerate(p.layers):
+        rows.append((str(i), x.name, f"{x.forward_ms:.4f}", f"{x.forward_spread_ms:.4f}",
+                     f"{x.backward_ms:.4f}", f"{x.backward_spread_ms:.4f}",
+                     _fmt_bytes(x.param_bytes), _fmt_bytes(x.grad_bytes), _fmt_bytes(x.optimizer_bytes),
+                     _fmt_bytes(x.activation_bytes), _fmt_bytes(x.output_bytes)))
+    tot = p.layers
+    rows.append(("", "total", f"{sum(x.forward_ms for x in tot):.4f}", "",
+                 f"{sum(x.backward_ms for x in tot):.4f}", "",
+                 _fmt_bytes(sum(x.param_bytes for x in tot)), _fmt_bytes(sum(x.grad_bytes for x in tot)),
+                 _fmt_bytes(sum(x.optimizer_bytes for x in tot)),
+                 _fmt_bytes(sum(x.activation_bytes for x in tot)), ""))
+    _table(rows)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from oobleck_hpc.errors import ProfileError
+    from oobleck_hpc.profiling.store import profile_files, verify
+
+    bad_roots = bad = total = 0
+    for root in args.paths:
+        try:
+            files = profile_files(root)
+        except ProfileError as e:
+            print(f"BAD {root}: {e}")
+            bad_roots += 1
+            continue
+        for f in files:
+            total += 1
+            try:
+                verify(f)
+                print(f"ok  {f}")
+            except ProfileError as e:
+                bad += 1
+                print(f"BAD {f}: {e}")
+    print(f"{total - bad} of {total} profile files valid")
+    return 2 if bad or bad_roots else 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from oobleck_hpc.profiling.store import import_profiles
+
+    report = import_profiles(args.src, args.library, "keep-both" if args.keep_both else "refuse")
+    for line in report.lines():
+        print(line)
+    if not report.lines():
+        print(f"no profile files under {args.src}")
+    return 0 if report.ok else 2
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from oobleck_hpc.profiling.store import diff_profiles, load_profile
+
+    lines = diff_profiles(load_profile(args.a), load_profile(args.b))
+    for line in lines:
+        print(line)
+    if not lines:
+        print("identical")
+    return 0

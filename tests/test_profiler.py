@@ -1,0 +1,174 @@
+"""Profiler (saved-tensor accounting, optimizer state, alpha-beta fits, a real gpt-tiny run),
+`resolve_profile` and the `profile` / `profiles` commands."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from oobleck_hpc.cli import main as cli_main
+from oobleck_hpc.config import job_from_dict
+from oobleck_hpc.errors import ProfileError
+from oobleck_hpc.profiling import profiler, resolve_profile, store
+from oobleck_hpc.profiling.profile import LinkCost
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_job(tmp_path: Path, **profile) -> "JobConfig":  # noqa: F821
+    return job_from_dict({
+        "name": "t", "model": {"name": "gpt-tiny"},
+        "train": {"microbatch_size": 2, "global_microbatches": 4},
+        "cluster": {"nodes": 1, "gpus_per_node": 2, "device": "cpu"},
+        "profile": {"library": str(tmp_path / "lib"), **profile},
+    }, source=str(tmp_path / "job.yaml"))
+
+
+def test_saved_activation_bytes_match_a_hand_count():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(3, 8, requires_grad=True)
+    nbytes, out = profiler.saved_activation_bytes(lambda: block(x), list(block.parameters()))
+    # Linear 1 keeps its input x (3x8), GELU keeps its input (3x16), Linear 2 keeps its input
+    # (3x16); the weights it also saves are parameters, not activations. float32 = 4 bytes.
+    assert nbytes == 4 * (3 * 8 + 3 * 16 + 3 * 16)
+    assert out.shape == (3, 4)
+    # a tensor saved twice (x * x saves x for both operands) counts once
+    y = torch.randn(5, 7, requires_grad=True)
+    assert profiler.saved_activation_bytes(lambda: (y * y).sum(), [])[0] == 4 * 5 * 7
+
+
+def test_optimizer_state_is_created_for_real():
+    layer = nn.Linear(8, 16)
+    layer(torch.randn(2, 8)).sum().backward()
+    before = [p.detach().clone() for p in layer.parameters()]
+    nbytes = profiler.optimizer_state_bytes(layer)
+    pbytes = sum(p.numel() * 4 for p in layer.parameters())
+    # exp_avg + exp_avg_sq per parameter, plus one small `step` tensor per parameter tensor
+    assert 2 * pbytes < nbytes <= 2 * pbytes + 8 * 2
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+
+
+def test_alpha_beta_fits_recover_known_links():
+    sizes = np.array([1 << 12, 1 << 16, 1 << 20, 1 << 22])
+    true = LinkCost(latency_ms=0.05, bandwidth=2e9)
+    secs = np.array([true.time_ms(n) / 1000 for n in sizes])
+    fit = profiler.fit_p2p(sizes, secs)
+    assert fit.latency_ms == pytest.approx(0.05, rel=1e-6) and fit.bandwidth == pytest.approx(2e9, rel=1e-6)
+    from oobleck_hpc.planning.cost import allreduce_ms
+    ar = LinkCost(latency_ms=0.2, bandwidth=1e9)
+    secs = np.array([allreduce_ms(ar, int(n), 4) / 1000 for n in sizes])
+    fit = profiler.fit_allreduce(sizes, secs, 4)
+    assert fit.latency_ms == pytest.approx(0.2, rel=1e-6) and fit.bandwidth == pytest.approx(1e9, rel=1e-6)
+
+
+FAST = profiler.ProfilerOptions(warmup=1, repeats=3, comm_sizes=(1 << 10, 1 << 14, 1 << 18),
+                                comm_repeats=3, comm_timeout_s=90)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prof")
+    job = tiny_job(tmp)
+    path = profiler.profile_and_save(job, options=FAST)
+    return job, path
+
+
+@pytest.mark.timeout(180)
+def test_profiler_on_gpt_tiny_round_trips_and_verifies(measured, capsys):
+    job, path = measured
+    assert path == Path(job.profile.library) / "gpt-tiny" / "cpu" / "float32-mb2.h5"
+    p = store.verify(path)
+    fp = p.fingerprint
+    assert (fp.model_name, fp.microbatch_size, fp.dtype, fp.gpus_per_node, fp.source) == (
+        "gpt-tiny", 2, "float32", 2, "measured")
+    assert fp.torch_version == torch.__version__ and fp.created_at.endswith("Z")
+    assert "loopback" in p.machine.interconnect
+    assert [x.name for x in p.layers] == ["embedding", "block0", "block1", "block2", "block3", "head"]
+    d, b, t, v = 64, 2, 64, 256
+    block = p.layers[1]
+    assert block.param_bytes == 4 * (12 * d * d + 13 * d) and block.grad_bytes == block.param_bytes
+    assert block.output_bytes == 4 * b * t * d and p.layers[-1].output_bytes == 4 * b * t * v
+    assert all(x.forward_ms > 0 and x.backward_ms > 0 for x in p.layers)
+    assert all(x.activation_bytes >= x.output_bytes for x in p.layers[1:])
+    assert p.machine.p2p_intra.bandwidth > 0 and p.machine.allreduce_intra.latency_ms >= 0
+    profiler._reporter(6)(5, p.layers[5])  # outside a TTY: one plain line per layer, no bar
+    assert capsys.readouterr().out.startswith("layer 6/6 head: forward ")
+    # the job resolves to it from the library; an explicit path works too
+    assert resolve_profile(job) == p
+    assert resolve_profile(tiny_job(Path(job.profile.library).parent, path=str(path))) == p
+
+
+@pytest.mark.timeout(120)
+def test_profiles_commands(measured, tmp_path, capsys):
+    job, path = measured
+    lib = str(Path(job.profile.library))
+    assert cli_main(["profiles", "ls", lib]) == 0
+    assert "gpt-tiny  cpu     float32  2" in capsys.readouterr().out
+    assert cli_main(["profiles", "show", str(path)]) == 0
+    assert "block3" in capsys.readouterr().out
+    assert cli_main(["profiles", "verify", lib]) == 0
+    # import into a fresh library, twice (second time: identical, skipped)
+    dst = tmp_path / "dst"
+    assert cli_main(["profiles", "import", lib, "--library", str(dst)]) == 0
+    assert cli_main(["profiles", "import", lib, "--library", str(dst)]) == 0
+    assert "identical" in capsys.readouterr().out
+    copy = store.library_path(dst, store.load_profile(path).fingerprint)
+    assert cli_main(["profiles", "diff", str(path), str(copy)]) == 0
+    assert capsys.readouterr().out.strip().endswith("identical")
+    # a damaged file makes verify fail with a non-zero exit, naming the file
+    data = bytearray(copy.read_bytes())
+    bad = dst / "gpt-tiny" / "cpu" / "damaged.h5"
+    bad.write_bytes(bytes(data[: len(data) // 3]))
+    assert cli_main(["profiles", "verify", str(dst)]) == 2
+    assert f"BAD {bad}" in capsys.readouterr().out
+    # `profile` refuses to overwrite an existing measurement before measuring anything
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(f"model: {{name: gpt-tiny}}\ncluster: {{nodes: 1, gpus_per_node: 2, device: cpu}}\n"
+                        f"profile: {{library: {lib}}}\n")
+    assert cli_main(["profile", str(job_file)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_resolve_profile_mismatch_and_missing(measured, tmp_path):
+    job, path = measured
+    other = dataclasses.replace(job, train=dataclasses.replace(job.train, microbatch_size=4))
+    with pytest.raises(ProfileError, match=r"no profile for job .*looked for .*gpt-tiny/cpu/float32-mb4\.h5"
+                                           r".*oobleck-hpc profile"):
+        resolve_profile(other)
+    forced = dataclasses.replace(other, profile=dataclasses.replace(other.profile, path=str(path)))
+    with pytest.raises(ProfileError, match=r"microbatch size \(train.microbatch_size\) is 2 in the "
+                                           r"profile .* but 4 in the job"):
+        resolve_profile(forced)
+    gpn = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpus_per_node=4))
+    with pytest.raises(ProfileError, match=r"GPUs per node .* is 2 in the profile .* but 4 in the job"):
+        resolve_profile(gpn)
+    mini = dataclasses.replace(forced, train=job.train, model=dataclasses.replace(job.model, name="gpt-mini"))
+    with pytest.raises(ProfileError, match=r"architecture hash .* in the profile \(model 'gpt-tiny'\)"):
+        resolve_profile(mini)
+
+
+def test_resolve_profile_analytic_fallback(tmp_path):
+    job = job_from_dict({"model": {"name": "gpt3-350m", "dtype": "bfloat16"},
+                         "train": {"microbatch_size": 1},
+                         "cluster": {"nodes": 8, "gpus_per_node": 8, "device": "cuda"},
+                         "profile": {"library": str(tmp_path), "analytic": True, "device": "A100-80G"}})
+    p = resolve_profile(job)
+    assert p.fingerprint.source == "analytic" and p.num_layers == 26
+    no_device = dataclasses.replace(job, profile=dataclasses.replace(job.profile, device=None))
+    with pytest.raises(ProfileError, match="profile.device"):
+        resolve_profile(no_device)
+
+
+def test_shipped_library_verifies_and_serves_the_demo():
+    assert cli_main(["profiles", "verify", str(REPO / "profiles")]) == 0
+    from oobleck_hpc.config import load_job
+    job = load_job(REPO / "examples" / "gpt-tiny-local.yaml")
+    job = dataclasses.replace(job, profile=dataclasses.replace(job.profile, library=str(REPO / "profiles")))
+    p = resolve_profile(job)
+    assert p.fingerprint.source == "measured" and p.fingerprint.device_name == "cpu"
