@@ -1,0 +1,392 @@
+"""Membership agreement among node agents: who is still in the job, with no single point of failure.
+
+Every node runs one agent; the agents talk over their own TCP connections (the control plane,
+`oobleck_hpc/elastic/control.py`), never over the training process groups. This module is the
+protocol itself, as a pure state machine (`MembershipCore`: messages in, messages and notes out,
+no sockets, no clocks), so that its safety can be tested by simulation under every interleaving.
+
+State of one agent
+------------------
+- `decided`: the last decided generation -- `Decision(gen, nodes, lost, store_node, store_port)`.
+  Generation 0 is the roster (every node, store on the first node, port from the launcher).
+- `suspects`: nodes this agent believes failed, each with how it learned it. Suspicion is
+  permanent: a suspected node is never taken back (a falsely suspected node is fenced instead).
+- `proposal`: while a round for generation g = decided.gen + 1 is open, the agent's proposed view
+  P = decided.nodes - suspects. Within one generation an agent's proposals only shrink.
+
+Message flow
+------------
+1. Detection (control.py, agent.py) calls `suspect(node, how)`: a dropped connection (a SIGKILLed
+   agent's sockets are closed by its kernel: seen in milliseconds), a lease expiry (no message
+   for `lease_s`: a hung or partitioned node), an explicit FAILED message (an agent whose worker
+   crashed declares its own node failed), or a worker-reported communication error naming a peer.
+2. PROPOSE(g, P, reasons, my_store_port, my last decision) goes to every node of decided.nodes.
+   A receiver adopts the sender's suspicions (its own proposal becomes the intersection) and
+   proposes too. So one hop spreads every suspicion; all live members converge on the same P.
+3. DECIDE: an agent decides P for generation g as soon as it holds the proposal P for g from
+   every member of P, itself included, and P is a quorum of decided.nodes (below). The store of
+   the new generation is hosted by the first node of P in roster order, on the port that node
+   put in its proposal; everyone holding P's proposals knows that port, so the store address is
+   part of the decision. The decider sends DECIDED(g, P, store) to the old members.
+4. A new suspicion while a round is open simply shrinks the proposal (a failure during agreement
+   supersedes the round); a suspicion of a node that is still in a just-decided view opens round
+   g + 1 at once.
+5. Adoption: an agent still in round g that receives DECIDED(g, V) (or a PROPOSE for g + 1,
+   which carries its sender's decision of g) from a node it does not suspect, with itself in V,
+   decides V too. This unblocks survivors when a member decided and then another failed.
+6. Fencing: any message from a member of my view whose view excludes me, and any FENCE from a
+   member, makes me fenced: the agent stops its workers and exits. A message from a node that
+   is not in my view is answered with FENCE (e.g. a SIGSTOPped node resumed after survivors
+   decided without it: its first heartbeat is answered with FENCE). An agent that was itself not
+   scheduled for longer than `lease_s` (SIGSTOP, swap storm) fences itself without waiting: its
+   peers have excluded it by then. An agent whose own proposal no longer contains a quorum is
+   fenced (the survivors cannot be told apart from a partitioned minority).
+
+Why two survivors cannot decide differently
+-------------------------------------------
+Claim: if A decides V and B decides W for the same generation g, with A in W and B in V, then
+V = W. For direct decisions: B in V means B proposed V at g; A in W means A proposed W at g. An
+agent's proposals within a generation form a shrinking chain and it stops proposing once it
+decides, so A's decided V is the last (smallest) of A's chain, which contains W: V <= W; and
+likewise W <= V. For an adopted decision (A adopts V from r, where r is not suspected by A, so r
+is in A's last proposal C_A), A in W means A proposed W before adopting, so W >= C_A contains r;
+the pair (r, B) then satisfies the claim's premise with adoption depth one less, and V = W by
+induction. So survivors (nodes that stay in each other's decided views) agree exactly. The only
+disagreement possible is asymmetric -- A decided V containing B while B decided W without A
+(A was suspected after its proposal had left) -- and then A is fenced as soon as any message of
+B reaches it (B's proposals exclude A), or, if none does, when its next round finds no quorum or
+its agreement timeout fires. A fenced node never rejoins: it is not in any later view, and its
+messages are answered with FENCE.
+
+Quorum ("majority", the default): P must hold more than half of decided.nodes, or exactly half
+including decided.nodes' first node. Two sides of a partition can then never both continue.
+"none" lets any non-empty view continue (e.g. to survive losing 2 of 4 nodes at once) at the
+price of split-brain under a network partition.
+
+What each timeout bounds (control.py)
+-------------------------------------
+- heartbeat_s: how often an agent sends HEARTBEAT (and checks leases and its own scheduling).
+- lease_s: longest silence before a peer is suspected; bounds detection of hangs and partitions
+  (crashes are seen at once through the dropped connection). Also bounds how long a round waits
+  for an unresponsive member.
+- probe_s: after a worker reports a communication error without naming a peer, every peer not
+  heard from within probe_s of a PING is suspected (faster than the lease for hung nodes).
+- agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
+  proposal and no decision; an agent that hits it fences itself (never hang).
+- startup_s: how long agents wait for each other's first connection at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from oobleck_hpc.errors import OobleckError
+
+Quorum = Literal["majority", "none"]
+
+
+class Fenced(OobleckError):
+    """This node was excluded from the job (or lost its quorum): its workers must stop."""
+
+
+class Superseded(OobleckError):
+    """An exchange was cut short by a new membership round; redo it in the next generation."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One agreed generation: the nodes in it (roster order) and where its store lives."""
+
+    gen: int
+    nodes: tuple[str, ...]
+    lost: tuple[str, ...]
+    """Nodes of the previous generation that are not in this one."""
+    store_node: str
+    """The node whose worker hosts this generation's rendezvous store (first node in `nodes`)."""
+    store_port: int
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"gen": self.gen, "nodes": list(self.nodes), "lost": list(self.lost),
+                "store_node": self.store_node, "store_port": self.store_port}
+
+    @classmethod
+    def from_msg(cls, m: dict[str, Any]) -> Decision:
+        return cls(m["gen"], tuple(m["nodes"]), tuple(m["lost"]), m["store_node"], m["store_port"])
+
+
+@dataclass
+class MembershipCore:
+    """The protocol of the module docstring for node `me`. Feed it `suspect()`, `handle()` and
+    `exchange()`; after each call drain `outbox` (destination, message) and `notes` (kind, fields).
+    """
+
+    me: str
+    roster: tuple[str, ...]
+    store_port0: int
+    alloc_port: Callable[[], int]
+    quorum: Quorum = "majority"
+    decided: Decision = field(init=False)
+    proposal: tuple[str, ...] | None = field(init=False, default=None)
+    suspects: dict[str, str] = field(init=False, default_factory=dict)
+    left: set[str] = field(init=False, default_factory=set)
+    fenced: str | None = field(init=False, default=None)
+    outbox: list[tuple[str, dict[str, Any]]] = field(init=False, default_factory=list)
+    notes: list[tuple[str, dict[str, Any]]] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.me not in self.roster:
+            raise ValueError(f"node {self.me!r} is not in the roster {list(self.roster)}")
+        self.decided = Decision(0, tuple(self.roster), (), self.roster[0], self.store_port0)
+        self._my_port = 0
+        self._proposals: dict[int, dict[str, tuple[tuple[str, ...], int]]] = {}
+        self._chain: dict[int, list[tuple[str, ...]]] = {}
+        self._fence_sent: set[str] = set()
+        self._reasons: dict[tuple[int, str], dict[str, str]] = {}
+        self._values: dict[tuple[int, str], dict[str, Any]] = {}
+        self._my_exchanges: set[tuple[int, str]] = set()
+
+    # ------------------------------------------------------------------ inputs
+
+    def suspect(self, node: str, how: str) -> None:
+        """Local detection: `node` failed, as seen by `how` (e.g. 'connection_lost')."""
+        if self.fenced:
+            return
+        if node == self.me:
+            self._fence(f"own node failed: {how}")
+            return
+        if node not in self.decided.nodes or node in self.suspects:
+            return
+        self.suspects[node] = how
+        self.notes.append(("suspect", {"node": node, "how": how, "gen": self.decided.gen}))
+        self._update_round()
+
+    def leave(self) -> None:
+        """This node leaves cleanly (job done): peers stop expecting heartbeats from it."""
+        for node in self.decided.nodes:
+            if node != self.me:
+                self.outbox.append((node, {"type": "bye"}))
+
+    def fail_self(self, how: str) -> None:
+        """This node declares itself failed (e.g. one of its workers crashed)."""
+        if self.fenced:
+            return
+        for node in self.decided.nodes:
+            if node != self.me:
+                self.outbox.append((node, {"type": "failed", "how": how}))
+        self._fence(f"own node failed: {how}")
+
+    def exchange(self, key: str, value: Any) -> None:
+        """Contribute `value` to the all-gather `key` among the current generation's nodes.
+        Completes with note ('exchange_done', {gen, key, values: {node: value}}) or
+        ('exchange_failed', {gen, key, reason}) if a round starts first."""
+        gen = self.decided.gen
+        if self.fenced or self.proposal is not None:
+            self.notes.append(("exchange_failed", {"gen": gen, "key": key,
+                                                   "reason": self.fenced or "membership round open"}))
+            return
+        self._my_exchanges.add((gen, key))
+        self._values.setdefault((gen, key), {})[self.me] = value
+        for node in self.decided.nodes:
+            if node != self.me:
+                self.outbox.append((node, {"type": "exchange", "xgen": gen, "key": key, "value": value}))
+        self._check_exchange(gen, key)
+
+    def handle(self, src: str, msg: dict[str, Any]) -> None:
+        """A message `msg` from node `src` arrived."""
+        if self.fenced:
+            return
+        kind = msg.get("type")
+        if src not in self.decided.nodes:
+            if kind == "fence" and self.me not in msg.get("nodes", ()):
+                # We excluded each other (a partition, or two false suspicions at once): neither
+                # side may go on alone, or the job would split in two.
+                self._fence(f"{src} and this node excluded each other (split brain averted)")
+                return
+            # Not (or no longer) a member of my view: tell it, once, that it is fenced.
+            if kind not in ("fence", "bye", "failed") and src not in self._fence_sent and src in self.roster:
+                self._fence_sent.add(src)
+                self.outbox.append((src, {"type": "fence", "gen": self.decided.gen,
+                                          "nodes": list(self.decided.nodes)}))
+            return
+        # A member whose view excludes me: I am fenced (suspicions are never withdrawn).
+        if kind == "fence":
+            self._fence(f"fenced by {src} (its generation {msg.get('gen')} excludes this node)")
+            return
+        for view_key in ("view", "nodes"):
+            if view_key in msg and self.me not in msg[view_key]:
+                self._fence(f"excluded by {src} (generation {msg.get('round', msg.get('gen'))})")
+                return
+        if "decided" in msg and self.me not in msg["decided"]["nodes"]:
+            self._fence(f"excluded by {src} (its decided generation {msg['decided']['gen']})")
+            return
+        if kind == "failed":
+            self.suspect(src, f"{msg.get('how', 'failed')} (reported by {src})")
+        elif kind == "bye":
+            self.left.add(src)
+            self.notes.append(("peer_left", {"node": src}))
+        elif src in self.suspects:
+            return  # a node I suspect: only its exclusion of me (above) matters
+        elif kind == "propose":
+            self._on_propose(src, msg)
+        elif kind == "decided":
+            self._on_decided(src, Decision.from_msg(msg))
+        elif kind == "exchange":
+            self._on_exchange(src, msg)
+        # heartbeat / hello / ping / pong: liveness only (tracked by the caller)
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def round(self) -> int:
+        return self.decided.gen + 1
+
+    def _has_quorum(self, view: tuple[str, ...]) -> bool:
+        if not view:
+            return False
+        if self.quorum == "none":
+            return True
+        prev = self.decided.nodes
+        return 2 * len(view) > len(prev) or (2 * len(view) == len(prev) and prev[0] in view)
+
+    def _update_round(self, join: bool = False) -> None:
+        """Open or shrink the round for generation decided.gen + 1 after a change of suspects
+        (`join`: open it even without a local change, because a peer proposed)."""
+        g = self.round
+        new = tuple(n for n in self.decided.nodes if n not in self.suspects and n not in self.left)
+        if self.proposal is None:
+            if not join and new == self.decided.nodes:
+                return  # nothing to change
+            self._my_port = self.alloc_port()
+            for (xg, key) in sorted(self._my_exchanges):
+                self.notes.append(("exchange_failed", {"gen": xg, "key": key,
+                                                       "reason": "membership round open"}))
+            self._my_exchanges.clear()
+            self.notes.append(("round_started", {"gen": g, "suspects": dict(self.suspects)}))
+        elif new == self.proposal:
+            return
+        if self.me not in new:
+            self._fence("this node is suspected")
+            return
+        if not self._has_quorum(new):
+            self._fence(f"no quorum: proposal {list(new)} of generation {g} holds too few of "
+                        f"{list(self.decided.nodes)} (quorum={self.quorum})")
+            return
+        self.proposal = new
+        self._chain.setdefault(g, []).append(new)
+        self._proposals.setdefault(g, {})[self.me] = (new, self._my_port)
+        self.notes.append(("proposed", {"gen": g, "nodes": list(new)}))
+        msg = {"type": "propose", "round": g, "view": list(new), "port": self._my_port,
+               "reasons": {n: self.suspects[n] for n in self.decided.nodes if n in self.suspects},
+               "decided": self.decided.to_msg()}
+        for node in self.decided.nodes:
+            if node != self.me:
+                self.outbox.append((node, msg))
+        self._check_decide()
+
+    def _on_propose(self, src: str, msg: dict[str, Any]) -> None:
+        carried = Decision.from_msg(msg["decided"])
+        if carried.gen >= self.decided.gen:
+            self._on_decided(src, carried)
+            if self.fenced or src in self.suspects:
+                return
+        g, view = msg["round"], tuple(msg["view"])
+        if g <= self.decided.gen:
+            return  # an older round, already decided here
+        self._proposals.setdefault(g, {})[src] = (view, msg["port"])
+        self._reasons[(g, src)] = msg.get("reasons", {})
+        if g == self.round:
+            self._absorb(src, view)
+
+    def _absorb(self, src: str, view: tuple[str, ...]) -> None:
+        """Take over the suspicions of `src`'s proposal `view` for the current round, join it."""
+        reasons = self._reasons.get((self.round, src), {})
+        for node in self.decided.nodes:
+            if node not in view and node not in self.suspects and node not in self.left:
+                self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}")
+                if self.fenced:
+                    return
+        self._update_round(join=True)
+        self._check_decide()
+
+    def _check_decide(self) -> None:
+        if self.proposal is None or self.fenced:
+            return
+        g, view = self.round, self.proposal
+        got = self._proposals.get(g, {})
+        if all(n in got and got[n][0] == view for n in view):
+            store = view[0]
+            self._decide(Decision(g, view, tuple(n for n in self.decided.nodes if n not in view),
+                                  store, got[store][1]), how="direct")
+
+    def _on_decided(self, src: str, d: Decision) -> None:
+        if d.gen < self.decided.gen:
+            return
+        if d.gen == self.decided.gen:
+            if d.nodes != self.decided.nodes:
+                self._fence(f"safety check: {src} decided {list(d.nodes)} for generation {d.gen}, "
+                            f"this node {list(self.decided.nodes)}")
+            return
+        if d.gen > self.round or src in self.suspects:
+            return
+        if d.nodes not in self._chain.get(d.gen, []):
+            self._fence(f"safety check: {src} decided {list(d.nodes)} for generation {d.gen}, "
+                        "a view this node never proposed")
+            return
+        self._decide(d, how=f"adopted from {src}")
+
+    def _decide(self, d: Decision, how: str) -> None:
+        old = self.decided.nodes
+        self.decided = d
+        self.proposal = None
+        self.notes.append(("decided", {**d.to_msg(), "how": how}))
+        msg = {"type": "decided", **d.to_msg()}
+        for node in old:
+            if node != self.me:
+                self.outbox.append((node, msg))
+        for g in [g for g in self._proposals if g <= d.gen]:
+            del self._proposals[g]
+        # Suspicions of nodes still in the decided view (adoption) open the next round at once;
+        # proposals that arrived ahead of us are taken into account now.
+        for key in [k for k in self._reasons if k[0] <= d.gen]:
+            del self._reasons[key]
+        for key in [k for k in self._values if k[0] < d.gen]:
+            del self._values[key]
+        self._update_round()
+        for src, (view, _) in sorted(self._proposals.get(self.round, {}).items()):
+            if self.fenced:
+                return
+            if src != self.me and src in d.nodes and src not in self.suspects:
+                self._absorb(src, view)
+        for (xg, key) in list(self._values):
+            if xg == d.gen:
+                self._check_exchange(xg, key)
+
+    def _fence(self, reason: str) -> None:
+        if self.fenced:
+            return
+        self.fenced = reason
+        self.proposal = None
+        self.notes.append(("fenced", {"reason": reason, "gen": self.decided.gen}))
+        for (xg, key) in sorted(self._my_exchanges):
+            self.notes.append(("exchange_failed", {"gen": xg, "key": key, "reason": reason}))
+        self._my_exchanges.clear()
+
+    # ------------------------------------------------------------------ exchange
+
+    def _on_exchange(self, src: str, msg: dict[str, Any]) -> None:
+        gen = msg["xgen"]
+        if gen < self.decided.gen:
+            return
+        self._values.setdefault((gen, msg["key"]), {})[src] = msg["value"]
+        self._check_exchange(gen, msg["key"])
+
+    def _check_exchange(self, gen: int, key: str) -> None:
+        if (gen, key) not in self._my_exchanges or gen != self.decided.gen or self.proposal is not None:
+            return
+        values = self._values[(gen, key)]
+        if all(n in values for n in self.decided.nodes):
+            self._my_exchanges.discard((gen, key))
+            del self._values[(gen, key)]
+            self.notes.append(("exchange_done", {"gen": gen, "key": key,
+                                                 "values": {n: values[n] for n in self.decided.nodes}}))

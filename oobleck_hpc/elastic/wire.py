@@ -1,0 +1,144 @@
+"""Messages on the control plane and on the agent <-> worker link, and the node roster.
+
+Framing: every message is a JSON object (a dict with a "type" key), sent as a 4-byte big-endian
+length followed by that many bytes of UTF-8 JSON. The same framing is used between agents (TCP)
+and between an agent and its workers (a socketpair inherited by the worker). Stdlib only.
+
+The roster is the job's initial node list, written by the launcher (local launcher: by the
+parent process; Slurm: by the bootstrap discovery) as JSON:
+
+    {"nodes": [{"name": "node0", "host": "10.0.0.1", "port": 29400}, ...],
+     "store_port": 29500}
+
+Node order is meaningful: it is the job's initial node order (the `faults[].node` index), and
+"lowest" node always means first in roster order. `store_port` is the port of generation 0's
+rendezvous store, hosted by the first node (default: the first node's port + 1).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from oobleck_hpc.errors import ConfigError
+
+_HEADER = struct.Struct("!I")
+MAX_MESSAGE = 64 * 1024 * 1024
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection (or died): no more messages will come."""
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    data = json.dumps(msg, separators=(",", ":"), default=str).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def recv_msg(sock: socket.socket) -> dict[str, Any]:
+    """The next message; raises ConnectionClosed at end of stream."""
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if size > MAX_MESSAGE:
+        raise ConnectionClosed(f"message of {size} bytes exceeds {MAX_MESSAGE}: corrupt stream")
+    return json.loads(_recv_exact(sock, size))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionClosed("connection closed by peer")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    name: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The job's initial nodes, in order, with the address of each node's agent."""
+
+    nodes: tuple[NodeAddress, ...]
+    store_port: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.nodes)
+
+    def address(self, name: str) -> NodeAddress:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def order(self, names: Any) -> tuple[str, ...]:
+        """`names` sorted in roster order (the canonical order of every view)."""
+        wanted = set(names)
+        return tuple(n for n in self.names if n in wanted)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes],
+                "store_port": self.store_port}
+
+    def write(self, path: str | Path) -> None:
+        """Write atomically (a reader never sees half a roster)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<roster>") -> Roster:
+        if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
+            raise ConfigError(source, "nodes", f"is missing or empty in {str(data)[:80]!r}",
+                              'write {"nodes": [{"name": ..., "host": ..., "port": ...}, ...]}')
+        nodes = []
+        for i, entry in enumerate(data["nodes"]):
+            if not isinstance(entry, dict) or set(entry) != {"name", "host", "port"}:
+                raise ConfigError(source, f"nodes[{i}]", f"value {entry!r} is not a node entry",
+                                  'give exactly {"name": str, "host": str, "port": int}')
+            if not isinstance(entry["port"], int) or not 0 < entry["port"] < 65536:
+                raise ConfigError(source, f"nodes[{i}].port", f"value {entry['port']!r} is not a port",
+                                  "use an integer in 1..65535")
+            nodes.append(NodeAddress(str(entry["name"]), str(entry["host"]), entry["port"]))
+        names = [n.name for n in nodes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(source, "nodes", f"names {dupes} appear more than once",
+                              "give every node a unique name")
+        store_port = data.get("store_port", nodes[0].port + 1)
+        if not isinstance(store_port, int) or not 0 < store_port < 65536:
+            raise ConfigError(source, "store_port", f"value {store_port!r} is not a port",
+                              "use an integer in 1..65535")
+        return cls(tuple(nodes), store_port)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Roster:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise ConfigError(str(path), "<file>", f"cannot be read ({e.strerror})",
+                              "pass the roster file written by the launcher") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(str(path), "<file>", f"is not valid JSON ({e})",
+                              "regenerate the roster file") from e
+        return cls.from_dict(data, source=str(path))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,225 @@
+"""The membership protocol (oobleck_hpc/elastic/membership.py) under simulated networks.
+
+No processes: N `MembershipCore`s exchange messages through per-link FIFO queues; a seeded random
+scheduler interleaves deliveries, crashes, false suspicions (a slow node taken for dead) and
+failure detection (each observer learns of a crash at its own random moment, possibly before the
+crashed node's last messages arrive). Checked on every run:
+
+- safety: two nodes that decided the same generation, each inside the other's decided view,
+  decided the same view and the same store;
+- liveness: once detection is complete and the network is quiet, every node still running
+  (neither crashed nor fenced) holds the same decision, whose view is exactly those nodes, and
+  no round is left open;
+- a falsely suspected node ends fenced (it never silently stays in) unless the node that
+  suspected it is itself gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+
+import pytest
+
+from oobleck_hpc.elastic.membership import Decision, MembershipCore
+
+
+class SimNet:
+    def __init__(self, n: int, seed: int, quorum: str = "majority"):
+        self.rng = random.Random(seed)
+        self.names = tuple(f"n{i}" for i in range(n))
+        ports = itertools.count(1000)
+        self.cores = {m: MembershipCore(m, self.names, 999, lambda: next(ports), quorum) for m in self.names}
+        self.links: dict[tuple[str, str], deque] = {(a, b): deque() for a in self.names for b in self.names if a != b}
+        self.crashed: set[str] = set()
+        self.detected: set[tuple[str, str]] = set()  # (observer, crashed) pairs already told
+        self.decisions: dict[str, dict[int, Decision]] = {m: {} for m in self.names}
+        self.false_suspicions: set[tuple[str, str]] = set()  # (suspecter, suspected)
+
+    def down(self, m: str) -> bool:
+        return m in self.crashed or self.cores[m].fenced is not None
+
+    def drain(self, m: str) -> None:
+        core = self.cores[m]
+        for dst, msg in core.outbox:
+            self.links[(m, dst)].append(msg)
+        core.outbox.clear()
+        for kind, fields in core.notes:
+            if kind == "decided":
+                d = Decision.from_msg(fields)
+                assert d.gen not in self.decisions[m], f"{m} decided generation {d.gen} twice"
+                self.decisions[m][d.gen] = d
+        core.notes.clear()
+
+    def step(self, chaos: bool) -> bool:
+        """One random event; False when nothing is left to do."""
+        options = []
+        for (a, b), q in self.links.items():
+            if q and not self.down(b):
+                options.append(("deliver", a, b))
+        for obs in self.names:
+            if self.down(obs):
+                continue
+            for dead in self.names:
+                if dead != obs and self.down(dead) and (obs, dead) not in self.detected:
+                    options.append(("detect", obs, dead))
+        if chaos:
+            alive = [m for m in self.names if not self.down(m)]
+            options += [("crash", m, "") for m in alive] * 1
+            pairs = [("false", a, b) for a in alive for b in alive if a != b]
+            options += self.rng.sample(pairs, min(3, len(pairs)))
+        if not options:
+            return False
+        kind, a, b = self.rng.choice(options)
+        if kind == "deliver":
+            msg = self.links[(a, b)].popleft()
+            self.cores[b].handle(a, msg)
+            self.drain(b)
+        elif kind == "detect":
+            self.detected.add((a, b))
+            self.cores[a].suspect(b, "connection_lost")
+            self.drain(a)
+        elif kind == "crash":
+            self.crashed.add(a)
+            if self.rng.random() < 0.5:  # its unsent messages may be lost too
+                for (x, _y), q in self.links.items():
+                    if x == a and q and self.rng.random() < 0.5:
+                        q.pop()
+        elif kind == "false":
+            self.false_suspicions.add((a, b))
+            self.cores[a].suspect(b, "lease_expired")
+            self.drain(a)
+        return True
+
+    def check_safety(self) -> None:
+        for a, b in itertools.combinations(self.names, 2):
+            for g in set(self.decisions[a]) & set(self.decisions[b]):
+                da, db = self.decisions[a][g], self.decisions[b][g]
+                if a in db.nodes and b in da.nodes:
+                    assert da == db, f"generation {g}: {a} decided {da}, {b} decided {db}"
+
+
+def run(n: int, seed: int, chaos_steps: int, quorum: str = "majority") -> SimNet:
+    net = SimNet(n, seed, quorum)
+    for i in range(chaos_steps):
+        net.step(chaos=net.rng.random() < 0.05)
+    while net.step(chaos=False):
+        pass
+    net.check_safety()
+    running = [m for m in net.names if not net.down(m)]
+    if running:
+        finals = {(net.cores[m].decided.gen, net.cores[m].decided.nodes) for m in running}
+        assert len(finals) == 1, f"running nodes disagree: {finals}"
+        (gen, nodes), = finals
+        assert set(nodes) == set(running), f"decided {nodes} but running {running}"
+        assert all(net.cores[m].proposal is None for m in running)
+        for a, b in net.false_suspicions:
+            assert not (a in running and b in running), f"{a} suspected {b}, yet both still run"
+    return net
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7])
+def test_random_schedules_are_safe_and_live(n):
+    outcomes = set()
+    for seed in range(300):
+        net = run(n, seed, chaos_steps=40 * n)
+        running = [m for m in net.names if not net.down(m)]
+        outcomes.add(len(running))
+    # The sweep must exercise real recoveries, not only total collapse or nothing at all.
+    assert any(0 < k < n for k in outcomes), outcomes
+
+
+@pytest.mark.parametrize("n", [3, 4, 6])
+def test_random_schedules_without_quorum_are_safe_and_live(n):
+    for seed in range(200):
+        run(n, seed, chaos_steps=40 * n, quorum="none")
+
+
+def test_one_crash_every_survivor_decides_the_same_new_generation():
+    net = SimNet(5, seed=1)
+    net.crashed.add("n2")
+    while net.step(chaos=False):
+        pass
+    for m in ("n0", "n1", "n3", "n4"):
+        d = net.cores[m].decided
+        assert (d.gen, d.nodes, d.lost, d.store_node) == (1, ("n0", "n1", "n3", "n4"), ("n2",), "n0")
+    ports = {net.cores[m].decided.store_port for m in ("n0", "n1", "n3", "n4")}
+    assert len(ports) == 1 and ports != {999}  # a fresh store port, the same everywhere
+
+
+def test_store_host_death_moves_the_store_to_the_next_survivor():
+    net = SimNet(4, seed=2)
+    net.crashed.add("n0")
+    while net.step(chaos=False):
+        pass
+    assert {net.cores[m].decided.store_node for m in ("n1", "n2", "n3")} == {"n1"}
+
+
+def test_minority_is_fenced_for_lack_of_quorum():
+    net = SimNet(5, seed=3)
+    net.crashed.update({"n0", "n1", "n2"})
+    while net.step(chaos=False):
+        pass
+    for m in ("n3", "n4"):
+        assert net.cores[m].fenced and "quorum" in net.cores[m].fenced
+        assert net.cores[m].decided.gen == 0
+
+
+def test_exactly_half_continues_only_with_the_first_node():
+    for dead, survives in (({"n2", "n3"}, True), ({"n0", "n3"}, False)):
+        net = SimNet(4, seed=4)
+        net.crashed.update(dead)
+        while net.step(chaos=False):
+            pass
+        alive = [m for m in net.names if m not in dead]
+        assert all((net.cores[m].fenced is None) == survives for m in alive)
+
+
+def test_falsely_suspected_node_is_fenced_and_answered_with_fence_later():
+    net = SimNet(4, seed=5)
+    net.cores["n1"].suspect("n3", "lease_expired")
+    net.drain("n1")
+    while net.step(chaos=False):
+        pass
+    assert net.cores["n3"].fenced
+    assert all(net.cores[m].decided.nodes == ("n0", "n1", "n2") for m in ("n0", "n1", "n2"))
+    # A message of a node outside the view (e.g. a heartbeat of a resumed node) is answered
+    # with FENCE, and a FENCE from a member fences.
+    core = net.cores["n0"]
+    core.handle("n3", {"type": "heartbeat"})
+    assert core.outbox == [("n3", {"type": "fence", "gen": 1, "nodes": ["n0", "n1", "n2"]})]
+    fresh = MembershipCore("n3", net.names, 999, lambda: 1)
+    fresh.handle("n0", core.outbox[0][1])
+    assert fresh.fenced and "n0" in fresh.fenced
+
+
+def test_exchange_gathers_one_value_per_node_and_is_superseded_by_a_round():
+    net = SimNet(3, seed=6)
+    notes: dict[str, list] = {m: [] for m in net.names}
+    plain_drain = net.drain
+
+    def drain(m):
+        notes[m].extend(net.cores[m].notes)
+        plain_drain(m)
+
+    net.drain = drain
+    for m in net.names:
+        net.cores[m].exchange("plan", f"digest-{m}")
+        net.drain(m)
+    while net.step(chaos=False):
+        pass
+    for m in net.names:
+        (done,) = [f for k, f in notes[m] if k == "exchange_done"]
+        assert done["values"] == {"n0": "digest-n0", "n1": "digest-n1", "n2": "digest-n2"}
+    # A failure while an exchange is pending fails it everywhere with a reason.
+    for m in ("n0", "n1"):
+        net.cores[m].exchange("again", 1)
+        net.drain(m)
+    net.crashed.add("n2")
+    while net.step(chaos=False):
+        pass
+    for m in ("n0", "n1"):
+        (failed,) = [f for k, f in notes[m] if k == "exchange_failed"]
+        assert failed["key"] == "again" and "round" in failed["reason"]
+        assert net.cores[m].decided.nodes == ("n0", "n1")
