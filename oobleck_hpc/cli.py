@@ -17,6 +17,7 @@ from oobleck_hpc.errors import OobleckError
 COMMAND_MODULES = [
     "oobleck_hpc.planning.cli",  # plan
     "oobleck_hpc.profiling.cli",  # profile, profiles
+    "oobleck_hpc.sim.cli",  # simulate
 ]
 
 

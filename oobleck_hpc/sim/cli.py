@@ -1,0 +1,145 @@
+"""`oobleck-hpc simulate FILE`: goodput of oobleck vs restart vs redundant on a failure trace.
+
+FILE is either a scenario (YAML with a top-level `simulation:` key: published measurements, e.g.
+examples/bert-large-paper.yaml) or a job file (our planner and the job's profile; an analytic
+profile with `profile.analytic: true` and `profile.device` answers for clusters we do not have).
+
+    oobleck-hpc simulate examples/bert-large-paper.yaml
+    oobleck-hpc simulate examples/gpt3-175b-1024gpu.yaml --every 60 --duration 168
+    oobleck-hpc simulate JOB.yaml --mtbf 3.1 --per cluster --policies oobleck,restart --json
+    oobleck-hpc simulate JOB.yaml --trace cluster-log.csv --plot throughput.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from oobleck_hpc.errors import EXIT_BAD_INPUT, ConfigError
+
+_ALL = ("oobleck", "restart", "redundant")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="goodput of oobleck vs checkpoint-restart vs "
+                              "redundancy on a failure trace",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", help="job YAML, or scenario YAML (top-level 'simulation:')")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="CSV (time,event,node) or JSONL failure trace to replay")
+    src.add_argument("--mtbf", type=float, metavar="HOURS",
+                     help="exponential failures with this mean time between failures")
+    src.add_argument("--every", type=float, metavar="MINUTES", help="one failure every MINUTES")
+    p.add_argument("--per", choices=("cluster", "node"), default="cluster",
+                   help="--mtbf is of the whole cluster (default) or of each node")
+    p.add_argument("--replace-after", type=float, metavar="MINUTES",
+                   help="a replacement node joins this long after each generated failure")
+    p.add_argument("--time-unit", choices=("s", "ms"), default="s",
+                   help="time unit of a headerless CSV trace (the Oobleck artifact's are ms)")
+    p.add_argument("--policies", default=",".join(_ALL),
+                   help="comma-separated subset of oobleck,restart,redundant")
+    p.add_argument("--duration", type=float, metavar="HOURS",
+                   help="simulated time (default: the scenario's, or 24 h for a job)")
+    p.add_argument("--seed", type=int, default=0, help="seed of generated traces")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", metavar="PNG", help="write throughput over time (needs matplotlib)")
+    g = p.add_argument_group("recovery costs of planner-driven runs (job files)")
+    g.add_argument("--detect-s", type=float, help="failure detection + agreement "
+                   "(default: fault_tolerance.lease_s)")
+    g.add_argument("--regroup-s", type=float, default=2.0, help="re-forming process groups")
+    g.add_argument("--restart-s", type=float, default=120.0,
+                   help="restart without checkpoint read (requeue, launch, init)")
+    g.add_argument("--storage-gbps", type=float, default=20.0,
+                   help="aggregate checkpoint storage bandwidth, GB/s")
+    p.set_defaults(func=main)
+
+
+def _fail(key: str, value, problem: str, fix: str) -> None:
+    raise ConfigError("oobleck-hpc simulate", key, f"value {value!r} {problem}", fix)
+
+
+def main(args: argparse.Namespace) -> int:
+    from oobleck_hpc.sim import run_policies
+    from oobleck_hpc.sim.report import PlotUnavailable, format_table, plot, to_json
+    from oobleck_hpc.sim.scenario import is_scenario_file, load_scenario, scenario_backends
+    from oobleck_hpc.sim.trace import exponential, fixed_interval, load_trace, node_names
+
+    policies = tuple(x.strip() for x in args.policies.split(",") if x.strip())
+    for name in policies:
+        if name not in _ALL:
+            _fail("--policies", name, "is not a policy", f"use a subset of {','.join(_ALL)}")
+    if not policies:
+        _fail("--policies", args.policies, "names no policy", f"use e.g. {','.join(_ALL)}")
+    for key in ("mtbf", "every", "duration", "replace_after", "regroup_s", "restart_s",
+                "storage_gbps", "detect_s"):
+        v = getattr(args, key)
+        if v is not None and not v > 0 and not (key in ("regroup_s", "detect_s") and v == 0):
+            _fail("--" + key.replace("_", "-"), v, "must be positive", "give a positive number")
+
+    scenario = load_scenario(args.file) if is_scenario_file(args.file) else None
+    if scenario is not None:
+        missing = [p for p in policies if p not in scenario.policies]
+        if missing:
+            _fail("--policies", missing[0], f"is not in scenario {args.file}",
+                  f"use a subset of {','.join(scenario.policies)}")
+        n_nodes = scenario.nodes
+        duration_h = args.duration or scenario.duration_hours
+        name = scenario.name
+    else:
+        from oobleck_hpc.config import load_job
+
+        job = load_job(args.file)
+        n_nodes = job.cluster.nodes
+        duration_h = args.duration or 24.0
+        name = job.name
+    duration_s = duration_h * 3600.0
+    nodes = node_names(n_nodes)
+    replace = None if args.replace_after is None else 60.0 * args.replace_after
+    if args.trace:
+        trace = load_trace(args.trace, nodes, time_unit=args.time_unit)
+    elif args.every:
+        trace = fixed_interval(nodes, 60.0 * args.every, duration_s, args.seed)
+    elif args.mtbf:
+        trace = exponential(nodes, 3600.0 * args.mtbf, duration_s, args.seed, args.per, replace)
+    elif scenario is not None and scenario.every_minutes:
+        trace = fixed_interval(nodes, 60.0 * scenario.every_minutes, duration_s, args.seed)
+    elif scenario is not None and scenario.mtbf_hours:
+        trace = exponential(nodes, 3600.0 * scenario.mtbf_hours, duration_s, args.seed)
+    else:
+        raise ConfigError(args.file, "<failures>", "gives no failure trace",
+                          "pass --trace FILE, --mtbf HOURS or --every MINUTES")
+    trace = trace.until(duration_s)
+
+    if scenario is not None:
+        backends = scenario_backends(scenario)
+        subject = scenario.description or name
+    else:
+        from oobleck_hpc.profiling import resolve_profile
+        from oobleck_hpc.sim.planner_backend import CostParams, planner_backends
+
+        params = CostParams(detect_s=args.detect_s, regroup_s=args.regroup_s,
+                            restart_base_s=args.restart_s, storage_bw=args.storage_gbps * 1e9)
+        profile = resolve_profile(job)
+        backends = planner_backends(job, profile, params,
+                                    trace.mean_failure_interval_s(duration_s), policies)
+        subject = (f"{job.model.name} on {n_nodes} nodes x {job.cluster.gpus_per_node} GPUs "
+                   f"({profile.fingerprint.device_name}, {profile.fingerprint.source} profile), "
+                   f"global batch {job.train.global_microbatches * job.train.microbatch_size}")
+    results = run_policies(backends, trace, duration_s, policies)
+    title = (f"{subject}\n{trace.description}; {duration_h:g} h simulated, "
+             f"{trace.failures} failures")
+    if args.json:
+        meta = {"file": args.file, "subject": subject, "trace": trace.description,
+                "duration_s": duration_s, "failures": trace.failures, "seed": args.seed}
+        print(to_json(results, meta))
+    else:
+        print(format_table(results, title))
+    if args.plot:
+        try:
+            plot(results, args.plot, title)
+        except PlotUnavailable as e:
+            print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,326 @@
+"""Policies driven by our own planner and profiles: the answer for any model and cluster.
+
+For a job file (model, nodes, GPUs per node, global batch, f) and its profile (measured, or
+analytic for machines we do not have), each policy's backend asks the planner:
+
+oobleck
+    throughput = 1 / plan_iteration_ms(plan) of the current plan (templates instantiated on the
+    alive nodes). On a failure `reconfigure(plan, lost, templates, profile, f)` gives the new plan
+    and its cost:
+
+        cost = detect_s + regroup_s + transfer_s
+        transfer_s = max over ranks r of  link(max(bytes into r, bytes out of r))
+
+    with `transfer_plan(old, new)` listing the layers (weights + optimizer state) copied from
+    surviving replicas, each rank's transfers serialised on its own link (p2p_intra when source
+    and destination share a node, else p2p_inter of the profile's machine), all ranks in
+    parallel. The step in flight is replayed (the engine books it as lost). GuaranteeExceeded
+    falls back to the last checkpoint and restarts on a fresh plan.
+
+restart (Varuna-like)
+    the best *homogeneous* plan on the alive nodes: p copies of one template of t nodes
+    (p = floor(n / t), the batch split evenly, the remaining n - p*t nodes idle), t chosen for
+    the shortest plan_iteration_ms. Restart = restart_base_s + checkpoint read, checkpoint =
+    one copy of all layer state written at `storage_bw` (bytes/s, aggregate), blocking.
+
+redundant (Bamboo-like)
+    every node also holds and runs forward for its successor's layers: planned with a profile
+    whose layers have forward_ms doubled and state doubled (the redundant copy needs the
+    memory). useful = (our plain plan's iteration) / (the redundant plan's iteration) on the same
+    nodes. Rebalancing after a failure re-launches the workers on new pipelines (Bamboo measured
+    76-450 s, as slow as a restart): restart_base_s + copying the redundant state of one node.
+
+Checkpoint interval (restart, and oobleck's fallback checkpoints): the job's
+checkpoint.every_steps / every_minutes when set, else Young/Daly's optimum
+tau = sqrt(2 * C * M) for checkpoint cost C and the trace's mean time between failures M.
+Oobleck's checkpoints are asynchronous: training blocks only for the snapshot of a rank's state
+to host memory (`host_bw`).
+
+Plans depend only on the node count for restart and redundant and are cached per count;
+oobleck's plans depend on which nodes failed and are computed per failure (the planner is
+arithmetic on profiles and fast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from oobleck_hpc.config import JobConfig
+from oobleck_hpc.errors import GuaranteeExceeded, PlanningError
+from oobleck_hpc.planning.plan import PipelineSpec, Plan
+from oobleck_hpc.profiling.profile import ModelProfile
+from oobleck_hpc.sim.engine import RunConfig
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Constants of the recovery models that no profile measures; every one is a CLI flag."""
+
+    detect_s: float | None = None
+    """Failure detection + agreement; default: the job's fault_tolerance.lease_s (a dead node
+    is known when its heartbeat lease expires)."""
+    regroup_s: float = 2.0
+    """Re-forming process groups (measured 0.07-0.19 s with gloo on 4 ranks on this machine;
+    NCCL communicators over thousands of GPUs take seconds)."""
+    restart_base_s: float = 120.0
+    """Restart without the checkpoint read: Slurm requeue/step launch, `import torch`, rendezvous,
+    NCCL init (Varuna measured 76 s on 30 nodes for BERT-large, whose checkpoint is small)."""
+    storage_bw: float = 20e9
+    """Aggregate checkpoint storage bandwidth, bytes/s (a parallel file system's share)."""
+    host_bw: float = 10e9
+    """Device-to-host copy per GPU, bytes/s (the blocking part of an asynchronous checkpoint)."""
+
+
+def _samples(job: JobConfig) -> float:
+    return float(job.train.global_microbatches * job.train.microbatch_size)
+
+
+def redundant_profile(profile: ModelProfile) -> ModelProfile:
+    """Bamboo's layers: forward computed twice (own + the predecessor's redundant copy), state
+    held twice."""
+    layers = tuple(dataclasses.replace(l, forward_ms=2 * l.forward_ms,
+                                       param_bytes=2 * l.param_bytes,
+                                       optimizer_bytes=2 * l.optimizer_bytes)
+                   for l in profile.layers)
+    return dataclasses.replace(profile, layers=layers)
+
+
+@dataclass
+class PlannerModel:
+    """Everything the three planner backends share: job, profile, templates, costs."""
+
+    job: JobConfig
+    profile: ModelProfile
+    params: CostParams = field(default_factory=CostParams)
+
+    def __post_init__(self):
+        from oobleck_hpc.planning import plan_job
+
+        nodes = tuple(f"node{i}" for i in range(self.job.cluster.nodes))
+        self.spec, self.templates, self.initial_plan = plan_job(self.job, self.profile, nodes)
+        self.state_bytes = sum(l.state_bytes for l in self.profile.layers)
+        self.detect_s = (self.params.detect_s if self.params.detect_s is not None
+                         else self.job.fault_tolerance.lease_s)
+        self._homog = lru_cache(maxsize=None)(self._homogeneous)
+
+    @property
+    def samples(self) -> float:
+        return _samples(self.job)
+
+    def iteration_s(self, plan: Plan) -> float:
+        from oobleck_hpc.planning.cost import plan_iteration_ms
+
+        return plan_iteration_ms(plan, self.profile) / 1000.0
+
+    def run_of(self, plan: Plan, useful: float = 1.0) -> RunConfig:
+        sizes = sorted((p.template.num_nodes for p in plan.pipelines), reverse=True)
+        label = "+".join(f"{sizes.count(s)}x{s}" for s in sorted(set(sizes), reverse=True))
+        return RunConfig(self.iteration_s(plan), self.samples, len(plan.nodes), useful,
+                         f"pipelines {label} nodes")
+
+    # ------------------------------------------------------------------ costs
+
+    def transfer_s(self, old: Plan, new: Plan) -> float:
+        from oobleck_hpc.planning.reconfigure import transfer_plan
+
+        machine = self.profile.machine
+        inbound: dict[int, int] = {}
+        outbound: dict[int, int] = {}
+        local: dict[int, int] = {}
+        for tr in transfer_plan(old, new, self.profile):
+            src_node = old.ranks[tr.src_rank].node
+            dst_node = new.ranks[tr.dst_rank].node
+            if src_node == dst_node:
+                local[tr.dst_rank] = local.get(tr.dst_rank, 0) + tr.nbytes
+            else:
+                inbound[tr.dst_rank] = inbound.get(tr.dst_rank, 0) + tr.nbytes
+                outbound[tr.src_rank] = outbound.get(tr.src_rank, 0) + tr.nbytes
+        worst_ms = 0.0
+        for r in set(inbound) | set(outbound):
+            worst_ms = max(worst_ms, machine.p2p_inter.time_ms(max(inbound.get(r, 0),
+                                                                    outbound.get(r, 0))))
+        for r, b in local.items():
+            worst_ms = max(worst_ms, machine.p2p_intra.time_ms(b))
+        return worst_ms / 1000.0
+
+    def checkpoint_write_s(self) -> float:
+        return self.state_bytes / self.params.storage_bw
+
+    def restart_s(self) -> float:
+        return self.params.restart_base_s + self.state_bytes / self.params.storage_bw
+
+    def snapshot_s(self, plan: Plan) -> float:
+        """Blocking part of an asynchronous checkpoint: the most loaded GPU's state to host."""
+        worst = 0
+        for pipe in plan.pipelines:
+            for stage in pipe.template.stages:
+                b = sum(self.profile.layers[i].state_bytes for i in stage.layers)
+                worst = max(worst, b // max(len(stage.gpus), 1))
+        return worst / self.params.host_bw
+
+    # ------------------------------------------------------------------ plans
+
+    def instantiate(self, nodes: tuple[str, ...]) -> Plan | None:
+        from oobleck_hpc.planning.instantiate import instantiate
+
+        try:
+            return instantiate(self.templates, nodes, self.job.train.global_microbatches,
+                               self.job.fault_tolerance.f, self.profile)
+        except (PlanningError, GuaranteeExceeded):
+            return None
+
+    def _homogeneous(self, n: int) -> tuple[float, int, int] | None:
+        """(iteration_s, template nodes t, pipelines p) of the best homogeneous plan on n nodes."""
+        best = None
+        names = tuple(f"h{i}" for i in range(n))
+        m = self.job.train.global_microbatches
+        for t, template in sorted(self.templates.items()):
+            p = min(n // t, m)
+            if p < 1:
+                continue
+            q, r = divmod(m, p)
+            pipes = tuple(PipelineSpec(template, names[i * t:(i + 1) * t], q + (1 if i < r else 0))
+                          for i in range(p))
+            plan = Plan(pipes, m, 0.0)
+            it = self.iteration_s(plan)
+            if best is None or it < best[0]:
+                best = (it, t, p)
+        return best
+
+    def homogeneous(self, n: int) -> RunConfig | None:
+        best = self._homog(n)
+        if best is None:
+            return None
+        it, t, p = best
+        return RunConfig(it, self.samples, t * p, 1.0, f"{p}x{t} nodes (homogeneous)")
+
+
+class OobleckBackend:
+    def __init__(self, model: PlannerModel):
+        self.m = model
+        self.committed: Plan | None = None
+        self.tentative: Plan | None = None
+
+    def plan(self, nodes: tuple[str, ...]) -> RunConfig | None:
+        plan = self.m.instantiate(nodes)
+        self.tentative = plan
+        return None if plan is None else self.m.run_of(plan)
+
+    def reset(self, nodes: tuple[str, ...]) -> None:
+        self.committed = self.m.instantiate(nodes)
+        self.tentative = self.committed
+
+    def commit(self) -> None:
+        self.committed = self.tentative
+
+    def reconfigure(self, lost: tuple[str, ...], alive: tuple[str, ...]) -> tuple[RunConfig, float]:
+        from oobleck_hpc.planning.reconfigure import reconfigure
+
+        if self.committed is None:
+            raise GuaranteeExceeded("no running plan to reconfigure.")
+        new = reconfigure(self.committed, lost, self.m.templates, self.m.profile,
+                          self.m.job.fault_tolerance.f)
+        self.tentative = new
+        cost = self.m.detect_s + self.m.params.regroup_s + self.m.transfer_s(self.committed, new)
+        return self.m.run_of(new), cost
+
+    def grow(self, alive: tuple[str, ...]) -> tuple[RunConfig, float]:
+        old = self.committed
+        new = self.m.instantiate(alive)
+        if new is None:
+            raise GuaranteeExceeded("no plan on the grown node set.")
+        self.tentative = new
+        cost = self.m.params.regroup_s + (self.m.transfer_s(old, new) if old is not None else 0.0)
+        return self.m.run_of(new), cost
+
+    def restart_s(self, nodes: int) -> float:
+        return self.m.restart_s()
+
+
+class HomogeneousBackend:
+    def __init__(self, model: PlannerModel):
+        self.m = model
+
+    def plan(self, nodes: tuple[str, ...]) -> RunConfig | None:
+        return self.m.homogeneous(len(nodes))
+
+    def restart_s(self, nodes: int) -> float:
+        return self.m.restart_s()
+
+
+class RedundantBackend:
+    def __init__(self, model: PlannerModel):
+        from oobleck_hpc.planning import plan_job
+
+        self.m = model
+        self.profile = redundant_profile(model.profile)
+        job = dataclasses.replace(model.job, fault_tolerance=dataclasses.replace(
+            model.job.fault_tolerance, f=0))
+        self.rm = PlannerModel.__new__(PlannerModel)
+        self.rm.job, self.rm.profile, self.rm.params = job, self.profile, model.params
+        nodes = tuple(f"node{i}" for i in range(job.cluster.nodes))
+        try:
+            self.rm.spec, self.rm.templates, _ = plan_job(job, self.profile, nodes)
+        except PlanningError:
+            self.rm.templates = {}
+        self.rm.state_bytes = 2 * model.state_bytes
+        self.rm.detect_s = model.detect_s
+        self.rm._homog = lru_cache(maxsize=None)(self.rm._homogeneous)
+        self._cache: dict[int, RunConfig | None] = {}
+
+    def plan(self, nodes: tuple[str, ...]) -> RunConfig | None:
+        n = len(nodes)
+        if n not in self._cache:
+            red = self.rm.homogeneous(n) if self.rm.templates else None
+            plain = self.m.homogeneous(n)
+            if red is None or plain is None:
+                self._cache[n] = None
+            else:
+                useful = min(1.0, plain.iteration_s / red.iteration_s)
+                self._cache[n] = dataclasses.replace(red, useful=useful,
+                                                     label=red.label.replace("homogeneous",
+                                                                             "redundant"))
+        return self._cache[n]
+
+    def reconfiguration_s(self, nodes: int) -> float:
+        per_node = 2 * self.m.state_bytes / max(nodes, 1)
+        return (self.m.detect_s + self.m.params.restart_base_s
+                + self.m.profile.machine.p2p_inter.time_ms(per_node) / 1000.0)
+
+    def restart_s(self, nodes: int) -> float:
+        return self.m.params.restart_base_s + 2 * self.m.state_bytes / self.m.params.storage_bw
+
+
+def checkpoint_settings(model: PlannerModel, policy: str, mtbf_s: float,
+                        initial: RunConfig | None) -> dict:
+    """Policy keyword arguments for checkpointing (see the module docstring)."""
+    job = model.job
+    write = model.checkpoint_write_s()
+    if policy == "oobleck":
+        blocking = model.snapshot_s(model.initial_plan)
+    elif policy == "redundant":
+        blocking = 2 * write
+    else:
+        blocking = write
+    if job.checkpoint.every_steps:
+        return {"checkpoint_s": blocking, "checkpoint_every_steps": job.checkpoint.every_steps}
+    if job.checkpoint.every_minutes:
+        return {"checkpoint_s": blocking, "checkpoint_interval_s": 60 * job.checkpoint.every_minutes}
+    if not math.isfinite(mtbf_s):
+        return {"checkpoint_s": blocking}
+    tau = math.sqrt(2 * max(write, 1e-3) * mtbf_s)
+    return {"checkpoint_s": blocking, "checkpoint_interval_s": tau}
+
+
+def planner_backends(job: JobConfig, profile: ModelProfile, params: CostParams, mtbf_s: float,
+                     policies: tuple[str, ...] = ("oobleck", "restart", "redundant"),
+                     ) -> dict[str, tuple[object, dict]]:
+    """Per requested policy: its backend and checkpoint settings (Policy keyword arguments)."""
+    model = PlannerModel(job, profile, params)
+    make = {"oobleck": OobleckBackend, "restart": HomogeneousBackend,
+            "redundant": RedundantBackend}
+    return {name: (make[name](model), checkpoint_settings(model, name, mtbf_s, None))
+            for name in policies}
