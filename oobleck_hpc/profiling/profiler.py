@@ -440,3 +440,67 @@ def profile_and_save(job: JobConfig, out_dir: str | Path | None = None, overwrit
                            f"to replace it, or --out another directory")
     profile = profile_job(job, options)
     return save_profile(profile, library_path(out, profile.fingerprint), overwrite=overwrite)
+
+
+# ----------------------------------------------------------------------------- acceptance check
+
+
+def measure_step_ms(job: JobConfig, microbatches: int, warmup: int = 3, repeats: int = 10) -> tuple[float, float]:
+    """A real single-process training step of the whole model: `microbatches` forward/backward
+    passes with gradient accumulation, gradient clipping as the job sets it, one AdamW step.
+    Returns (median, interquartile range) in ms -- the figure a 1-node, 1-stage, 1-GPU plan
+    predicts from the profile."""
+    device = job_device(job)
+    model = build_model(job.model, job.source)
+    layers = nn.ModuleList(model.build_layer(i, device) for i in range(model.num_layers))
+    t = job.train
+    opt = torch.optim.AdamW(layers.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    seq_len = job.data.seq_len or model.seq_len
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, TOKEN_RANGE, (t.microbatch_size, seq_len), generator=gen).to(device),
+                torch.randint(0, TOKEN_RANGE, (t.microbatch_size, seq_len), generator=gen).to(device))
+               for _ in range(microbatches)]
+    autocast = job.model.dtype == "bfloat16"
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        for x, y in batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                for layer in layers:
+                    x = layer(x)
+                loss = model.loss(x, y).mean() / microbatches
+            loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(layers.parameters(), t.grad_clip)
+        opt.step()
+
+    times = []
+    for rep in range(warmup + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if rep >= warmup:
+            times.append(1000 * (time.perf_counter() - t0))
+    return _median_iqr(times)
+
+
+def predicted_single_gpu_step_ms(profile: ModelProfile, microbatches: int) -> float:
+    """The planner's prediction for the whole model as one stage on one GPU of one node: the
+    template the planner builds for 1 node of 1 GPU (necessarily one stage), timed by its cost
+    model (`planning.cost.pipeline_iteration_ms`)."""
+    import dataclasses
+
+    from oobleck_hpc.planning.cost import pipeline_iteration_ms
+    from oobleck_hpc.planning.templates import build_templates
+
+    one_gpu = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, gpus_per_node=1))
+    templates = build_templates(one_gpu, [1], microbatches)
+    if 1 not in templates:
+        raise ProfileError("the model does not fit one device by the profile's memory figures; "
+                           "a single-stage prediction does not exist")
+    template = templates[1]
+    assert template.num_stages == 1 and template.stages[0].gpus == (0,)
+    return pipeline_iteration_ms(template, microbatches)
