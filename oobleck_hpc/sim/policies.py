@@ -86,6 +86,9 @@ class OobleckPolicy(Policy):
         self.lost_pending = ()
         self.switch(self.backend.plan(tuple(self.alive)))
         self.notes.append(f"t={self.t:.0f}s: fallback to checkpoint ({why})")
+        if self.run is None:  # nothing runs on the survivors: wait for nodes
+            self.phase = "stopped"
+            return
         self.recover("restart", self.backend.restart_s(len(self.alive)))
 
     def on_fail(self, node: str) -> None:

@@ -1,0 +1,247 @@
+"""Goodput simulator: traces, accounting, policy semantics, the paper preset, the CLI and a
+planner-driven run. Pure arithmetic: no processes, no torch."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.sim import run_policies
+from oobleck_hpc.sim.engine import CATEGORIES, simulate
+from oobleck_hpc.sim.policies import OobleckPolicy, RedundantPolicy, RestartPolicy
+from oobleck_hpc.sim.scenario import (PolicyTable, Scenario, TableBackend, load_scenario,
+                                      scenario_backends)
+from oobleck_hpc.sim.trace import (Trace, TraceEvent, exponential, fixed_interval, load_trace,
+                                   node_names)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = ROOT / "examples" / "bert-large-paper.yaml"
+
+
+def _scenario(nodes: int = 8) -> Scenario:
+    tput = {n: 10.0 * n for n in range(2, nodes + 1)}
+    return Scenario(
+        name="toy", nodes=nodes, samples_per_iteration=100.0, policies={
+            "oobleck": PolicyTable(tput, restart_s=30, reconfiguration_s=2, f=1,
+                                   checkpoint_s=0.5, checkpoint_every_steps=20),
+            "restart": PolicyTable(tput, restart_s=30, checkpoint_s=3, checkpoint_every_steps=4),
+            "redundant": PolicyTable({n: 4.0 * n for n in range(2, nodes + 1)}, useful=0.6,
+                                     reconfiguration_s=10, restart_s=30, checkpoint_s=3,
+                                     checkpoint_every_steps=10)})
+
+
+def _check_accounting(results, duration):
+    for r in results.values():
+        assert set(r.seconds) == set(CATEGORIES)
+        assert math.isclose(sum(r.seconds.values()), duration, rel_tol=1e-9, abs_tol=1e-6), r.seconds
+        assert all(v >= -1e-6 for v in r.seconds.values()), r.seconds
+        assert r.samples >= 0
+        # the timeline covers [0, duration] without gaps
+        assert r.timeline[0][0] == 0 and math.isclose(r.timeline[-1][1], duration)
+        for (a0, a1, _), (b0, b1, _) in zip(r.timeline, r.timeline[1:]):
+            assert math.isclose(a1, b0, abs_tol=1e-9) and a1 >= a0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_accounting_adds_up_to_the_simulated_time(seed):
+    s = _scenario()
+    nodes = node_names(s.nodes)
+    duration = 6 * 3600.0
+    traces = [
+        fixed_interval(nodes, 700.0, duration, seed),
+        exponential(nodes, 900.0, duration, seed, per="cluster", replace_after_s=1200.0),
+        exponential(nodes, 4 * 3600.0, duration, seed, per="node", replace_after_s=600.0),
+        # bursts: simultaneous and back-to-back failures, an arrival during recovery
+        Trace(nodes, (TraceEvent(100.0, "fail", nodes[0]), TraceEvent(100.0, "fail", nodes[1]),
+                      TraceEvent(101.0, "fail", nodes[2]), TraceEvent(105.0, "add", "x1"),
+                      TraceEvent(3000.0, "fail", nodes[3]), TraceEvent(3001.0, "add", "x2"),
+                      TraceEvent(3001.5, "fail", "x2"))),
+    ]
+    for trace in traces:
+        _check_accounting(run_policies(scenario_backends(s), trace, duration), duration)
+
+
+def test_deterministic_with_a_seed():
+    s = _scenario()
+    nodes = node_names(s.nodes)
+    a = exponential(nodes, 1800.0, 86400.0, seed=7, per="node", replace_after_s=900.0)
+    b = exponential(nodes, 1800.0, 86400.0, seed=7, per="node", replace_after_s=900.0)
+    c = exponential(nodes, 1800.0, 86400.0, seed=8, per="node", replace_after_s=900.0)
+    assert a == b and a != c
+    ra = run_policies(scenario_backends(s), a, 86400.0)
+    rb = run_policies(scenario_backends(s), b, 86400.0)
+    assert {k: v.to_dict() for k, v in ra.items()} == {k: v.to_dict() for k, v in rb.items()}
+
+
+def test_exponential_rate_matches_mtbf():
+    nodes = node_names(64)
+    trace = exponential(nodes, 600.0, 200 * 3600.0, seed=1, per="cluster", replace_after_s=60.0)
+    fails = trace.failures
+    expected = 200 * 3600.0 / 600.0
+    assert abs(fails - expected) < 4 * math.sqrt(expected)
+    per_node = exponential(nodes, 64 * 600.0, 200 * 3600.0, seed=1, per="node",
+                           replace_after_s=60.0)
+    assert abs(per_node.failures - expected) < 4 * math.sqrt(expected)
+
+
+def test_single_failure_by_hand():
+    """One failure at t=35 s; 10 s steps; every number below is computed by hand."""
+    table = PolicyTable({4: 10.0, 3: 10.0}, restart_s=30, reconfiguration_s=2,
+                        checkpoint_s=1, checkpoint_every_steps=2)
+    nodes = ("a", "b", "c", "d")
+    trace = Trace(nodes, (TraceEvent(35.0, "fail", "c"),))
+    # oobleck (no checkpoints): steps 0-10-20-30, step 4 interrupted at 35 (5 s lost),
+    # reconfiguration 35-37, then training to 100.
+    ob = TableBackend(PolicyTable({4: 10.0, 3: 10.0}, reconfiguration_s=2), 100.0)
+    r = simulate(OobleckPolicy(ob), trace, 100.0)
+    assert r.seconds["lost"] == pytest.approx(5.0)
+    assert r.seconds["reconfiguration"] == pytest.approx(2.0)
+    assert r.seconds["effective"] == pytest.approx(93.0)
+    assert r.steps == 3 + 6 and r.samples == pytest.approx(900.0)
+    # restart: steps 0-10, 10-20, ckpt 20-21, steps 21-31, interrupted at 35: steps of 21-35
+    # lost (14 s), restart 35-65, steps 65-75, 75-85, ckpt 85-86, step 86-96, 96-100 partial.
+    r = simulate(RestartPolicy(TableBackend(table, 100.0), checkpoint_s=1,
+                               checkpoint_every_steps=2), trace, 100.0)
+    assert r.seconds["lost"] == pytest.approx(14.0)
+    assert r.seconds["restart"] == pytest.approx(30.0)
+    assert r.seconds["checkpoint"] == pytest.approx(2.0)
+    assert r.seconds["effective"] == pytest.approx(54.0)
+    assert r.steps == 2 + 3 and r.fallbacks == 1
+
+
+def test_idle_and_redundant_shares():
+    # 5 nodes, the table runs 4: one node in five idles; useful 0.25 of the rest.
+    table = PolicyTable({4: 40.0}, useful=0.25, reconfiguration_s=5, restart_s=50)
+    r = simulate(RedundantPolicy(TableBackend(table, 100.0)), Trace(node_names(5), ()), 1000.0)
+    assert r.shares["idle"] == pytest.approx(0.2)
+    assert r.shares["effective"] == pytest.approx(0.2)
+    assert r.shares["redundant"] == pytest.approx(0.6)
+    assert r.samples_per_s == pytest.approx(40.0)
+
+
+def test_consecutive_failures_defeat_redundancy_and_exceed_oobleck_guarantee():
+    nodes = node_names(6)
+    burst = Trace(nodes, (TraceEvent(500.0, "fail", nodes[1]), TraceEvent(501.0, "fail", nodes[2])))
+    spaced = Trace(nodes, (TraceEvent(500.0, "fail", nodes[1]), TraceEvent(900.0, "fail", nodes[2])))
+    tput = {n: 10.0 * n for n in range(2, 7)}
+    red = PolicyTable(tput, useful=0.5, reconfiguration_s=20, restart_s=60)
+    r_burst = simulate(RedundantPolicy(TableBackend(red, 100.0)), burst, 2000.0)
+    r_spaced = simulate(RedundantPolicy(TableBackend(red, 100.0)), spaced, 2000.0)
+    assert r_burst.fallbacks == 1 and r_spaced.fallbacks == 0
+    assert r_burst.seconds["restart"] == pytest.approx(60.0)
+    ob = PolicyTable(tput, reconfiguration_s=5, restart_s=60, f=1)
+    o_burst = simulate(OobleckPolicy(TableBackend(ob, 100.0)), burst, 2000.0)
+    o_spaced = simulate(OobleckPolicy(TableBackend(ob, 100.0)), spaced, 2000.0)
+    assert o_burst.fallbacks == 1 and o_spaced.fallbacks == 0
+    assert o_burst.seconds["restart"] == pytest.approx(60.0)
+    assert o_spaced.seconds["reconfiguration"] == pytest.approx(10.0)
+    ob2 = PolicyTable(tput, reconfiguration_s=5, restart_s=60, f=2)
+    assert simulate(OobleckPolicy(TableBackend(ob2, 100.0)), burst, 2000.0).fallbacks == 0
+
+
+def test_too_few_nodes_stops_and_an_arrival_restarts():
+    table = PolicyTable({3: 30.0}, restart_s=40, reconfiguration_s=2)
+    nodes = ("a", "b", "c")
+    trace = Trace(nodes, (TraceEvent(100.0, "fail", "a"), TraceEvent(400.0, "add", "z")))
+    r = simulate(RestartPolicy(TableBackend(table, 30.0)), trace, 1000.0)
+    assert r.seconds["stopped"] == pytest.approx(300.0)
+    assert r.seconds["restart"] == pytest.approx(40.0)
+    o = simulate(OobleckPolicy(TableBackend(table, 30.0)), trace, 1000.0)
+    assert o.seconds["stopped"] == pytest.approx(300.0) and o.fallbacks == 1
+
+
+def test_paper_preset_reproduces_the_published_shares():
+    """Oobleck artifact, BERT-large, 30 nodes, a failure every 10 minutes: 95.5 / 54.4 / 15.0 %."""
+    s = load_scenario(PAPER)
+    duration = s.duration_hours * 3600
+    trace = fixed_interval(node_names(s.nodes), 60 * s.every_minutes, duration, seed=0)
+    assert trace.failures == 14
+    res = run_policies(scenario_backends(s), trace, duration)
+    _check_accounting(res, duration)
+    published = {"oobleck": 0.955, "restart": 0.544, "redundant": 0.150}
+    for name, share in published.items():
+        assert abs(res[name].shares["effective"] - share) <= 0.05, (name, res[name].shares)
+    # Which node fails does not matter to a table: any seed gives the same shares.
+    other = run_policies(scenario_backends(s), fixed_interval(node_names(30), 600, duration, 5),
+                         duration)
+    assert {k: v.seconds for k, v in other.items()} == {k: v.seconds for k, v in res.items()}
+
+
+def test_trace_files(tmp_path):
+    csv_h = tmp_path / "a.csv"
+    csv_h.write_text("time,event,node\n0,add,n1\n0,add,n2\n0,add,n3\n60,fail,n2\n90.5,add,n9\n")
+    t = load_trace(csv_h)
+    assert t.nodes == ("n1", "n2", "n3")
+    assert t.events == (TraceEvent(60.0, "fail", "n2"), TraceEvent(90.5, "add", "n9"))
+    art = tmp_path / "art.csv"  # the Oobleck artifact's format: ms, 'remove'
+    art.write_text("0,add,node1\n0,add,node2\n601200,remove,node1\n")
+    t = load_trace(art, time_unit="ms")
+    assert t.nodes == ("node1", "node2") and t.events == (TraceEvent(601.2, "fail", "node1"),)
+    jl = tmp_path / "b.jsonl"
+    jl.write_text('{"time": 5, "event": "fail", "node": "node0"}\n\n'
+                  '{"time": 2, "event": "add", "node": "x"}\n')
+    t = load_trace(jl, nodes=node_names(4))
+    assert t.nodes == node_names(4) and [e.time_s for e in t.events] == [2.0, 5.0]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,event,node\n0,add,n1\n5,explode,n1\n")
+    with pytest.raises(ConfigError) as e:
+        load_trace(bad)
+    assert "bad.csv" in str(e.value) and "line 3" in str(e.value) and "explode" in str(e.value)
+    neg = tmp_path / "neg.csv"
+    neg.write_text("time,event,node\n0,add,n1\n-3,fail,n1\n")
+    with pytest.raises(ConfigError, match="line 3"):
+        load_trace(neg)
+    with pytest.raises(ConfigError, match="no initial nodes"):
+        load_trace(_write(tmp_path / "c.csv", "5,fail,n\n"))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_scenario_errors_name_key_and_fix(tmp_path):
+    p = _write(tmp_path / "s.yaml", "simulation:\n  nodes: 4\n  samples_per_iteration: 8\n"
+               "  oobleck: {throughput: {4: 1.0}, reconfig_s: 3}\n")
+    with pytest.raises(ConfigError) as e:
+        load_scenario(p)
+    assert "simulation.oobleck.reconfig_s" in str(e.value) and "reconfiguration_s" in str(e.value)
+    p = _write(tmp_path / "t.yaml", "simulation:\n  nodes: 4\n  samples_per_iteration: 8\n"
+               "  redundant: {throughput: {4: 1.0}, useful: 1.5}\n")
+    with pytest.raises(ConfigError, match="useful"):
+        load_scenario(p)
+
+
+def test_cli_table_json_and_errors(tmp_path, capsys):
+    import argparse
+
+    from oobleck_hpc.sim import cli
+
+    def run(*argv):
+        parser = argparse.ArgumentParser()
+        cli.register(parser.add_subparsers())
+        args = parser.parse_args(["simulate", *argv])
+        return args.func(args)
+
+    assert run(str(PAPER)) == 0
+    out = capsys.readouterr().out
+    assert "oobleck" in out and "restart" in out and "redundant" in out and "14 failures" in out
+    assert run(str(PAPER), "--json", "--policies", "oobleck,restart", "--every", "30") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["policies"]) == {"oobleck", "restart"} and data["meta"]["failures"] == 4
+    for r in data["policies"].values():
+        assert math.isclose(sum(r["seconds"].values()), 9000.0)
+    with pytest.raises(ConfigError, match="--policies"):
+        run(str(PAPER), "--policies", "oobleck,magic")
+    png = tmp_path / "t.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert run(str(PAPER), "--plot", str(png)) == 2
+        assert "matplotlib" in capsys.readouterr().err and not png.exists()
+    else:
+        assert run(str(PAPER), "--plot", str(png)) == 0 and png.stat().st_size > 0
