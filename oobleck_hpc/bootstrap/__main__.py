@@ -1,0 +1,102 @@
+"""`python -m oobleck_hpc.bootstrap COMMAND`: the bootstrap's command-line side, run by srun.
+
+    discover --run-dir DIR        one task per node, under `srun --mpi=pmix`: agree on the roster
+                                  and write DIR/roster.json + DIR/discovery.json (discovery.py)
+    probe --run-dir DIR [--job F] [--seconds S]
+                                  a small real per-node program standing in for the agent in
+                                  launch tests: reads the discovery of this job run, binds its
+                                  published port, records its NodeEnvironment in
+                                  DIR/probe/NODE.json, then beats (DIR/probe/NODE.beats, one line
+                                  every 0.2 s) for S seconds, noting any SIGUSR2/SIGTERM it gets
+    run-dir JOB.yaml              print the job's run directory (for slurm/train.sbatch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from oobleck_hpc.bootstrap.environment import detect
+
+
+def _discover(args: argparse.Namespace) -> int:
+    from oobleck_hpc.bootstrap.discovery import discover
+
+    t0 = time.monotonic()
+    found = discover(args.run_dir)
+    env = detect()
+    if env.task_rank == 0:
+        print(f"discovery: job {found.job_id} restart {found.restart_count}: "
+              f"{len(found.records)} nodes {[r.node for r in found.records]}, store "
+              f"{found.store[0]}:{found.store[1]}, digest {found.digest}, "
+              f"{time.monotonic() - t0:.2f} s", flush=True)
+    return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from oobleck_hpc.bootstrap.discovery import wait_for_discovery
+
+    env = detect()
+    if args.job:
+        from oobleck_hpc.config import load_job
+        load_job(args.job)  # the agent's first act: the job file must load
+    found = wait_for_discovery(args.run_dir, env.job_id, env.restart_count)
+    me = found.roster.address(env.node)
+    with socket.socket() as listener:  # the published port must be ours to bind
+        listener.bind((me.host, me.port))
+        listener.listen()
+        out = Path(args.run_dir) / "probe"
+        out.mkdir(parents=True, exist_ok=True)
+        signals: list[str] = []
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, lambda s, _f: signals.append(signal.Signals(s).name))
+        record = {"env": env.as_dict(), "digest": found.digest, "port": me.port,
+                  "roster": list(found.roster.names), "store": list(found.store),
+                  "pid": __import__("os").getpid(), "started": time.time()}
+        (out / f"{env.node}.json").write_text(json.dumps(record, indent=1) + "\n")
+        end = time.monotonic() + args.seconds
+        with open(out / f"{env.node}.beats", "a") as beats:
+            while time.monotonic() < end:
+                beats.write(f"{time.time():.3f} {env.restart_count} {','.join(signals)}\n")
+                beats.flush()
+                time.sleep(0.2)
+        record["finished"] = time.time()
+        record["signals"] = signals
+        (out / f"{env.node}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"probe {env.node}: done (restart {env.restart_count})", flush=True)
+    return 0
+
+
+def _run_dir(args: argparse.Namespace) -> int:
+    from oobleck_hpc.config import load_job
+
+    print(load_job(args.job).resolved_run_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oobleck_hpc.bootstrap",
+                                     description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("discover", help="agree on the roster (one task per node, under MPI)")
+    p.add_argument("--run-dir", required=True)
+    p.set_defaults(func=_discover)
+    p = sub.add_parser("probe", help="a per-node test program standing in for the agent")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--job", default=None, help="a job YAML to load first (as the agent does)")
+    p.add_argument("--seconds", type=float, default=0.0)
+    p.set_defaults(func=_probe)
+    p = sub.add_parser("run-dir", help="print a job's run directory")
+    p.add_argument("job")
+    p.set_defaults(func=_run_dir)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

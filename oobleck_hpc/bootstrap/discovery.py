@@ -1,0 +1,156 @@
+"""Rank discovery with mpi4py, in a short job step of its own.
+
+Every node's task publishes (node name, address, free port, device count); an MPI allgather gives
+every task the same list in the same order (MPI rank order = Slurm's node order of the step), rank
+0 picks the port of the first rendezvous point (the generation-0 store, hosted by the first node)
+and broadcasts it, and every task checks that all computed the same roster digest. Rank 0 writes
+
+    RUN_DIR/roster.json      the elastic agents' input (oobleck_hpc.elastic.wire.Roster format)
+    RUN_DIR/discovery.json   the full record: job id, restart count, device counts, digest
+
+atomically (temporary file + rename), then every task calls MPI_Finalize and exits.
+
+Why a separate step (measured on Slurm 22.05 with Open MPI 5 under `srun --mpi=pmix`): Slurm's
+PMIx plugin kills the whole step when any task that initialised MPI dies without finalizing, so
+a node death during training would take every agent down if the agents were MPI processes. The
+discovery step is over in ~2 s, before any agent starts; the agents are a second step that never
+touches MPI (its tasks are independent processes under `srun --no-kill --kill-on-bad-exit=0`),
+and agreement on failures after that runs on the elastic control plane (plain TCP).
+
+The free ports are picked in the discovery step and bound by the agents a moment later; if another
+process took one in between, that agent fails to bind and reports it (a rare, visible failure).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from oobleck_hpc.bootstrap.environment import NodeEnvironment, current_job_nodes, detect, free_port
+from oobleck_hpc.elastic.wire import NodeAddress, Roster
+
+ROSTER_FILE = "roster.json"
+DISCOVERY_FILE = "discovery.json"
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What one node publishes in discovery."""
+
+    node: str
+    address: str
+    port: int
+    device_count: int
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """The agreed result of discovery (the same object on every task)."""
+
+    job_id: str
+    restart_count: int
+    records: tuple[NodeRecord, ...]
+    store_port: int
+    """Port of the first rendezvous point, on the first node's address."""
+    controller_nodes: tuple[str, ...] = ()
+    """The job's nodes as the controller saw them at discovery (empty outside Slurm)."""
+
+    @property
+    def roster(self) -> Roster:
+        return Roster(tuple(NodeAddress(r.node, r.address, r.port) for r in self.records),
+                      self.store_port)
+
+    @property
+    def store(self) -> tuple[str, int]:
+        return self.records[0].address, self.store_port
+
+    @property
+    def digest(self) -> str:
+        """A checksum of what must be identical everywhere (records and rendezvous point)."""
+        body = json.dumps([[asdict(r) for r in self.records], self.store_port], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {"job_id": self.job_id, "restart_count": self.restart_count,
+                "records": [asdict(r) for r in self.records], "store_port": self.store_port,
+                "controller_nodes": list(self.controller_nodes), "digest": self.digest}
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> Discovery:
+        data = json.loads((Path(run_dir) / DISCOVERY_FILE).read_text())
+        return cls(job_id=data["job_id"], restart_count=data["restart_count"],
+                   records=tuple(NodeRecord(**r) for r in data["records"]),
+                   store_port=data["store_port"],
+                   controller_nodes=tuple(data.get("controller_nodes", ())))
+
+    def write(self, run_dir: str | Path) -> None:
+        """Atomically write roster.json and discovery.json (a reader never sees half a file)."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.roster.write(run_dir / ROSTER_FILE)
+        _write_atomic(run_dir / DISCOVERY_FILE, json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discovery:
+    """Run in every task of an MPI launch with one task per node (`srun --mpi=pmix
+    --ntasks-per-node=1 python -m oobleck_hpc.bootstrap discover`). Returns the agreed
+    `Discovery` on every task; rank 0 has written it to `run_dir`. Finalizes MPI."""
+    from mpi4py import MPI  # only here: the agents never initialise MPI (module docstring)
+
+    env = env or detect()
+    comm = MPI.COMM_WORLD
+    try:
+        mine = NodeRecord(env.node, env.address, free_port(env.address), env.device_count)
+        records = tuple(NodeRecord(**r) for r in comm.allgather(asdict(mine)))
+        names = [r.node for r in records]
+        if len(set(names)) != len(names):
+            raise RuntimeError(f"discovery needs exactly one task per node, got nodes {names}; "
+                               "launch it with --ntasks-per-node=1")
+        if comm.rank == 0:
+            taken = {r.port for r in records if r.address == mine.address}
+            store_port = free_port(env.address)
+            while store_port in taken:
+                store_port = free_port(env.address)
+            controller = tuple(current_job_nodes(env.job_id)) if env.source == "slurm" else ()
+            head = (store_port, controller)
+        else:
+            head = None
+        store_port, controller = comm.bcast(head, root=0)
+        found = Discovery(env.job_id, env.restart_count, records, store_port, controller)
+        digests = comm.allgather(found.digest)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"discovery tasks disagree on the roster: digests {digests}")
+        if comm.rank == 0:
+            found.write(run_dir)
+        comm.Barrier()  # nobody leaves before the files exist
+        return found
+    finally:
+        MPI.Finalize()
+
+
+def wait_for_discovery(run_dir: str | Path, job_id: str, restart_count: int,
+                       timeout_s: float = 60.0) -> Discovery:
+    """Read the discovery of this job run (same job id and restart count), waiting for it."""
+    deadline = time.monotonic() + timeout_s
+    path = Path(run_dir) / DISCOVERY_FILE
+    while True:
+        try:
+            found = Discovery.load(run_dir)
+            if (found.job_id, found.restart_count) == (job_id, restart_count):
+                return found
+        except (OSError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}: no discovery for job {job_id} restart {restart_count} "
+                               f"after {timeout_s:.0f} s; did the discovery step run?")
+        time.sleep(0.1)
