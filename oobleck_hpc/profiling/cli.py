@@ -9,6 +9,10 @@
     oobleck-hpc profiles import SRC [--library DIR] [--keep-both]
         copy another library's profiles in; never overwrites a different file (exit 2 if refused)
     oobleck-hpc profiles diff A B                 layer by layer differences
+    oobleck-hpc profiles analytic [--models ..] [--devices ..] [--microbatch K ..] [--library DIR]
+        write analytic profiles (how the GPT-3 family files in profiles/ are made)
+    oobleck-hpc profiles check-step JOB.yaml      the planner's predicted step time for the whole
+        model on one GPU vs a measured single-process training step (the profile's acceptance check)
 
 Heavy modules (torch, h5py) are imported inside the commands, not here.
 """
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_LIBRARY = "profiles"
+ANALYTIC_MODELS = ("gpt3-350m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b")
+ANALYTIC_DEVICES = ("A40", "A100-80G", "H100-80G")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +56,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("a")
     q.add_argument("b")
     q.set_defaults(func=_diff)
+    q = ps.add_parser("analytic", help="write analytic profiles (FLOP/byte counts) into a library")
+    q.add_argument("--models", nargs="+", default=list(ANALYTIC_MODELS))
+    q.add_argument("--devices", nargs="+", default=list(ANALYTIC_DEVICES))
+    q.add_argument("--microbatch", type=int, nargs="+", default=[1])
+    q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    q.add_argument("--gpus-per-node", type=int, default=8)
+    q.add_argument("--library", default=DEFAULT_LIBRARY)
+    q.add_argument("--force", action="store_true", help="replace existing files")
+    q.set_defaults(func=_analytic)
+    q = ps.add_parser("check-step", help="planner's predicted 1-GPU step time vs a measured "
+                                         "single-process training step")
+    q.add_argument("job", help="YAML job file (its profile is resolved as `plan` does)")
+    q.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step (default: train.global_microbatches)")
+    q.add_argument("--repeats", type=int, default=10)
+    q.set_defaults(func=_check_step)
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -169,4 +191,34 @@ def _diff(args: argparse.Namespace) -> int:
         print(line)
     if not lines:
         print("identical")
+    return 0
+
+
+def _analytic(args: argparse.Namespace) -> int:
+    from oobleck_hpc.profiling.analytic import analytic_profile
+    from oobleck_hpc.profiling.store import library_path, save_profile
+
+    for model in args.models:
+        for device in args.devices:
+            for mb in args.microbatch:
+                p = analytic_profile(model, device, mb, dtype=args.dtype, gpus_per_node=args.gpus_per_node)
+                path = save_profile(p, library_path(args.library, p.fingerprint), overwrite=args.force)
+                print(f"wrote {path}")
+    return 0
+
+
+def _check_step(args: argparse.Namespace) -> int:
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.profiling import resolve_profile
+    from oobleck_hpc.profiling.profiler import measure_step_ms, predicted_single_gpu_step_ms
+
+    job = load_job(args.job)
+    m = args.microbatches or job.train.global_microbatches
+    profile = resolve_profile(job)
+    predicted = predicted_single_gpu_step_ms(profile, m)
+    measured, spread = measure_step_ms(job, m, repeats=args.repeats)
+    print(f"{job.model.name}, {m} microbatches of {job.train.microbatch_size}, one process:")
+    print(f"  predicted by the planner from the profile: {predicted:.2f} ms")
+    print(f"  measured training step (AdamW):            {measured:.2f} ms (IQR {spread:.2f})")
+    print(f"  prediction error: {100 * (predicted - measured) / measured:+.1f} %")
     return 0
