@@ -245,3 +245,47 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
         assert "matplotlib" in capsys.readouterr().err and not png.exists()
     else:
         assert run(str(PAPER), "--plot", str(png)) == 0 and png.stat().st_size > 0
+
+
+def _small_job():
+    from oobleck_hpc.config import job_from_dict
+
+    return job_from_dict({
+        "name": "sim-small", "model": {"name": "gpt3-350m", "dtype": "bfloat16"},
+        "train": {"microbatch_size": 1, "global_microbatches": 32},
+        "cluster": {"nodes": 8, "gpus_per_node": 2, "device": "cuda"},
+        "fault_tolerance": {"f": 1},
+        "profile": {"analytic": True, "device": "A100-80G"}})
+
+
+def test_planner_driven_run_on_a_small_analytic_case():
+    from oobleck_hpc.planning.cost import plan_iteration_ms
+    from oobleck_hpc.profiling import resolve_profile
+    from oobleck_hpc.sim.planner_backend import CostParams, PlannerModel, planner_backends
+
+    job = _small_job()
+    profile = resolve_profile(job)
+    duration = 6 * 3600.0
+    trace = fixed_interval(node_names(8), 3600.0, duration, seed=3)
+    assert trace.failures == 5
+    params = CostParams(regroup_s=1.5, restart_base_s=100.0)
+    res = run_policies(planner_backends(job, profile, params,
+                                        trace.mean_failure_interval_s(duration)),
+                       trace, duration)
+    _check_accounting(res, duration)
+    ob, rs, rd = res["oobleck"], res["restart"], res["redundant"]
+    # oobleck: five in-place reconfigurations, each at least detection + regroup
+    assert ob.fallbacks == 0 and ob.failures == 5
+    assert ob.seconds["reconfiguration"] >= 5 * (job.fault_tolerance.lease_s + 1.5) - 1e-9
+    assert ob.seconds["restart"] == 0
+    # restart: every failure goes back to the checkpoint and pays a restart
+    assert rs.fallbacks == 5 and rs.seconds["restart"] >= 5 * 100.0
+    assert rs.seconds["checkpoint"] > 0
+    assert rd.seconds["redundant"] > 0
+    assert ob.shares["effective"] > rs.shares["effective"] > 0
+    # the first segment runs at the throughput of the planner's initial plan
+    model = PlannerModel(job, profile, params)
+    it_s = plan_iteration_ms(model.initial_plan, profile) / 1000.0
+    assert ob.timeline[0][2] == pytest.approx(32 / it_s)
+    # and fewer nodes after failures never train faster than the full cluster
+    assert max(rate for _, _, rate in ob.timeline) == pytest.approx(32 / it_s)
