@@ -172,3 +172,19 @@ def test_shipped_library_verifies_and_serves_the_demo():
     job = dataclasses.replace(job, profile=dataclasses.replace(job.profile, library=str(REPO / "profiles")))
     p = resolve_profile(job)
     assert p.fingerprint.source == "measured" and p.fingerprint.device_name == "cpu"
+
+
+def test_bfloat16_layers_are_measured_under_autocast():
+    from oobleck_hpc.config import ModelConfig
+    from oobleck_hpc.models import build_model
+
+    model = build_model(ModelConfig(name="gpt-tiny", dtype="bfloat16"))
+    opts = profiler.ProfilerOptions(warmup=0, repeats=1)
+    bf = profiler.profile_layers(model, 2, 16, "bfloat16", torch.device("cpu"), opts)
+    fp = profiler.profile_layers(model, 2, 16, "float32", torch.device("cpu"), opts)
+    # parameters stay float32; autocast's bf16 weight copies live as long as the microbatch's
+    # graph (saved for backward: counted), and the head's logits are bf16
+    assert [x.param_bytes for x in bf] == [x.param_bytes for x in fp]
+    assert bf[1].activation_bytes > fp[1].activation_bytes
+    assert bf[-1].output_bytes == fp[-1].output_bytes // 2
+    assert all(x.forward_ms > 0 for x in bf)
