@@ -251,7 +251,7 @@ class Policy:
         room = 1 + int(math.floor((left - to_finish) / it + 1e-9))
         if every:
             room = min(room, max(every - self.pending_steps, 1))
-        d = to_finish + (room - 1) * it
+        d = min(to_finish + (room - 1) * it, left)  # min: float noise at the boundary
         eff = self.partial_eff + self._book_training(d)
         self.partial_eff = 0.0
         self.step_done = 0.0
