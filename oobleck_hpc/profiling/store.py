@@ -32,7 +32,8 @@ library at once):
 - `import_profiles` never overwrites a different existing file: identical content is skipped,
   different content is refused (or kept beside it under a suffixed name with `keep_both`), and
   each case is reported.
-- loading opens files read-only and never modifies them.
+- loading opens files read-only and never modifies them. HDF5 file locking is off: a published
+  file is never written again (replacement is a new inode), and locks fail on many NFS mounts.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def _publish(tmp: Path, dest: Path, overwrite: bool) -> bool:
 def _write_h5(profile: ModelProfile, path: Path) -> str:
     arrays = _layer_arrays(profile.layers)
     checksum = _checksum(arrays, profile.fingerprint, profile.machine)
-    with h5py.File(path, "w") as f:
+    with h5py.File(path, "w", locking=False) as f:  # a private temp file
         f.attrs["format"] = FORMAT
         for name in _FP_FIELDS:
             value = getattr(profile.fingerprint, name)  # plain str/int (str subclasses do not convert)
@@ -261,7 +262,7 @@ def load_profile(path: str | Path) -> ModelProfile:
         raise ProfileError(f"profile {path} does not exist. Fix: create it with "
                            f"`oobleck-hpc profile JOB.yaml` or point profile.path at an existing file")
     try:
-        f = h5py.File(path, "r")
+        f = h5py.File(path, "r", locking=False)  # immutable once published; NFS-safe
     except OSError as e:
         raise ProfileError(f"{path} is not a readable HDF5 file (corrupt or truncated: {e}). {fix}") from e
     try:
@@ -330,7 +331,7 @@ def load_profile(path: str | Path) -> ModelProfile:
 def stored_checksum(path: str | Path) -> str:
     """The checksum attribute of a file (after `load_profile` has verified it)."""
     load_profile(path)
-    with h5py.File(path, "r") as f:
+    with h5py.File(path, "r", locking=False) as f:
         v = f.attrs["checksum_sha256"]
     return v.decode() if isinstance(v, bytes) else str(v)
 
