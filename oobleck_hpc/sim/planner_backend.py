@@ -253,28 +253,20 @@ class HomogeneousBackend:
 
 class RedundantBackend:
     def __init__(self, model: PlannerModel):
-        from oobleck_hpc.planning import plan_job
-
         self.m = model
-        self.profile = redundant_profile(model.profile)
         job = dataclasses.replace(model.job, fault_tolerance=dataclasses.replace(
             model.job.fault_tolerance, f=0))
-        self.rm = PlannerModel.__new__(PlannerModel)
-        self.rm.job, self.rm.profile, self.rm.params = job, self.profile, model.params
-        nodes = tuple(f"node{i}" for i in range(job.cluster.nodes))
         try:
-            self.rm.spec, self.rm.templates, _ = plan_job(job, self.profile, nodes)
-        except PlanningError:
-            self.rm.templates = {}
-        self.rm.state_bytes = 2 * model.state_bytes
-        self.rm.detect_s = model.detect_s
-        self.rm._homog = lru_cache(maxsize=None)(self.rm._homogeneous)
+            self.rm: PlannerModel | None = PlannerModel(job, redundant_profile(model.profile),
+                                                        model.params)
+        except PlanningError:  # the doubled state fits no node count of this job
+            self.rm = None
         self._cache: dict[int, RunConfig | None] = {}
 
     def plan(self, nodes: tuple[str, ...]) -> RunConfig | None:
         n = len(nodes)
         if n not in self._cache:
-            red = self.rm.homogeneous(n) if self.rm.templates else None
+            red = self.rm.homogeneous(n) if self.rm is not None else None
             plain = self.m.homogeneous(n)
             if red is None or plain is None:
                 self._cache[n] = None
