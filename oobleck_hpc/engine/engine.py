@@ -1,0 +1,419 @@
+"""One rank's part of a plan: its stage, its 1F1B action list, per-layer gradient sync, AdamW.
+
+Build (once per plan): the rank builds only its layers [layer_start, layer_end), deterministic
+from (seed, layer), so replicas start bit-identical without a broadcast (or loads them from
+`layer_states`, given by a reconfiguration or a checkpoint). Receive buffers are preallocated
+from `model.layer_output_shape`: no shapes travel at run time.
+
+Step (`Engine.step()`), for the global batch at `state.cursor`:
+
+1. Pipeline: the rank runs its action list (engine/schedule.py). F(k) computes its rows of
+   microbatch k; the last stage turns logits into per-sample losses and backpropagates
+       L_rank = (sum of its per-sample losses) / B          (B = samples in the global batch)
+   Summing the gradients of L_rank over every holder of a layer gives exactly the gradient of
+   the mean loss over the global batch, whatever the plan.
+2. Gradient sync: a stage's layers are grouped into segments of consecutive layers with the
+   same holder set (`plan.layer_owners`); a segment's gradients live in one flat buffer (the
+   parameters' `.grad` are views of it, as DDP's gradient_as_bucket_view) and are all-reduced
+   (SUM) with one collective over that rank set. Backward runs segment by segment; during the
+   last microbatch's backward a segment's all-reduce starts as soon as its gradients are final,
+   overlapping the backward of the segments before it and the cool-down of earlier stages.
+3. Global statistics: one all-reduce over the world of [loss sum, sum of ||g_l||^2 over the
+   segments this rank is the lowest holder of] -- every layer counted exactly once.
+4. Clip with the global norm, set the LR of this step, AdamW. Only then the state (step,
+   cursor) advances: the step is committed.
+
+Failures are values: any exception in 1-3 (a peer died, a collective timed out) is caught and
+returned as `StepResult(ok=False, error, phase, peer)`; weights, optimizer state and training
+state are untouched (the optimizer has not run), so the step can be replayed on a new plan.
+The engine never exits and never decides what to do about a failure.
+
+`on_phase(phase, step)` (optional) is called when the step enters forward, backward,
+gradient_sync and optimizer: the elastic layer injects faults there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from oobleck_hpc.config import JobConfig
+from oobleck_hpc.engine.groups import Comm, PlanGroups
+from oobleck_hpc.engine.optim import clip_coefficient, lr_at, make_optimizer, set_lr
+from oobleck_hpc.engine.sampler import Dataset, GlobalSampler
+from oobleck_hpc.engine.schedule import Action, max_in_flight, plan_schedule, validate
+from oobleck_hpc.models.base import LayerModel
+from oobleck_hpc.planning.plan import Plan
+
+PHASES = ("forward", "backward", "gradient_sync", "optimizer")
+
+
+@dataclass
+class TrainState:
+    """What advances when a step commits (and what a checkpoint stores besides the layers)."""
+
+    step: int = 0
+    cursor: int = 0
+    """Samples of the global stream consumed so far."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    ok: bool
+    loss: float = math.nan
+    """Mean loss over the global batch (same value on every rank)."""
+    grad_norm: float = math.nan
+    lr: float = math.nan
+    samples: int = 0
+    seconds: float = 0.0
+    error: BaseException | None = None
+    phase: str | None = None
+    """Where it failed: forward, backward, gradient_sync or optimizer."""
+    peer: int | None = None
+    """The rank the failing transfer talked to (None for collectives and compute)."""
+    group: tuple[int, ...] | None = None
+    """The ranks of the failing collective."""
+
+
+@dataclass
+class Segment:
+    """Consecutive layers of this rank's stage with the same holder set: one flat gradient
+    buffer, one all-reduce."""
+
+    layers: list[int]
+    modules: list[nn.Module]
+    owners: tuple[int, ...]
+    group: dist.ProcessGroup | None
+    flat: torch.Tensor
+    counts_norm: bool
+    """This rank is the lowest holder: it adds the segment's squared norm to the global norm."""
+    work: dist.Work | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.modules:
+            x = m(x)
+        return x
+
+
+@dataclass
+class _Failure(Exception):
+    phase: str
+    peer: int | None
+    group: tuple[int, ...] | None
+    cause: BaseException
+
+
+class Engine:
+    def __init__(self, job: JobConfig, model: LayerModel, plan: Plan, comm: Comm,
+                 groups: PlanGroups, dataset: Dataset, device: torch.device | str = "cpu",
+                 state: TrainState | None = None,
+                 layer_states: dict[int, dict[str, torch.Tensor]] | None = None,
+                 on_phase: Callable[[str, int], None] | None = None):
+        self.job, self.model, self.plan, self.comm, self.groups = job, model, plan, comm, groups
+        self.device = torch.device(device)
+        self.state = state or TrainState()
+        self.on_phase = on_phase
+        self.train = job.train
+        self.bf16 = job.model.dtype == "bfloat16"
+        self.sampler = GlobalSampler(dataset, job.train.microbatch_size,
+                                     job.train.global_microbatches, seed=job.model.seed)
+        if plan.global_microbatches != job.train.global_microbatches:
+            raise ValueError(f"plan splits {plan.global_microbatches} microbatches but the job's "
+                             f"train.global_microbatches is {job.train.global_microbatches}")
+        self.info = info = plan.ranks[comm.rank]
+        self.first = info.stage == 0
+        self.last = info.stage == plan.pipelines[info.pipeline].template.num_stages - 1
+        self.microbatches = plan.pipelines[info.pipeline].microbatches
+        self.mb_offset = sum(p.microbatches for p in plan.pipelines[:info.pipeline])
+
+        schedule = plan_schedule(plan, job.train.microbatch_size)
+        validate(schedule)
+        self.actions: list[Action] = schedule[comm.rank]
+        fwd = [a for a in self.actions if a.kind == "F"]
+        self.rows = fwd[0].rows if fwd else (0, 0)
+
+        # Layers: built here from (seed, index), or loaded from transferred/checkpointed state.
+        self.layers: dict[int, nn.Module] = {}
+        for layer in range(info.layer_start, info.layer_end):
+            module = model.build_layer(layer, self.device)
+            self.layers[layer] = module
+        self.dtype = next(self.layers[info.layer_start].parameters()).dtype
+        self.optimizer = make_optimizer(self.layers.values(), job.train, self.device)
+        for layer, st in (layer_states or {}).items():
+            self.load_layer_state(layer, st)
+
+        self.segments = self._make_segments()
+
+        # Preallocated transfer buffers: S - s activation slots (1F1B in-flight bound), one
+        # gradient buffer. Shapes come from the model, for this rank's rows.
+        # Transfers carry the parameters' dtype (fp32; fp64 when a test builds the model so);
+        # under bf16 autocast activations are cast up to it before they are sent.
+        n_rows = self.rows[1] - self.rows[0]
+        seq_len = job.data.seq_len or model.seq_len
+        self.act_slots: list[torch.Tensor] = []
+        if not self.first and n_rows:
+            shape, _ = model.layer_output_shape(info.layer_start - 1, n_rows, seq_len)
+            self.act_slots = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                              for _ in range(max(1, max_in_flight(self.actions)))]
+        self.grad_buf: torch.Tensor | None = None
+        if not self.last and n_rows:
+            shape, _ = model.layer_output_shape(info.layer_end - 1, n_rows, seq_len)
+            self.grad_buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ construction
+
+    def _make_segments(self) -> list[Segment]:
+        segments: list[Segment] = []
+        for layer in range(self.info.layer_start, self.info.layer_end):
+            owners = self.plan.layer_owners(layer)
+            if segments and segments[-1].owners == owners:
+                segments[-1].layers.append(layer)
+                segments[-1].modules.append(self.layers[layer])
+            else:
+                segments.append(Segment([layer], [self.layers[layer]], owners,
+                                        self.groups.group(owners), torch.empty(0),
+                                        counts_norm=self.comm.rank == owners[0]))
+        for seg in segments:
+            params = [p for m in seg.modules for p in m.parameters()]
+            seg.flat = torch.zeros(sum(p.numel() for p in params), dtype=self.dtype,
+                                   device=self.device)
+            offset = 0
+            for p in params:
+                p.grad = seg.flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        return segments
+
+    # ------------------------------------------------------------------ per-layer state
+
+    def layer_state(self, layer: int) -> dict[str, torch.Tensor]:
+        """Weights and optimizer state of one owned layer (tensors shared, not copied)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.layers[layer].named_parameters():
+            out[f"param/{name}"] = p.detach()
+            for key, value in self.optimizer.state.get(p, {}).items():
+                out[f"optim/{name}/{key}"] = value
+        return out
+
+    def load_layer_state(self, layer: int, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite an owned layer's weights and optimizer state (copies the tensors)."""
+        for name, p in self.layers[layer].named_parameters():
+            with torch.no_grad():
+                p.copy_(state[f"param/{name}"])
+            prefix = f"optim/{name}/"
+            optim = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            if optim:
+                self.optimizer.state[p] = {k: v.detach().clone().to(
+                    self.device if k != "step" or v.device.type != "cpu" else v.device)
+                    for k, v in optim.items()}
+
+    # ------------------------------------------------------------------ the step
+
+    def _phase(self, phase: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase, self.state.step)
+
+    def step(self) -> StepResult:
+        step = self.state.step
+        t0 = time.perf_counter()
+        lr = lr_at(step, self.train)
+        try:
+            loss_sum = self._pipeline(step)
+            self._phase("gradient_sync")
+            total = self._sync(loss_sum)
+            self._phase("optimizer")
+        except _Failure as f:
+            self._abandon()
+            return StepResult(step, False, lr=lr, seconds=time.perf_counter() - t0,
+                              error=f.cause, phase=f.phase, peer=f.peer, group=f.group)
+        loss = float(total[0]) / self.sampler.global_batch
+        norm = math.sqrt(max(float(total[1]), 0.0))
+        coef = clip_coefficient(norm, self.train.grad_clip)
+        if coef != 1.0:
+            for seg in self.segments:
+                seg.flat.mul_(coef)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.state.step += 1
+        self.state.cursor += self.sampler.global_batch
+        return StepResult(step, True, loss=loss, grad_norm=norm, lr=lr,
+                          samples=self.sampler.global_batch, seconds=time.perf_counter() - t0)
+
+    def _abandon(self) -> None:
+        """Forget everything of a failed step (pending work is owned by the dead groups)."""
+        for seg in self.segments:
+            seg.work = None
+        self._ctx = {}
+        self._sends = []
+
+    def _pipeline(self, step: int) -> torch.Tensor:
+        cursor = self.state.cursor
+        for seg in self.segments:
+            seg.flat.zero_()
+        self._ctx: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._sends: list[tuple[dist.Work, int]] = []
+        recvs: list[tuple[dist.Work, int]] = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        r0 = self.rows[0]
+        phase = "forward"
+        self._phase(phase)
+        for a in self.actions:
+            try:
+                if a.kind == "RECV_ACT":
+                    slot = self.act_slots[a.microbatch % len(self.act_slots)]
+                    recvs.append((dist.irecv(slot[a.rows[0] - r0:a.rows[1] - r0], src=a.peer), a.peer))
+                elif a.kind == "RECV_GRAD":
+                    recvs.append((dist.irecv(self.grad_buf[a.rows[0] - r0:a.rows[1] - r0],
+                                             src=a.peer), a.peer))
+                elif a.kind == "SEND_ACT" or a.kind == "SEND_GRAD":
+                    t = self._outputs[(a.kind, a.microbatch)]
+                    self._sends.append((dist.isend(t[a.rows[0] - r0:a.rows[1] - r0].contiguous(),
+                                                   dst=a.peer), a.peer))
+                else:
+                    if a.kind == "B" and phase == "forward":
+                        phase = "backward"
+                        self._phase(phase)
+                    for work, peer in recvs:
+                        try:
+                            work.wait(self.comm.timeout)
+                        except Exception as e:
+                            raise _Failure(phase, peer, None, e) from e
+                    recvs = []
+                    if a.kind == "F":
+                        loss_sum += self._forward(a, cursor)
+                    else:
+                        self._backward(a)
+            except _Failure:
+                raise
+            except Exception as e:
+                raise _Failure(phase, a.peer if a.peer >= 0 else None, None, e) from e
+        for work, peer in self._sends:
+            try:
+                work.wait(self.comm.timeout)
+            except Exception as e:
+                raise _Failure(phase, peer, None, e) from e
+        self._sends = []
+        return loss_sum
+
+    def _forward(self, a: Action, cursor: int) -> torch.Tensor:
+        k = a.microbatch
+        if self.first or self.last:
+            x_tok, y = self.sampler.microbatch(cursor, self.mb_offset + k, a.rows)
+        if self.first:
+            x = x_tok.to(self.device)
+        else:
+            x = self.act_slots[k % len(self.act_slots)].detach().requires_grad_()
+        ctx = []
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for i, seg in enumerate(self.segments):
+                inp = x if i == 0 else x.detach().requires_grad_()
+                x = seg.forward(inp)
+                ctx.append((inp, x))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.last:
+            per_sample = self.model.loss(x, y.to(self.device))
+            total = per_sample.sum()
+            loss_sum = total.detach().double()
+            ctx[-1] = (ctx[-1][0], total / self.sampler.global_batch)
+        else:
+            self._outputs[("SEND_ACT", k)] = x.detach().to(self.dtype)
+        self._ctx[k] = ctx
+        return loss_sum
+
+    def _backward(self, a: Action) -> None:
+        k = a.microbatch
+        ctx = self._ctx.pop(k)
+        self._outputs.pop(("SEND_ACT", k), None)
+        grad = None if self.last else self.grad_buf
+        final = k == self.microbatches - 1
+        for i in range(len(ctx) - 1, -1, -1):
+            inp, out = ctx[i]
+            torch.autograd.backward(out, grad_tensors=grad if grad is None else grad.to(out.dtype))
+            grad = inp.grad
+            if final:
+                self._start_sync(self.segments[i])
+        if not self.first:
+            self._outputs[("SEND_GRAD", k)] = grad
+
+    def _start_sync(self, seg: Segment) -> None:
+        if seg.group is not None:
+            seg.work = dist.all_reduce(seg.flat, op=dist.ReduceOp.SUM, group=seg.group,
+                                       async_op=True)
+
+    def _sync(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        if self.microbatches == 0:  # a pipeline with no samples still joins the reductions
+            for seg in self.segments:
+                self._start_sync(seg)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for seg in self.segments:
+            if seg.work is not None:
+                try:
+                    seg.work.wait(self.comm.timeout)
+                except Exception as e:
+                    raise _Failure("gradient_sync", None, seg.owners, e) from e
+                seg.work = None
+            if seg.counts_norm:
+                sq += seg.flat.double().square().sum()
+        stats = torch.stack([loss_sum.double(), sq])
+        try:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        except Exception as e:
+            raise _Failure("gradient_sync", None, tuple(range(self.comm.world_size)), e) from e
+        return stats.cpu()
+
+    # ------------------------------------------------------------------ cleanup
+
+    def close(self) -> None:
+        """Drop the layers, optimizer and buffers (the process groups belong to the caller)."""
+        self.layers.clear()
+        self.segments = []
+        self.act_slots = []
+        self.grad_buf = None
+        self.optimizer = None  # type: ignore[assignment]
+
+
+@dataclass
+class Reference:
+    """The single-process reference: the same global batches through the whole model with the
+    same optimizer, microbatch by microbatch. What the engine must equal (tests, benchmark)."""
+
+    job: JobConfig
+    model: LayerModel
+    dataset: Dataset
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self) -> None:
+        self.layers = [self.model.build_layer(i, self.device) for i in range(self.model.num_layers)]
+        self.optimizer = make_optimizer(self.layers, self.job.train, self.device)
+        self.sampler = GlobalSampler(self.dataset, self.job.train.microbatch_size,
+                                     self.job.train.global_microbatches, seed=self.job.model.seed)
+        self.state = TrainState()
+        self.params = [p for m in self.layers for p in m.parameters()]
+
+    def step(self) -> float:
+        self.optimizer.zero_grad(set_to_none=False)
+        total = 0.0
+        bf16 = self.job.model.dtype == "bfloat16"
+        for g in range(self.job.train.global_microbatches):
+            x, y = self.sampler.microbatch(self.state.cursor, g)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+                h = x.to(self.device)
+                for m in self.layers:
+                    h = m(h)
+            loss = self.model.loss(h, y.to(self.device)).sum()
+            total += float(loss.detach())
+            (loss / self.sampler.global_batch).backward()
+        if self.job.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.job.train.grad_clip)
+        set_lr(self.optimizer, lr_at(self.state.step, self.job.train))
+        self.optimizer.step()
+        self.state.step += 1
+        self.state.cursor += self.sampler.global_batch
+        return total / self.sampler.global_batch

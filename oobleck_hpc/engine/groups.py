@@ -1,0 +1,95 @@
+"""Process groups: one world per generation, and the plan's groups, deduplicated by rank set.
+
+Lifecycle (the elastic layer relies on exactly this):
+
+    comm = Comm.init(store, rank, world_size, generation, backend, timeout_s)   # default group
+    groups = PlanGroups.build(plan, comm)     # every distinct rank set of >= 2 ranks, once
+    ... train ...
+    comm.destroy()                            # destroys the default group AND every subgroup
+
+`init` wraps the caller's store in a `PrefixStore("oobleck/gen<generation>/")`, so a rebuilt
+world never reads keys left by an older one (torchft does the same). After `destroy` nothing of
+the old groups is left in torch.distributed; the same processes can `init` a new generation
+with a different world size and rank. The collective timeout is short (the job's
+`fault_tolerance.collective_timeout_s`): it bounds how long a hung peer can stall anything.
+
+Which groups a plan needs: the sets of ranks that hold the same layers (`plan.layer_owners`).
+A layer's holders are all replicas of its stage in every pipeline (in-node GPUs of a multi-GPU
+stage included), so ONE all-reduce over that set sums both the in-node data-parallel shares and
+the pipelines' contributions. Layers with identical holder sets share a group and a flat buffer.
+Point-to-point traffic uses the default group. Every rank creates every group, in the same
+(sorted) order, as `new_group` requires.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from oobleck_hpc.planning.plan import Plan
+
+
+def default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+@dataclass
+class Comm:
+    """This process's membership in one generation of the training world."""
+
+    rank: int
+    world_size: int
+    generation: int
+    backend: str
+    timeout_s: float
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    @classmethod
+    def init(cls, store: dist.Store, rank: int, world_size: int, generation: int,
+             backend: str = "gloo", timeout_s: float = 5.0) -> Comm:
+        if dist.is_initialized():
+            raise RuntimeError("a process group is still initialised: call Comm.destroy() first")
+        prefixed = dist.PrefixStore(f"oobleck/gen{generation}/", store)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(rank, world_size, generation, backend, timeout_s)
+
+    def destroy(self) -> None:
+        """Tear down the default group and every subgroup created under it."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class PlanGroups:
+    """The groups of one plan, keyed by rank set. `group(ranks)` is None for a single rank."""
+
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+
+    @staticmethod
+    def rank_sets(plan: Plan) -> list[tuple[int, ...]]:
+        """Distinct holder sets of >= 2 ranks over all layers, sorted (creation order)."""
+        sets = {plan.layer_owners(layer) for layer in range(plan.num_layers)}
+        return sorted(s for s in sets if len(s) > 1)
+
+    @classmethod
+    def build(cls, plan: Plan, comm: Comm) -> PlanGroups:
+        if plan.world_size != comm.world_size:
+            raise ValueError(f"plan has {plan.world_size} ranks but the world has {comm.world_size}")
+        out = cls()
+        for ranks in cls.rank_sets(plan):
+            if len(ranks) == comm.world_size:
+                out.groups[ranks] = dist.group.WORLD
+            else:
+                group = dist.new_group(list(ranks), timeout=comm.timeout, backend=comm.backend)
+                if comm.rank in ranks:
+                    out.groups[ranks] = group
+        return out
+
+    def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        return self.groups.get(tuple(ranks))
