@@ -293,7 +293,8 @@ cmd_freeze_node() {
 }
 
 cmd_thaw_node() {
-    local n=$1 f="$D/run/frozen-$n.pids"
+    local n=$1
+    local f="$D/run/frozen-$n.pids"
     [ -s "$f" ] || die "$n is not frozen"
     kill -CONT $(cat "$f") 2>/dev/null || true
     rm -f "$f"

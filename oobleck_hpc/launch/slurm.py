@@ -1,0 +1,271 @@
+"""Launch a job on Slurm with submitit: one driver in the batch script, one agent per node.
+
+The only module that imports submitit. The shape of a submitted job:
+
+    sbatch  --nodes=N --no-kill --requeue --signal=USR2@90 --time=T ...   (submitit SlurmExecutor)
+      batch script, first node:  python -m submitit.core._submit FOLDER  ->  SlurmDriver()
+        1. srun --mpi=pmix -N N --ntasks-per-node=1 python -m oobleck_hpc.bootstrap discover
+              a short MPI step: the nodes agree on RUN_DIR/roster.json, then MPI is finalized
+        2. srun --no-kill --kill-on-bad-exit=0 -N N --ntasks-per-node=1 AGENT_COMMAND
+              one agent per node, no MPI; per-node logs RUN_DIR/logs/agent-JOB-rR-TASK.out (task t = roster node t)
+        3. the agents' exit: 0 -> done (the submitit result); 75 -> `scontrol requeue` (the job
+           comes back, same job id, and resumes from its checkpoint); anything else -> error
+
+Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py):
+- `--no-kill`: without it Slurm ends the whole job when one node fails; with it the job stays
+  RUNNING, the controller drops the dead node and the batch script is not signalled.
+- `srun --no-kill --kill-on-bad-exit=0` for the agents: a multi-node step otherwise has its
+  surviving tasks killed when a node is declared DOWN or one task exits non-zero.
+- MPI only in step 1: Slurm's PMIx plugin kills a step whose MPI task dies without finalizing.
+- `--requeue`: losing the batch node ends the job; Slurm then requeues it (same job id) and the
+  agents resume from the last checkpoint. SLURM_RESTART_COUNT tells a requeued run from the first.
+- `--signal=USR2@90` (slurm.signal / slurm.signal_delay_s): sent to every agent before the time
+  limit so that they checkpoint and ask to be requeued (exit 75); not to the batch script.
+- submitit's SlurmExecutor is chosen explicitly: once slurm-wlm is installed `srun` is on PATH
+  and AutoExecutor picks Slurm even when no controller runs; `submit()` asks `scontrol ping`
+  first. The callable runs once, in the batch script (`use_srun=False`), and starts the steps
+  itself, so `job.result()` is the driver's `LaunchResult`.
+
+After a node loss the current nodes come from the controller (`scontrol show job`), never from the
+stale SLURM_JOB_NODELIST (oobleck_hpc.bootstrap.environment.current_job_nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import submitit
+
+from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
+from oobleck_hpc.config import JobConfig
+from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
+
+DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}"
+"""The per-node command (the elastic agent). Override per job with `slurm.agent_command`."""
+
+DISCOVERY_TIMEOUT_S = 300
+
+EXIT_WRAPPER = 'dir=$1; shift; "$@"; rc=$?; echo $rc > "$dir/$SLURMD_NODENAME"; exit $rc'
+"""Runs each agent and records its exit code in EXIT_DIR/NODE: srun reports only the highest code
+of a step, and a node that Slurm fenced (killed after dropping it from the job) must not count."""
+
+
+def verdict(roster: list[str], lost: list[str], codes: dict[str, int]) -> int:
+    """The job's outcome from its agents' exit codes, counting only nodes still in the job.
+
+    Nodes the controller dropped (dead or hung, then fenced by Slurm) are ignored: the survivors
+    carried on without them. Any survivor asking for a requeue (75) -> 75; all survivors 0 -> 0;
+    a survivor with no recorded code, or any other code -> that failure (1 if unknown).
+    """
+    survivors = [n for n in roster if n not in lost]
+    if not survivors:
+        return 1
+    mine = [codes.get(n) for n in survivors]
+    if EXIT_REQUEUE in mine:
+        return EXIT_REQUEUE
+    if all(c == EXIT_OK for c in mine):
+        return EXIT_OK
+    return next((c for c in mine if c not in (None, EXIT_OK)), 1)
+
+
+class SlurmUnavailable(OobleckError):
+    """No Slurm controller answers (`scontrol ping`)."""
+
+
+@dataclass
+class LaunchResult:
+    """What the driver returns (the submitit job's result): how the agents' step ended."""
+
+    job_id: str
+    restart_count: int
+    nodes: list[str]
+    """Nodes the agents were started on (the discovery roster)."""
+    lost_nodes: list[str]
+    """Nodes the controller dropped from the job while the agents ran (node failures)."""
+    exit_code: int
+    """The verdict over the surviving agents' exit codes (see `verdict`)."""
+    discovery_s: float
+    run_s: float
+    log_dir: str
+    events: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def agent_argv(template: str | None, *, python: str, job_file: str | Path,
+               run_dir: str | Path) -> list[str]:
+    """The per-node command as an argv list, from a template with {python} {job} {run_dir}
+    {roster} (the discovery's RUN_DIR/roster.json)."""
+    template = template or DEFAULT_AGENT_COMMAND
+    text = template.format(python=shlex.quote(python), job=shlex.quote(str(job_file)),
+                           run_dir=shlex.quote(str(run_dir)),
+                           roster=shlex.quote(str(Path(run_dir) / "roster.json")))
+    return shlex.split(text)
+
+
+@dataclass
+class SlurmDriver:
+    """The callable submitit runs in the batch script (once, on the first node)."""
+
+    job_file: str
+    run_dir: str
+    agent: list[str]
+    mpi: str = "pmix"
+    python: str = sys.executable
+
+    def __call__(self) -> LaunchResult:
+        env = detect()
+        if env.source != "slurm":
+            raise RuntimeError("SlurmDriver runs inside a Slurm batch job (SLURM_JOB_ID unset)")
+        run_dir = Path(self.run_dir)
+        logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        tag = f"{env.job_id}-r{env.restart_count}"
+        nodes = current_job_nodes(env.job_id)  # fresh even if SLURM_JOB_NODELIST is stale
+        events = [f"start job {env.job_id} restart {env.restart_count} nodes {nodes}"]
+
+        t0 = time.monotonic()
+        discover = ["srun", f"--mpi={self.mpi}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+                    "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
+                    f"--output={logs}/discovery-{tag}.out", self.python, "-m",
+                    "oobleck_hpc.bootstrap", "discover", "--run-dir", str(run_dir)]
+        rc = subprocess.run(discover, timeout=DISCOVERY_TIMEOUT_S).returncode
+        if rc != 0:
+            raise RuntimeError(f"discovery step failed (exit {rc}); see {logs}/discovery-{tag}.out")
+        from oobleck_hpc.bootstrap.discovery import wait_for_discovery
+        found = wait_for_discovery(run_dir, env.job_id, env.restart_count, timeout_s=30)
+        roster = list(found.roster.names)
+        discovery_s = time.monotonic() - t0
+        events.append(f"discovery {discovery_s:.2f} s: {roster}, digest {found.digest}")
+
+        t1 = time.monotonic()
+        exits = run_dir / "exit" / tag  # one file per node: its agent's exit code
+        exits.mkdir(parents=True, exist_ok=True)
+        agents = ["srun", "--no-kill", "--kill-on-bad-exit=0", f"--nodes={len(roster)}",
+                  f"--ntasks={len(roster)}", "--ntasks-per-node=1", f"--nodelist={','.join(roster)}",
+                  f"--output={logs}/agent-{tag}-%t.out", "bash", "-c", EXIT_WRAPPER, "agent",
+                  str(exits), *self.agent]
+        step_rc = subprocess.run(agents).returncode
+        run_s = time.monotonic() - t1
+        survivors = set(current_job_nodes(env.job_id))
+        lost = [n for n in roster if n not in survivors]
+        codes = {p.name: int(p.read_text().strip() or 1) for p in exits.iterdir()}
+        rc = verdict(roster, lost, codes)
+        events.append(f"agents step exited {step_rc} after {run_s:.1f} s; lost nodes {lost}; "
+                      f"exit codes {codes}; verdict {rc}")
+        result = LaunchResult(env.job_id, env.restart_count, roster, lost, rc, discovery_s, run_s,
+                              str(logs), events)
+        _write_json(run_dir / f"launch-{tag}.json", result.to_dict())
+        if rc == EXIT_OK:
+            return result
+        if rc == EXIT_REQUEUE:
+            self._requeue(env.job_id)
+        raise RuntimeError(f"agents exited {codes} (job {env.job_id}, lost nodes {lost}); "
+                           f"see {logs}/agent-{tag}-*.out")
+
+    @staticmethod
+    def _requeue(job_id: str) -> None:
+        """Ask Slurm to requeue this job, then wait to be ended by it (returning would make
+        submitit publish a result for a job that is coming back)."""
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+        time.sleep(3600)
+        raise RuntimeError(f"job {job_id} was asked to requeue but is still running after 1 h")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def require_controller() -> None:
+    """Raise SlurmUnavailable unless a Slurm controller answers."""
+    try:
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SlurmUnavailable(f"cannot run 'scontrol ping' ({e}); Slurm client tools are "
+                               "missing. Fix: run on a Slurm login node, or start the local "
+                               "cluster: slurm/dev-cluster.sh up && eval \"$(slurm/dev-cluster.sh env)\"") from e
+    if out.returncode != 0 or "UP" not in out.stdout:
+        raise SlurmUnavailable(f"no Slurm controller answers 'scontrol ping' "
+                               f"({(out.stdout + out.stderr).strip() or 'no output'}; SLURM_CONF="
+                               f"{os.environ.get('SLURM_CONF', '<unset>')}). Fix: run on a Slurm "
+                               "login node, or start the local cluster: slurm/dev-cluster.sh up "
+                               "&& eval \"$(slurm/dev-cluster.sh env)\"")
+
+
+class _DriverExecutor(submitit.SlurmExecutor):
+    """SlurmExecutor whose callable runs once, in the batch script (use_srun=False), whatever the
+    node count: the driver starts the per-node steps itself, so the job has one task, one result."""
+
+    def _num_tasks(self) -> int:
+        return 1
+
+
+def sbatch_parameters(job: JobConfig) -> dict:
+    """The submitit parameters of a job (also what `oobleck-hpc submit --dry-run` prints)."""
+    s = job.slurm
+    params: dict = {
+        "job_name": job.name,
+        "nodes": job.cluster.nodes,
+        "time": s.time_min,
+        "signal_delay_s": s.signal_delay_s,
+        "use_srun": False,
+        "stderr_to_stdout": True,
+        "additional_parameters": {
+            "no-kill": True,
+            "requeue": True,
+            "signal": f"{s.signal.upper().removeprefix('SIG')}@{s.signal_delay_s}",
+            "ntasks-per-node": 1,
+            **{k.replace("_", "-"): v for k, v in s.extra.items()},
+        },
+    }
+    if s.partition:
+        params["partition"] = s.partition
+    if s.account:
+        params["account"] = s.account
+    if s.gpus_per_node:
+        params["gpus_per_node"] = s.gpus_per_node
+    if s.setup:
+        params["setup"] = list(s.setup)
+    return params
+
+
+def submit(job: JobConfig, *, python: str | None = None) -> submitit.Job:
+    """Submit `job` to Slurm; returns the submitit Job (`.job_id`, `.result()` -> LaunchResult).
+
+    The job file the agents read is written to RUN_DIR/job.yaml (run_dir made absolute, so the
+    agents find it from any working directory); submitit's files go to RUN_DIR/submitit.
+    """
+    require_controller()
+    python = python or sys.executable
+    run_dir = job.resolved_run_dir.absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_file = run_dir / "job.yaml"
+    _write_job(job_file, job, run_dir)
+    executor = _DriverExecutor(folder=run_dir / "submitit", python=shlex.quote(python))
+    executor.update_parameters(**sbatch_parameters(job))
+    driver = SlurmDriver(job_file=str(job_file), run_dir=str(run_dir),
+                         agent=agent_argv(job.slurm.agent_command, python=python,
+                                          job_file=job_file, run_dir=run_dir),
+                         mpi=job.slurm.mpi, python=python)
+    return executor.submit(driver)
+
+
+def _write_job(path: Path, job: JobConfig, run_dir: Path) -> None:
+    import yaml
+
+    data = json.loads(json.dumps(job.to_dict()))  # tuples -> lists
+    data["run_dir"] = str(run_dir)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(f"# Written by oobleck-hpc submit from {job.source}\n"
+                   + yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)
