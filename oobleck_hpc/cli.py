@@ -18,6 +18,8 @@ COMMAND_MODULES = [
     "oobleck_hpc.planning.cli",  # plan
     "oobleck_hpc.profiling.cli",  # profile, profiles
     "oobleck_hpc.sim.cli",  # simulate
+    "oobleck_hpc.launch.cli_watch",  # watch
+    "oobleck_hpc.launch.cli_slurm",  # submit
 ]
 
 

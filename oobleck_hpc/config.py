@@ -176,8 +176,47 @@ class SlurmConfig:
     """GPUs to request per node (--gpus-per-node); none on CPU clusters."""
     signal_delay_s: int = 90
     """The pre-timeout signal arrives this long before the time limit (checkpoint + requeue)."""
+    signal: str = "USR2"
+    """The pre-timeout signal sent to every agent (sbatch --signal=SIGNAL@signal_delay_s)."""
+    mpi: str = "pmix"
+    """srun --mpi plugin of the discovery step: 'pmix' for Open MPI (the default wheel),
+    'pmi2' for MPICH builds; must be listed by `srun --mpi=list` on the cluster."""
+    agent_command: str | None = None
+    """The per-node command; placeholders {python} {job} {run_dir} {roster}. Default:
+    '{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}'."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run in the batch script before anything else (module load, conda activate)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Further sbatch flags, e.g. {qos: high, constraint: a100}."""
+
+    def check(self, where: _Where) -> None:
+        if self.time_min < 1:
+            where.fail("time_min", self.time_min, "must be at least 1", "give the limit in minutes")
+        if self.signal_delay_s < 0 or self.signal_delay_s >= 60 * self.time_min:
+            where.fail("signal_delay_s", self.signal_delay_s,
+                       f"must lie in [0, time_min*60={60 * self.time_min})",
+                       "leave enough time for a checkpoint, e.g. 90")
+        name = self.signal.upper().removeprefix("SIG")
+        if name not in _SIGNALS:
+            where.fail("signal", self.signal, "is not a signal name", "use e.g. USR2 or TERM")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            where.fail("gpus_per_node", self.gpus_per_node, "must be >= 0", "use the GPUs of one node")
+        if self.agent_command is not None:
+            try:
+                self.agent_command.format(python="python", job="j.yaml", run_dir="runs/x",
+                                          roster="runs/x/roster.json")
+            except (KeyError, IndexError, ValueError) as e:
+                where.fail("agent_command", self.agent_command, f"has a bad placeholder ({e})",
+                           "use only {python}, {job}, {run_dir} and {roster}")
+        for key in self.extra:
+            if key.replace("_", "-") in _MANAGED_SBATCH_FLAGS:
+                where.fail(f"extra.{key}", self.extra[key], "is set by oobleck_hpc itself",
+                           f"remove it (managed flags: {', '.join(sorted(_MANAGED_SBATCH_FLAGS))})")
+
+
+_SIGNALS = {"HUP", "INT", "QUIT", "USR1", "USR2", "TERM", "CONT", "URG", "WINCH", "ALRM"}
+_MANAGED_SBATCH_FLAGS = {"nodes", "no-kill", "requeue", "signal", "time", "job-name", "output",
+                         "error", "ntasks-per-node"}
 
 
 @dataclass
