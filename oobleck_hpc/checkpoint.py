@@ -827,6 +827,13 @@ def prune(root: str | Path, keep: int) -> None:
     for name in os.listdir(root):
         if name.endswith(".deleting"):
             shutil.rmtree(root / name, ignore_errors=True)
+        elif name.startswith(".latest.") and name.endswith(".tmp"):
+            # A pointer update killed half-way; a live one renames its temp file within seconds.
+            try:
+                if time.time() - (root / name).stat().st_mtime > 60:
+                    (root / name).unlink()
+            except FileNotFoundError:
+                pass
 
 
 def wait_published(root: str | Path, step: int, timeout_s: float = 300.0, poll_s: float = 0.05) -> bool:
