@@ -10,6 +10,7 @@ crashed node's last messages arrive). Checked on every run:
 - liveness: once detection is complete and the network is quiet, every node still running
   (neither crashed nor fenced) holds the same decision, whose view is exactly those nodes, and
   no round is left open;
+- no spurious generation: every decided generation loses at least one node;
 - a falsely suspected node ends fenced (it never silently stays in) unless the node that
   suspected it is itself gone.
 """
@@ -49,6 +50,7 @@ class SimNet:
             if kind == "decided":
                 d = Decision.from_msg(fields)
                 assert d.gen not in self.decisions[m], f"{m} decided generation {d.gen} twice"
+                assert d.lost, f"{m}: generation {d.gen} loses no node (a spurious round)"
                 self.decisions[m][d.gen] = d
         core.notes.clear()
 

@@ -300,12 +300,13 @@ class MembershipCore:
 
     def _absorb(self, src: str, view: tuple[str, ...]) -> None:
         """Take over the suspicions of `src`'s proposal `view` for the current round, join it."""
-        reasons = self._reasons.get((self.round, src), {})
+        g = self.round
+        reasons = self._reasons.get((g, src), {})
         for node in self.decided.nodes:
             if node not in view and node not in self.suspects and node not in self.left:
                 self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}")
-                if self.fenced:
-                    return
+                if self.fenced or self.round != g:
+                    return  # fenced, or the suspicion completed the round (decided)
         self._update_round(join=True)
         self._check_decide()
 

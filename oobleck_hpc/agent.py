@@ -1,0 +1,354 @@
+"""The per-node agent: `python -m oobleck_hpc.agent --node NAME --roster FILE -- WORKER COMMAND...`
+
+One agent runs on every node of a job (local launcher: one process per pretend node; Slurm: one
+srun step per node). It
+
+1. listens on its roster port and joins the control plane (elastic/control.py: heartbeats,
+   leases, membership agreement with the other agents -- elastic/membership.py);
+2. starts the node's workers (one per GPU: `--workers K` copies of WORKER COMMAND, each with an
+   inherited link to the agent and the environment described in elastic/client.py);
+3. watches them: a worker's exit is seen at once (one thread blocked in wait() per worker);
+4. relays what workers report (in-band communication errors) to the control plane, and what the
+   control plane decides (a new generation: survivors, store address; an open round; fencing)
+   to the workers;
+5. exits when its work is over:
+   - every worker said "done" and exited: tell the peers (BYE) and exit with the largest worker
+     exit code (0 finished, 2 bad input, 75 requeue: see oobleck_hpc/errors.py);
+   - a worker crashed (exit without "done"): the NODE is failed -- tell the peers (FAILED, so
+     their event logs say why), kill the node's other workers, exit 3;
+   - this node was fenced (excluded by the survivors, or no quorum): tell the workers, give them
+     `--kill-grace-s` to exit, kill what is left, exit 3.
+   SIGTERM/SIGINT are forwarded to the workers; what they do then decides the exit as above.
+
+Every transition goes to `<run_dir>/events.jsonl` (events.py) and a short line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oobleck_hpc.elastic.control import ControlPlane
+from oobleck_hpc.elastic.events import EventLog
+from oobleck_hpc.elastic.membership import Decision
+from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, recv_msg, send_msg
+from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_UNRECOVERABLE, OobleckError
+
+EXIT_NODE_LOST = EXIT_UNRECOVERABLE
+"""Exit code of an agent whose node failed or was fenced (the job goes on without it)."""
+
+
+@dataclass
+class AgentOptions:
+    node: str
+    roster: Roster
+    command: list[str]
+    workers: int = 1
+    run_dir: Path = Path("runs/job")
+    heartbeat_s: float = 0.5
+    lease_s: float = 3.0
+    probe_s: float | None = None
+    agreement_timeout_s: float | None = None
+    startup_s: float = 60.0
+    quorum: str = "majority"
+    kill_grace_s: float = 2.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done_code: int | None = None
+    exit_code: int | None = None
+
+
+class Agent:
+    """One node's agent (see module docstring). `run()` returns the process exit code."""
+
+    def __init__(self, opts: AgentOptions):
+        self.opts = opts
+        self.events = EventLog(opts.run_dir / "events.jsonl", source=opts.node)
+        self.inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self.cp = ControlPlane(opts.node, opts.roster, heartbeat_s=opts.heartbeat_s,
+                               lease_s=opts.lease_s, probe_s=opts.probe_s,
+                               agreement_timeout_s=opts.agreement_timeout_s,
+                               startup_s=opts.startup_s, quorum=opts.quorum,  # type: ignore[arg-type]
+                               events=self.events,
+                               on_note=lambda kind, fields: self.inbox.put(("note", kind, fields)))
+        self.workers: list[_Worker] = []
+        self._exchange_parts: dict[tuple[int, str], dict[int, Any]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        self.cp.bind()
+        for lr in range(self.opts.workers):
+            self._spawn_worker(lr)
+        self.cp.start()
+        self.events.emit("agent_started", pid=os.getpid(), workers=self.opts.workers,
+                         port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
+        self._tell_membership(self.cp.decided)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward_signal)
+        try:
+            return self._loop()
+        finally:
+            self._kill_workers(grace=0.0)
+            self.cp.flush(timeout=1.0)
+            self.cp.close()
+            self.events.close()
+
+    def _loop(self) -> int:
+        while True:
+            what, a, b = self.inbox.get()
+            if what == "worker_msg":
+                self._on_worker_msg(self.workers[a], b)
+            elif what == "worker_exit":
+                code = self._on_worker_exit(self.workers[a], b)
+                if code is not None:
+                    return code
+            elif what == "signal":
+                self._on_signal(a)
+            elif what == "note":
+                code = self._on_note(a, b)
+                if code is not None:
+                    return code
+
+    # ------------------------------------------------------------------ workers
+
+    def _spawn_worker(self, lr: int) -> None:
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        env.update(self.opts.extra_env)
+        env.update({
+            "OOBLECK_AGENT_FD": str(child.fileno()),
+            "OOBLECK_NODE": self.opts.node,
+            "OOBLECK_NODE_INDEX": str(self.opts.roster.names.index(self.opts.node)),
+            "OOBLECK_LOCAL_RANK": str(lr),
+            "OOBLECK_LOCAL_WORLD": str(self.opts.workers),
+            "OOBLECK_RUN_DIR": str(self.opts.run_dir),
+        })
+        try:
+            proc = subprocess.Popen(self.opts.command, env=env, pass_fds=(child.fileno(),))
+        except OSError as e:
+            raise OobleckError(f"agent {self.opts.node}: cannot start worker "
+                               f"{self.opts.command!r}: {e}") from e
+        finally:
+            child.close()
+        w = _Worker(lr, proc, parent)
+        self.workers.append(w)
+        threading.Thread(target=self._watch_exit, args=(w,), daemon=True,
+                         name=f"agent-wait-{lr}").start()
+        threading.Thread(target=self._watch_link, args=(w,), daemon=True,
+                         name=f"agent-link-{lr}").start()
+
+    def _watch_exit(self, w: _Worker) -> None:
+        self.inbox.put(("worker_exit", w.local_rank, w.proc.wait()))
+
+    def _watch_link(self, w: _Worker) -> None:
+        while True:
+            try:
+                msg = recv_msg(w.sock)
+            except (ConnectionClosed, OSError, ValueError):
+                return
+            self.inbox.put(("worker_msg", w.local_rank, msg))
+
+    def _send(self, w: _Worker, msg: dict[str, Any]) -> None:
+        if w.exit_code is not None:
+            return
+        with w.lock:
+            try:
+                send_msg(w.sock, msg)
+            except OSError:
+                pass  # the worker is exiting; its exit is handled by _watch_exit
+
+    def _broadcast(self, msg: dict[str, Any]) -> None:
+        for w in self.workers:
+            self._send(w, msg)
+
+    def _on_worker_msg(self, w: _Worker, msg: dict[str, Any]) -> None:
+        kind = msg.get("type")
+        if kind == "report":
+            suspects = [s for s in msg.get("suspects", []) if s != self.opts.node]
+            self.events.emit("worker_report", local_rank=w.local_rank, what=msg.get("kind"),
+                             detail=msg.get("detail", ""), suspects=suspects)
+            why = f"worker {self.opts.node}/{w.local_rank} reported {msg.get('kind')}"
+            if suspects:
+                for node in suspects:
+                    self.cp.suspect(node, why)
+            else:
+                self.cp.probe(why)
+        elif kind == "done":
+            w.done_code = int(msg.get("code", 0))
+        elif kind == "exchange":
+            gen, key = msg["gen"], msg["key"]
+            if gen != self.cp.decided.gen or self.cp.core.proposal is not None or self.cp.fenced:
+                self._send(w, {"type": "exchange_failed", "gen": gen, "key": key,
+                               "reason": f"membership moved on (generation {self.cp.decided.gen}"
+                                         f"{', round open' if self.cp.core.proposal else ''})"})
+                return
+            parts = self._exchange_parts.setdefault((gen, key), {})
+            parts[w.local_rank] = msg["value"]
+            if len(parts) == len(self.workers):
+                self.cp.exchange(key, {str(lr): v for lr, v in parts.items()})
+
+    def _on_worker_exit(self, w: _Worker, code: int) -> int | None:
+        w.exit_code = code
+        if w.done_code is not None:
+            self.events.emit("worker_exited", local_rank=w.local_rank, code=code)
+            if all(x.exit_code is not None for x in self.workers):
+                self.cp.leave()
+                codes = [x.exit_code if x.done_code is None else x.done_code for x in self.workers]
+                self.events.emit("agent_finished", codes=codes)
+                return max(int(c) for c in codes)  # type: ignore[arg-type]
+            return None
+        if self.cp.fenced:
+            return None  # already going down
+        how = f"worker {w.local_rank} (pid {w.proc.pid}) exited with {_describe(code)} without 'done'"
+        self.events.emit("worker_failed", local_rank=w.local_rank, code=code, detail=how)
+        self.cp.fail_self(how)
+        return None  # the 'fenced' note that fail_self produced ends the loop
+
+    def _kill_workers(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for w in self.workers:
+            while w.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if w.proc.poll() is None:
+                w.proc.kill()
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _forward_signal(self, signum: int, _frame: Any) -> None:
+        # Runs between two bytecodes of the main thread: only a reentrant queue put is safe here.
+        self.inbox.put(("signal", signum, None))
+
+    def _on_signal(self, signum: int) -> None:
+        self.events.emit("signal", signal=signal.Signals(signum).name)
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signum)
+
+    # ------------------------------------------------------------------ control plane
+
+    def _on_note(self, kind: str, fields: dict[str, Any]) -> int | None:
+        if kind == "decided":
+            self._exchange_parts.clear()
+            self._tell_membership(Decision.from_msg(fields))
+        elif kind == "round_started":
+            self._broadcast({"type": "round", "gen": fields["gen"],
+                             "suspects": fields["suspects"]})
+        elif kind == "exchange_done":
+            values: dict[str, list[Any]] = {}
+            for node, per_rank in fields["values"].items():
+                values[node] = [per_rank[k] for k in sorted(per_rank, key=int)]
+            self._exchange_parts.pop((fields["gen"], fields["key"]), None)
+            self._broadcast({"type": "exchange_done", "gen": fields["gen"], "key": fields["key"],
+                             "values": values})
+        elif kind == "exchange_failed":
+            self._exchange_parts.pop((fields["gen"], fields["key"]), None)
+            self._broadcast({"type": "exchange_failed", "gen": fields["gen"], "key": fields["key"],
+                             "reason": fields["reason"]})
+        elif kind == "fenced":
+            self._broadcast({"type": "fenced", "reason": fields["reason"]})
+            crashed = any(w.exit_code is not None and w.done_code is None for w in self.workers)
+            self._kill_workers(grace=0.0 if crashed else self.opts.kill_grace_s)
+            self.events.emit("agent_exit", code=EXIT_NODE_LOST, reason=fields["reason"])
+            return EXIT_NODE_LOST
+        return None
+
+    def _tell_membership(self, d: Decision) -> None:
+        self._broadcast({"type": "membership", **d.to_msg(),
+                         "store_host": self.cp.store_host(d.store_node)})
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> AgentOptions:
+    p = argparse.ArgumentParser(prog="python -m oobleck_hpc.agent", description=__doc__.splitlines()[0])
+    p.add_argument("--node", required=True, help="this node's name in the roster")
+    p.add_argument("--roster", required=True, help="roster JSON file (see oobleck_hpc/elastic/wire.py)")
+    p.add_argument("--job", help="YAML job file: fault_tolerance, cluster.gpus_per_node and run_dir "
+                   "are read from it (the flags below override)")
+    p.add_argument("--workers", type=int, help="worker processes on this node (default: "
+                   "cluster.gpus_per_node of --job, else 1)")
+    p.add_argument("--run-dir", help="run directory (default: the job's run_dir, else runs/job)")
+    p.add_argument("--heartbeat-s", type=float)
+    p.add_argument("--lease-s", type=float)
+    p.add_argument("--probe-s", type=float)
+    p.add_argument("--agreement-timeout-s", type=float)
+    p.add_argument("--startup-s", type=float, default=60.0,
+                   help="how long to wait for the other agents to come up")
+    p.add_argument("--quorum", choices=["majority", "none"], default="majority")
+    p.add_argument("--kill-grace-s", type=float, default=2.0,
+                   help="time fenced workers get to exit before they are killed")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- worker command and arguments")
+    a = p.parse_args(argv)
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command:
+        p.error("give the worker command after --, e.g. -- python -m oobleck_hpc.train job.yaml")
+    heartbeat_s, lease_s, workers, run_dir = 0.5, 3.0, 1, Path("runs/job")
+    if a.job:
+        from oobleck_hpc.config import load_job
+
+        job = load_job(a.job)
+        heartbeat_s, lease_s = job.fault_tolerance.heartbeat_s, job.fault_tolerance.lease_s
+        workers, run_dir = job.cluster.gpus_per_node, job.resolved_run_dir
+    heartbeat_s = a.heartbeat_s if a.heartbeat_s is not None else heartbeat_s
+    lease_s = a.lease_s if a.lease_s is not None else lease_s
+    if not 0 < heartbeat_s < lease_s:
+        p.error(f"need 0 < --heartbeat-s ({heartbeat_s}) < --lease-s ({lease_s})")
+    roster = Roster.load(a.roster)
+    if a.node not in roster.names:
+        p.error(f"--node {a.node!r} is not in the roster {a.roster} (nodes: {', '.join(roster.names)})")
+    return AgentOptions(
+        node=a.node, roster=roster, command=command,
+        workers=a.workers if a.workers is not None else workers,
+        run_dir=Path(a.run_dir) if a.run_dir else run_dir,
+        heartbeat_s=heartbeat_s, lease_s=lease_s, probe_s=a.probe_s,
+        agreement_timeout_s=a.agreement_timeout_s, startup_s=a.startup_s, quorum=a.quorum,
+        kill_grace_s=a.kill_grace_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    try:
+        opts = parse_args(argv)
+        return Agent(opts).run()
+    except OobleckError as e:
+        print(f"oobleck_hpc.agent: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        print(f"oobleck_hpc.agent: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,250 @@
+"""The worker's side of the agent <-> worker link: how a training process talks to its node agent.
+
+The agent (`python -m oobleck_hpc.agent`) starts one worker process per GPU and hands each an
+inherited socket (a socketpair; its fd in OOBLECK_AGENT_FD). Messages use the control plane's
+framing (wire.py). Environment of a worker:
+
+    OOBLECK_AGENT_FD      fd of the worker's end of the link
+    OOBLECK_NODE          this node's name (roster name)
+    OOBLECK_NODE_INDEX    this node's index in the roster (the job's initial node order)
+    OOBLECK_LOCAL_RANK    0 .. OOBLECK_LOCAL_WORLD - 1 (the GPU index on the node)
+    OOBLECK_LOCAL_WORLD   workers on this node
+    OOBLECK_RUN_DIR       the run directory (events.jsonl lives there)
+
+Agent -> worker:
+    {"type": "membership", gen, nodes, lost, store_node, store_host, store_port}
+        a decided generation. Generation 0 (the roster) is sent at start; later ones after each
+        agreement. Every worker of every surviving node receives the same decision.
+    {"type": "round", gen, suspects}
+        a membership round has opened (some node is suspected): abort in-flight communication
+        now (NCCL: abort the communicators; gloo: the short collective timeout) and wait for
+        the next "membership".
+    {"type": "exchange_done", gen, key, values} / {"type": "exchange_failed", gen, key, reason}
+    {"type": "fenced", reason}
+        this node was excluded (or lost its quorum): stop at once; the agent kills what is left
+        after its grace period.
+
+Worker -> agent:
+    {"type": "report", kind, detail, suspects}
+        a failure seen in-band, as a value (e.g. a gloo RuntimeError in a collective). `suspects`
+        names the nodes the worker knows to be at fault (e.g. the peer of a failed p2p, mapped
+        rank -> node through the plan); they are suspected at once. Without suspects, the agent
+        probes every peer agent and suspects those that do not answer within probe_s.
+    {"type": "exchange", gen, key, value}
+        an all-gather among the current generation's nodes over the control plane (e.g. to
+        confirm every survivor computed the same plan digest). The agent waits for all its
+        local workers' values, then gathers one entry per node; the result maps
+        node -> [value of local rank 0, 1, ...].
+    {"type": "done", code}
+        this worker is about to exit on purpose with `code` (job finished, beyond-guarantee
+        fallback, bad input). An exit WITHOUT a preceding "done" is a crash.
+
+A crashed worker (exit without "done", or killed by a signal) fails its whole node: the agent
+tells its peers (FAILED), kills its other workers and exits; the survivors re-plan without the
+node. Restarting a single worker in place is not attempted (its GPU state is gone and a new
+process would pay the start-up cost the design avoids; treating the node as lost reuses the one
+recovery path that is tested).
+
+If the agent itself vanishes (the link reaches end of file), the worker exits at once with code
+3 (an orphaned worker must not keep talking to the survivors' process groups); pass
+`exit_on_agent_loss=False` to get a `Fenced` error from the next call instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from oobleck_hpc.elastic.membership import Fenced, Superseded
+from oobleck_hpc.elastic.wire import ConnectionClosed, recv_msg, send_msg
+from oobleck_hpc.errors import EXIT_UNRECOVERABLE
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A decided generation as a worker sees it."""
+
+    gen: int
+    nodes: tuple[str, ...]
+    """The generation's nodes in roster order; the same tuple on every survivor."""
+    lost: tuple[str, ...]
+    """Nodes of the previous generation that are gone."""
+    store_node: str
+    store_host: str
+    store_port: int
+    """The rendezvous store of this generation: hosted by a worker of `store_node` (local rank
+    0 by convention) on store_host:store_port. Fresh for every generation."""
+
+    @property
+    def store_prefix(self) -> str:
+        """A key prefix unique to this generation (for a store shared across generations)."""
+        return f"gen{self.gen}/"
+
+    @classmethod
+    def from_msg(cls, m: dict[str, Any]) -> Membership:
+        return cls(m["gen"], tuple(m["nodes"]), tuple(m["lost"]), m["store_node"],
+                   m["store_host"], m["store_port"])
+
+
+class AgentClient:
+    """A worker's link to its node agent (see module docstring). Thread-safe.
+
+        client = AgentClient.from_env()
+        m = client.wait_membership(timeout=60)          # generation 0
+        ... train; on a collective error:
+        client.report_failure("comm_error", str(err))
+        m = client.wait_membership(after_gen=m.gen, timeout=30)
+        digests = client.exchange("plan", plan.digest, timeout=10)
+    """
+
+    def __init__(self, sock: socket.socket, node: str, local_rank: int, local_world: int,
+                 on_notice: Callable[[str, dict[str, Any]], None] | None = None,
+                 exit_on_agent_loss: bool = True):
+        self.node, self.local_rank, self.local_world = node, local_rank, local_world
+        self._sock = sock
+        self._on_notice = on_notice
+        self._exit_on_agent_loss = exit_on_agent_loss
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._membership: Membership | None = None
+        self._round: dict[str, Any] | None = None
+        self._fenced: str | None = None
+        self._exchanges: dict[tuple[int, str], dict[str, Any]] = {}
+        self._reader = threading.Thread(target=self._read_loop, name="agent-link", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def from_env(cls, on_notice: Callable[[str, dict[str, Any]], None] | None = None,
+                 exit_on_agent_loss: bool = True) -> AgentClient:
+        """The link of a worker started by `python -m oobleck_hpc.agent`."""
+        try:
+            fd = int(os.environ["OOBLECK_AGENT_FD"])
+            node = os.environ["OOBLECK_NODE"]
+            local_rank = int(os.environ["OOBLECK_LOCAL_RANK"])
+            local_world = int(os.environ["OOBLECK_LOCAL_WORLD"])
+        except (KeyError, ValueError) as e:
+            raise RuntimeError("this process was not started by an oobleck_hpc agent "
+                               f"(environment variable {e} missing or bad); start it through "
+                               "`python -m oobleck_hpc.agent`") from e
+        return cls(socket.socket(fileno=fd), node, local_rank, local_world, on_notice,
+                   exit_on_agent_loss)
+
+    # ------------------------------------------------------------------ worker -> agent
+
+    def report_failure(self, kind: str, detail: str = "", suspects: Sequence[str] = ()) -> None:
+        """Report an in-band failure (as a value; this call does not raise or wait)."""
+        self._send({"type": "report", "kind": kind, "detail": detail, "suspects": list(suspects)})
+
+    def done(self, code: int = 0) -> None:
+        """Announce an intended exit with `code` (call right before exiting)."""
+        self._send({"type": "done", "code": code})
+
+    def exchange(self, key: str, value: Any, timeout: float) -> dict[str, list[Any]]:
+        """All-gather `value` (JSON-serialisable) among the current generation's nodes.
+        Returns node -> [value of each local rank]. Raises Superseded if a membership round
+        opened first (redo it after the next membership), Fenced, or TimeoutError."""
+        m = self.membership
+        gen = m.gen if m is not None else 0
+        self._send({"type": "exchange", "gen": gen, "key": key, "value": value})
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (gen, key) not in self._exchanges:
+                self._raise_if_fenced()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"exchange {key!r} of generation {gen}: no result within "
+                                       f"{timeout} s")
+                self._cond.wait(left)
+            result = self._exchanges.pop((gen, key))
+        if result["type"] == "exchange_failed":
+            raise Superseded(f"exchange {key!r} of generation {gen}: {result['reason']}")
+        return result["values"]
+
+    # ------------------------------------------------------------------ agent -> worker
+
+    @property
+    def membership(self) -> Membership | None:
+        """The latest decided generation received (None before generation 0 arrives)."""
+        with self._cond:
+            return self._membership
+
+    @property
+    def round_open(self) -> dict[str, Any] | None:
+        """The open membership round ({gen, suspects}) if one was announced and not yet decided."""
+        with self._cond:
+            return self._round
+
+    @property
+    def fenced(self) -> str | None:
+        with self._cond:
+            return self._fenced
+
+    def wait_membership(self, after_gen: int = -1, timeout: float | None = None) -> Membership:
+        """Block until a generation newer than `after_gen` is decided; return it. Raises Fenced
+        if this node was excluded, TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._membership is None or self._membership.gen <= after_gen:
+                self._raise_if_fenced()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"node {self.node}: no membership newer than generation "
+                                       f"{after_gen} within {timeout} s")
+                self._cond.wait(left)
+            return self._membership
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ internals
+
+    def _raise_if_fenced(self) -> None:
+        if self._fenced is not None:
+            raise Fenced(f"node {self.node}: {self._fenced}")
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        with self._send_lock:
+            try:
+                send_msg(self._sock, {**msg, "local_rank": self.local_rank})
+            except OSError as e:
+                raise Fenced(f"node {self.node}: the agent link is gone ({e})") from e
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = recv_msg(self._sock)
+            except (ConnectionClosed, OSError, ValueError):
+                with self._cond:
+                    if self._fenced is None:
+                        self._fenced = "the node agent exited"
+                    self._cond.notify_all()
+                if self._on_notice is not None:
+                    self._on_notice("agent_lost", {})
+                if self._exit_on_agent_loss:
+                    os._exit(EXIT_UNRECOVERABLE)
+                return
+            kind = msg.get("type")
+            with self._cond:
+                if kind == "membership":
+                    m = Membership.from_msg(msg)
+                    if self._membership is None or m.gen > self._membership.gen:
+                        self._membership = m
+                    if self._round is not None and self._round["gen"] <= m.gen:
+                        self._round = None
+                elif kind == "round":
+                    if self._membership is None or msg["gen"] > self._membership.gen:
+                        self._round = {"gen": msg["gen"], "suspects": msg["suspects"]}
+                elif kind == "fenced":
+                    self._fenced = msg["reason"]
+                elif kind in ("exchange_done", "exchange_failed"):
+                    self._exchanges[(msg["gen"], msg["key"])] = msg
+                self._cond.notify_all()
+            if self._on_notice is not None:
+                self._on_notice(kind, msg)

@@ -1,0 +1,371 @@
+"""The control plane: plain TCP between node agents, driving the membership protocol.
+
+`ControlPlane` runs the pure `MembershipCore` (membership.py, which documents the protocol) over
+sockets, with stdlib only. Per agent:
+
+- one listening socket on the agent's roster port; every accepted connection gets a reader
+  thread. The first message on a connection is HELLO {src}; after that every message is handed
+  to the core under one lock (the core is single-threaded by construction).
+- one outgoing link per peer: a queue and a sender thread that connects (retrying until
+  `startup_s` has passed for a peer never reached), sends HELLO, then the queued messages.
+  Nothing ever blocks the core: sends are queued.
+- one ticker thread, every heartbeat_s / 2: sends HEARTBEAT to the live members every heartbeat_s,
+  suspects a member not heard from for lease_s ("lease_expired"), finishes a probe, fences this
+  node if a round sat unchanged for agreement_timeout_s, and fences this node if the ticker
+  itself was not scheduled for more than lease_s (the node was stopped: its peers have excluded
+  it by now, so it must not act on its old view).
+
+Detection sources, fastest first: a connection closed by the peer's kernel when its agent died
+(milliseconds; "connection_lost"), a failed send ("send_failed"), a FAILED message from a peer
+whose worker crashed, a worker's report naming a peer, a probe after a worker's unexplained
+communication error (probe_s), and the lease (lease_s) for hung nodes and partitions.
+
+Every note of the core becomes an event in the run's event log (see events.py) and is passed on
+to the owner (the agent) through `on_note(kind, fields)`, called with the lock held: the callback
+must only queue work.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from oobleck_hpc.elastic.events import EventLog
+from oobleck_hpc.elastic.membership import Decision, MembershipCore, Quorum
+from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, free_port, recv_msg, send_msg
+
+
+class ControlPlane:
+    """One agent's end of the control plane (see module docstring)."""
+
+    def __init__(self, me: str, roster: Roster, *, heartbeat_s: float = 0.5, lease_s: float = 3.0,
+                 probe_s: float | None = None, agreement_timeout_s: float | None = None,
+                 startup_s: float = 60.0, quorum: Quorum = "majority",
+                 events: EventLog | None = None,
+                 on_note: Callable[[str, dict[str, Any]], None] | None = None):
+        if lease_s <= heartbeat_s:
+            raise ValueError(f"lease_s={lease_s} must exceed heartbeat_s={heartbeat_s}")
+        self.me = me
+        self.roster = roster
+        self.addr = roster.address(me)
+        self.heartbeat_s = heartbeat_s
+        self.lease_s = lease_s
+        self.probe_s = probe_s if probe_s is not None else max(2 * heartbeat_s, lease_s / 3)
+        self.agreement_timeout_s = agreement_timeout_s or 2 * lease_s
+        self.startup_s = startup_s
+        self.events = events or EventLog(None, source=me)
+        self.on_note = on_note or (lambda kind, fields: None)
+        self.core = MembershipCore(me, roster.names, roster.store_port,
+                                   lambda: free_port(self.addr.host), quorum)
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._listener: socket.socket | None = None
+        self._links: dict[str, _Link] = {}
+        self._last_heard: dict[str, float] = {}
+        self._t0 = time.monotonic()
+        self._round_t: dict[int, float] = {}
+        self._proposal_seen: tuple[Any, float] = (None, 0.0)
+        self._probe: tuple[float, float] | None = None  # (started, deadline)
+        self._threads: list[threading.Thread] = []
+        self._inbound: list[socket.socket] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def bind(self) -> None:
+        """Open the listening socket (separately from start(), so that a busy port is reported
+        before any worker is spawned)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", self.addr.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(e.errno, f"agent {self.me}: cannot listen on port {self.addr.port} "
+                          f"({e.strerror}); the roster gives this port, pick a free one") from e
+        sock.listen(128)
+        self._listener = sock
+
+    def start(self) -> None:
+        if self._listener is None:
+            self.bind()
+        self._t0 = time.monotonic()
+        for node in self.roster.nodes:
+            if node.name != self.me:
+                self._links[node.name] = _Link(self, node.name, (node.host, node.port))
+        self._spawn(self._accept_loop, "accept")
+        self._spawn(self._tick_loop, "ticker")
+        for link in self._links.values():
+            link.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+        for link in self._links.values():
+            link.close()
+        for sock in self._inbound:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def flush(self, timeout: float = 1.0) -> None:
+        """Wait (bounded) until queued messages have been handed to the kernel."""
+        deadline = time.monotonic() + timeout
+        for link in self._links.values():
+            link.drained.wait(max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------ owner's API
+
+    @property
+    def decided(self) -> Decision:
+        return self.core.decided
+
+    @property
+    def fenced(self) -> str | None:
+        return self.core.fenced
+
+    def suspect(self, node: str, how: str) -> None:
+        self._run(lambda: self.core.suspect(node, how))
+
+    def fail_self(self, how: str) -> None:
+        self._run(lambda: self.core.fail_self(how))
+
+    def leave(self) -> None:
+        self._run(self.core.leave)
+
+    def exchange(self, key: str, value: Any) -> None:
+        self._run(lambda: self.core.exchange(key, value))
+
+    def probe(self, why: str) -> None:
+        """Ping every member now; those not heard from within probe_s are suspected."""
+        with self._lock:
+            if self.core.fenced:
+                return
+            now = time.monotonic()
+            self._probe = (now, now + self.probe_s)
+            self.events.emit("probe", why=why, timeout_s=self.probe_s)
+            for node in self.core.decided.nodes:
+                if node != self.me:
+                    self._links[node].put({"type": "ping"})
+
+    def store_host(self, node: str) -> str:
+        return self.roster.address(node).host
+
+    # ------------------------------------------------------------------ internals
+
+    def _spawn(self, fn: Callable[..., None], name: str, *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, name=f"cp-{self.me}-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        """Call into the core and flush what it produced (messages, notes) under the lock."""
+        with self._lock:
+            fn()
+            for dst, msg in self.core.outbox:
+                link = self._links.get(dst)
+                if link is not None:
+                    link.put(msg)
+            self.core.outbox.clear()
+            notes, self.core.notes = self.core.notes, []
+            for kind, fields in notes:
+                self._note(kind, fields)
+
+    def _note(self, kind: str, fields: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if kind == "suspect":
+            self.events.emit("failure_detected", node=fields["node"], how=fields["how"],
+                             gen=fields["gen"])
+        elif kind == "round_started":
+            self._round_t[fields["gen"]] = now
+            self.events.emit("round_started", gen=fields["gen"], suspects=sorted(fields["suspects"]))
+        elif kind == "proposed":
+            self._proposal_seen = (tuple(fields["nodes"]), now)
+        elif kind == "decided":
+            started = self._round_t.pop(fields["gen"], None)
+            self.events.emit("agreement_reached", gen=fields["gen"], nodes=fields["nodes"],
+                             lost=fields["lost"], store_node=fields["store_node"],
+                             store_addr=f"{self.store_host(fields['store_node'])}:{fields['store_port']}",
+                             how=fields["how"],
+                             round_s=None if started is None else round(now - started, 4))
+            self._proposal_seen = (None, now)
+        elif kind == "fenced":
+            self.events.emit("fenced", reason=fields["reason"], gen=fields["gen"])
+        elif kind == "peer_left":
+            self.events.emit("peer_left", node=fields["node"])
+        elif kind == "exchange_failed":
+            self.events.emit("exchange_failed", key=fields["key"], gen=fields["gen"],
+                             reason=fields["reason"])
+        self.on_note(kind, fields)
+
+    def _on_message(self, src: str, msg: dict[str, Any]) -> None:
+        self._last_heard[src] = time.monotonic()
+        if msg.get("type") == "ping" and src in self._links:
+            self._links[src].put({"type": "pong"})
+        self._run(lambda: self.core.handle(src, msg))
+
+    def _link_failed(self, peer: str, how: str) -> None:
+        with self._lock:
+            if self._stop.is_set() or peer in self.core.left:
+                return
+        self.suspect(peer, how)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._inbound.append(sock)
+            self._spawn(self._read_loop, "reader", sock)
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        src = None
+        try:
+            hello = recv_msg(sock)
+            src = hello.get("src")
+            if hello.get("type") != "hello" or src not in self.roster.names or src == self.me:
+                return
+            self._on_message(src, hello)
+            while not self._stop.is_set():
+                self._on_message(src, recv_msg(sock))
+        except (ConnectionClosed, OSError, ValueError):
+            if src is not None and not self._stop.is_set():
+                self._link_failed(src, "connection_lost")
+        finally:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _tick_loop(self) -> None:
+        tick = self.heartbeat_s / 2
+        last_tick = last_hb = time.monotonic()
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            gap, last_tick = now - last_tick, now
+            with self._lock:
+                if self.core.fenced:
+                    return
+                if gap > self.lease_s:
+                    self._run(lambda: self.core._fence(
+                        f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
+                        "(stopped or starved): its peers have excluded it"))
+                    return
+                members = [n for n in self.core.decided.nodes if n != self.me
+                           and n not in self.core.suspects and n not in self.core.left]
+                if now - last_hb >= self.heartbeat_s:
+                    last_hb = now
+                    for node in members:
+                        self._links[node].put({"type": "heartbeat", "gen": self.core.decided.gen})
+                start_grace = self._t0 + self.startup_s
+                for node in members:
+                    heard = self._last_heard.get(node)
+                    if heard is None:
+                        if now > start_grace:
+                            self._run(lambda n=node: self.core.suspect(
+                                n, f"never_connected (within startup_s={self.startup_s})"))
+                    elif now - heard > self.lease_s:
+                        self._run(lambda n=node, s=now - heard: self.core.suspect(
+                            n, f"lease_expired (silent {s:.2f} s)"))
+                if self._probe is not None and now >= self._probe[1]:
+                    started, _ = self._probe
+                    self._probe = None
+                    for node in members:
+                        if self._last_heard.get(node, 0.0) < started:
+                            self._run(lambda n=node: self.core.suspect(
+                                n, f"probe_unanswered (within probe_s={self.probe_s})"))
+                view, since = self._proposal_seen
+                if (self.core.proposal is not None and view == self.core.proposal
+                        and now - since > self.agreement_timeout_s):
+                    self._run(lambda: self.core._fence(
+                        f"no agreement on {list(view)} within agreement_timeout_s="
+                        f"{self.agreement_timeout_s}"))
+                    return
+
+
+class _Link:
+    """Outgoing messages to one peer: a queue drained by a sender thread."""
+
+    def __init__(self, cp: ControlPlane, peer: str, addr: tuple[str, int]):
+        self.cp, self.peer, self.addr = cp, peer, addr
+        self.q: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        self.connected_once = False
+        self.failed = False
+        self.drained = threading.Event()
+        self.drained.set()
+        self.thread = threading.Thread(target=self._loop, name=f"cp-{cp.me}-to-{peer}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def put(self, msg: dict[str, Any]) -> None:
+        if not self.failed:
+            self.drained.clear()
+            self.q.put(msg)
+
+    def close(self) -> None:
+        self.q.put(None)
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def _connect(self) -> bool:
+        deadline = self.cp._t0 + self.cp.startup_s
+        while not self.cp._stop.is_set():
+            try:
+                sock = socket.create_connection(self.addr, timeout=max(1.0, self.cp.lease_s))
+            except OSError:
+                if self.connected_once or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = sock
+            self.connected_once = True
+            return True
+        return False
+
+    def _loop(self) -> None:
+        # Connect at once (not on the first message), so that peers start hearing from us.
+        try:
+            if self._connect():
+                assert self.sock is not None
+                send_msg(self.sock, {"type": "hello", "src": self.cp.me})
+        except OSError:
+            self.sock = None
+        while True:
+            if self.q.empty():
+                self.drained.set()
+            msg = self.q.get()
+            if msg is None or self.cp._stop.is_set():
+                return
+            if self.failed:
+                continue
+            try:
+                if self.sock is None:
+                    if not self._connect():
+                        raise OSError("cannot connect")
+                    send_msg(self.sock, {"type": "hello", "src": self.cp.me})
+                send_msg(self.sock, {**msg, "src": self.cp.me})
+            except OSError as e:
+                self.failed = True
+                if self.sock is not None:
+                    try:
+                        self.sock.close()
+                    except OSError:
+                        pass
+                if not self.cp._stop.is_set():
+                    self.cp._link_failed(self.peer, f"send_failed ({e})")

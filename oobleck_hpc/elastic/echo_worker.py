@@ -1,0 +1,80 @@
+"""The smallest worker that follows the agent <-> worker interface (elastic/client.py).
+
+Used by the control-plane tests and as a template for a real worker, with no torch import:
+
+- waits for each new membership generation and appends it to
+  `<run_dir>/workers/<node>.<local_rank>.jsonl`;
+- after each generation, all-gathers a digest of the decision it received over the control plane
+  (`client.exchange`) and records what every node sent -- so a test can check that all
+  survivors hold the same decision, the way the reconfigure driver checks its plan digest;
+- polls `<run_dir>/ctl/`: a file `<node>.<local_rank>.report` (JSON {kind, detail, suspects})
+  makes it report an in-band failure once; a file `STOP` makes it say "done" and exit 0;
+- exits 3 when fenced.
+
+Run it under an agent:  python -m oobleck_hpc.agent ... -- python -m oobleck_hpc.elastic.echo_worker
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from oobleck_hpc.elastic.client import AgentClient, Membership
+from oobleck_hpc.elastic.membership import Fenced, Superseded
+from oobleck_hpc.errors import EXIT_UNRECOVERABLE
+
+
+def digest(m: Membership) -> str:
+    text = json.dumps([m.gen, m.nodes, m.store_node, m.store_host, m.store_port])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def main() -> int:
+    client = AgentClient.from_env()
+    run_dir = Path(os.environ["OOBLECK_RUN_DIR"])
+    me = f"{client.node}.{client.local_rank}"
+    out_dir, ctl = run_dir / "workers", run_dir / "ctl"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = open(out_dir / f"{me}.jsonl", "a", buffering=1)
+
+    def record(kind: str, **fields: object) -> None:
+        out.write(json.dumps({"t": time.time(), "kind": kind, "pid": os.getpid(), **fields}) + "\n")
+
+    gen = -1
+    reported = False
+    try:
+        while True:
+            if (ctl / "STOP").exists():
+                record("stop")
+                client.done(0)
+                return 0
+            report = ctl / f"{me}.report"
+            if not reported and report.exists():
+                reported = True
+                spec = json.loads(report.read_text())
+                client.report_failure(spec.get("kind", "comm_error"), spec.get("detail", ""),
+                                      spec.get("suspects", []))
+                record("reported", spec=spec)
+            try:
+                m = client.wait_membership(after_gen=gen, timeout=0.1)
+            except TimeoutError:
+                continue
+            gen = m.gen
+            record("membership", gen=m.gen, nodes=list(m.nodes), lost=list(m.lost),
+                   store=f"{m.store_host}:{m.store_port}", store_node=m.store_node, digest=digest(m))
+            try:
+                values = client.exchange(f"digest-{m.gen}", digest(m), timeout=30)
+                record("exchange", gen=m.gen, values=values)
+            except Superseded as e:
+                record("exchange_superseded", gen=m.gen, reason=str(e))
+    except Fenced as e:
+        record("fenced", reason=str(e))
+        return EXIT_UNRECOVERABLE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""The control plane with real processes: node agents (`python -m oobleck_hpc.agent`) on this
+machine, each owning echo workers (oobleck_hpc/elastic/echo_worker.py: no torch), killed and
+stopped with real signals. A node = one agent and its workers, in their own process group; a node
+failure kills the group. Every test has a hard timeout and kills every group it started.
+
+Latency figures (kill -> first detection, kill -> last survivor's agreement) are printed; run
+with `-s` to see them. Bounds asserted here are loose (a shared 2-core machine); the figures are
+what to report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from oobleck_hpc.elastic.events import read_events
+from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+HEARTBEAT_S, LEASE_S = 0.25, 2.0
+
+
+class Cluster:
+    def __init__(self, run_dir: Path, n: int, workers: int, quorum: str = "majority"):
+        self.run_dir, self.n, self.workers = run_dir, n, workers
+        self.names = [f"node{i}" for i in range(n)]
+        self.roster = Roster(tuple(NodeAddress(m, "127.0.0.1", free_port()) for m in self.names),
+                             free_port())
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.roster.write(run_dir / "roster.json")
+        (run_dir / "ctl").mkdir()
+        self.procs: dict[str, subprocess.Popen] = {}
+        for m in self.names:
+            log = open(run_dir / f"{m}.log", "w")
+            self.procs[m] = subprocess.Popen(
+                [sys.executable, "-m", "oobleck_hpc.agent", "--node", m,
+                 "--roster", str(run_dir / "roster.json"), "--run-dir", str(run_dir),
+                 "--workers", str(workers), "--heartbeat-s", str(HEARTBEAT_S),
+                 "--lease-s", str(LEASE_S), "--startup-s", "20", "--quorum", quorum,
+                 "--kill-grace-s", "1", "--", sys.executable, "-m", "oobleck_hpc.elastic.echo_worker"],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    # -- observing
+    def events(self, kind: str | None = None, **match) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        evs = read_events(path) if path.exists() else []
+        return [e for e in evs if (kind is None or e["kind"] == kind)
+                and all(e.get(k) == v for k, v in match.items())]
+
+    def wait_decided(self, gen: int, nodes: list[str], timeout: float = 15.0) -> dict[str, dict]:
+        """Wait until every node of `nodes` has decided generation `gen`; return its decisions."""
+        deadline = time.time() + timeout
+        while True:
+            got = {e["source"]: e for e in self.events("agreement_reached", gen=gen)}
+            if all(m in got for m in nodes):
+                return {m: got[m] for m in nodes}
+            if time.time() > deadline:
+                raise AssertionError(f"generation {gen} not decided by {sorted(set(nodes) - set(got))} "
+                                     f"within {timeout} s; events:\n" + self.dump())
+            time.sleep(0.05)
+
+    def worker_records(self, node: str, lr: int) -> list[dict]:
+        path = self.run_dir / "workers" / f"{node}.{lr}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait_workers(self, nodes: list[str], gen: int, timeout: float = 15.0) -> None:
+        """Wait until every worker of `nodes` finished the digest exchange of generation `gen`."""
+        deadline = time.time() + timeout
+        while True:
+            missing = [(m, lr) for m in nodes for lr in range(self.workers)
+                       if not any(r["kind"] == "exchange" and r["gen"] == gen
+                                  for r in self.worker_records(m, lr))]
+            if not missing:
+                return
+            if time.time() > deadline:
+                raise AssertionError(f"workers {missing} did not exchange generation {gen}:\n"
+                                     + self.dump())
+            time.sleep(0.05)
+
+    def wait_exit(self, node: str, timeout: float = 15.0) -> int:
+        try:
+            return self.procs[node].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{node} still runs after {timeout} s:\n" + self.dump()) from None
+
+    def dump(self) -> str:
+        return "\n".join(f"{e['t']:.3f} {e.get('source')} {e['kind']} "
+                         + json.dumps({k: v for k, v in e.items() if k not in ('t', 'source', 'kind')})
+                         for e in self.events()[-60:])
+
+    # -- acting
+    def signal(self, node: str, sig: int) -> float:
+        t = time.time()
+        os.killpg(self.procs[node].pid, sig)
+        return t
+
+    def worker_pid(self, node: str, lr: int) -> int:
+        (started,) = self.events("agent_started", source=node)
+        return started["worker_pids"][lr]
+
+    def stop_all(self) -> dict[str, int]:
+        (self.run_dir / "ctl" / "STOP").write_text("")
+        return {m: self.wait_exit(m) for m, p in self.procs.items()}
+
+    def cleanup(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+                p.wait(timeout=10)
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    made: list[Cluster] = []
+
+    def make(n: int, workers: int = 1, quorum: str = "majority") -> Cluster:
+        c = Cluster(tmp_path / f"run{len(made)}", n, workers, quorum)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.cleanup()
+
+
+def wait_view(c: Cluster, nodes: list[str], timeout: float = 15.0) -> int:
+    """Wait until every node of `nodes` has decided exactly the view `nodes`; return the
+    generation (the same on all of them)."""
+    deadline = time.time() + timeout
+    while True:
+        gens = {m: [e["gen"] for e in c.events("agreement_reached", source=m) if e["nodes"] == nodes]
+                for m in nodes}
+        if all(gens.values()):
+            got = {g[0] for g in gens.values()}
+            assert len(got) == 1, f"view {nodes} decided as different generations: {gens}"
+            return got.pop()
+        if time.time() > deadline:
+            raise AssertionError(f"view {nodes} not decided everywhere within {timeout} s:\n" + c.dump())
+        time.sleep(0.05)
+
+
+def latency(c: Cluster, t_kill: float, lost: list[str], survivors: list[str]) -> dict:
+    """Kill -> first detection of a lost node by any survivor; kill -> the last survivor's
+    decision of the new view."""
+    gen = wait_view(c, survivors)
+    decided = c.wait_decided(gen, survivors)
+    detect = min(e["t"] for e in c.events("failure_detected") if e["node"] in lost
+                 and e["t"] >= t_kill - 0.01)
+    figures = {"gen": gen, "detect_s": round(detect - t_kill, 4),
+               "agree_s": round(max(e["t"] for e in decided.values()) - t_kill, 4)}
+    print(f"\n[figures] lost {lost}: {figures}")
+    return figures
+
+
+def check_consistent(c: Cluster) -> None:
+    """The safety property over the whole run: two nodes that decided the same generation, each
+    in the other's view, decided the same view and store."""
+    by_gen: dict[int, dict[str, dict]] = {}
+    for e in c.events("agreement_reached"):
+        assert e["source"] not in by_gen.setdefault(e["gen"], {}), f"decided twice: {e}"
+        by_gen[e["gen"]][e["source"]] = e
+    for gen, ds in by_gen.items():
+        for a, da in ds.items():
+            for b, db in ds.items():
+                if a in db["nodes"] and b in da["nodes"]:
+                    assert (da["nodes"], da["store_addr"]) == (db["nodes"], db["store_addr"]), (gen, da, db)
+
+
+def check_same_decision(c: Cluster, gen: int, nodes: list[str]) -> dict:
+    decided = c.wait_decided(gen, nodes)
+    views = {(tuple(e["nodes"]), e["store_node"], e["store_addr"]) for e in decided.values()}
+    assert len(views) == 1, f"survivors disagree on generation {gen}: {views}"
+    (view, store_node, _), = views
+    assert list(view) == nodes
+    assert store_node == nodes[0]  # the first survivor in roster order hosts the new store
+    # Every worker of every survivor received that decision and gathered the same digest from
+    # every survivor over the control plane.
+    c.wait_workers(nodes, gen)
+    for m in nodes:
+        for lr in range(c.workers):
+            (rec,) = [r for r in c.worker_records(m, lr) if r["kind"] == "exchange" and r["gen"] == gen]
+            assert sorted(rec["values"]) == sorted(nodes)
+            assert len({d for ds in rec["values"].values() for d in ds}) == 1
+    return decided
+
+
+def kill_at_once(c: Cluster, nodes: list[str]) -> float:
+    """Freeze the nodes (a stop is not noticed before the lease), then kill them back to back:
+    their connections drop within about a millisecond of each other."""
+    for m in nodes:
+        c.signal(m, signal.SIGSTOP)
+    t = time.time()
+    for m in nodes:
+        c.signal(m, signal.SIGKILL)
+    return t
+
+
+@pytest.mark.timeout(150)
+def test_crashes_worker_crash_report_and_hang(cluster_factory):
+    """7 nodes x 2 workers: node3 dies (SIGKILL of its agent and workers) -> node5 and node6 die
+    at once -> a worker of node4 crashes -> a worker names node2 as failed -> node1 hangs
+    (SIGSTOP), then resumes and must fence itself."""
+    c = cluster_factory(7, workers=2)
+    c.wait_workers(c.names, 0, timeout=40)
+
+    # 1. A node dies: its agent's connections drop at once.
+    t = c.signal("node3", signal.SIGKILL)
+    f1 = latency(c, t, ["node3"], ["node0", "node1", "node2", "node4", "node5", "node6"])
+    assert f1["gen"] == 1 and f1["detect_s"] < 1.0 and f1["agree_s"] < 2.0
+    d = check_same_decision(c, 1, ["node0", "node1", "node2", "node4", "node5", "node6"])
+    assert all(e["lost"] == ["node3"] for e in d.values())
+    first = [e for e in c.events("failure_detected", node="node3") if "via" not in e["how"]]
+    assert first and all(e["how"] == "connection_lost" for e in first)
+
+    # 2. Two nodes die at once (usually one round; two back-to-back rounds are also correct).
+    t = kill_at_once(c, ["node5", "node6"])
+    f2 = latency(c, t, ["node5", "node6"], ["node0", "node1", "node2", "node4"])
+    assert f2["agree_s"] < 2.0
+    check_same_decision(c, f2["gen"], ["node0", "node1", "node2", "node4"])
+    gen = f2["gen"]
+
+    # 3. One worker of node4 crashes: the whole node is taken out, with the reason on record.
+    t = time.time()
+    os.kill(c.worker_pid("node4", 1), signal.SIGKILL)
+    assert c.wait_exit("node4") == 3
+    f3 = latency(c, t, ["node4"], ["node0", "node1", "node2"])
+    assert f3["gen"] == gen + 1
+    check_same_decision(c, gen + 1, ["node0", "node1", "node2"])
+    hows = [e["how"] for e in c.events("failure_detected", node="node4")]
+    assert any("worker 1" in h and "SIGKILL" in h for h in hows), hows
+
+    # 4. A worker reports a communication error naming node2 (alive): node2 is excluded and,
+    #    being alive, learns it and stops (fencing) instead of carrying on.
+    (c.run_dir / "ctl" / "node0.0.report").write_text(json.dumps(
+        {"kind": "comm_error", "detail": "recv from rank 4 failed", "suspects": ["node2"]}))
+    assert wait_view(c, ["node0", "node1"]) == gen + 2
+    check_same_decision(c, gen + 2, ["node0", "node1"])
+    assert c.wait_exit("node2") == 3
+    (fence,) = c.events("fenced", source="node2")
+    assert "excluded by node0" in fence["reason"] or "fenced by" in fence["reason"]
+    assert any(r["kind"] == "fenced" for r in c.worker_records("node2", 0))
+
+    # 5. node1 hangs: its lease expires; node0 goes on alone (half of 2, with the first node).
+    t = c.signal("node1", signal.SIGSTOP)
+    f5 = latency(c, t, ["node1"], ["node0"])
+    assert f5["gen"] == gen + 3 and LEASE_S - 0.5 < f5["detect_s"] < LEASE_S + 2.0
+    # ... and when it resumes, it fences itself rather than rejoining.
+    time.sleep(0.3)
+    t = c.signal("node1", signal.SIGCONT)
+    assert c.wait_exit("node1") == 3
+    (fence,) = c.events("fenced", source="node1")
+    print(f"\n[figures] resumed node fenced after {fence['t'] - t:.3f} s: {fence['reason']}")
+    assert fence["t"] - t < 2.0
+    assert not c.events("agreement_reached", source="node1", gen=gen + 3)
+
+    check_consistent(c)
+    assert c.stop_all() == {"node0": 0, "node1": 3, "node2": 3, "node3": -9, "node4": 3,
+                            "node5": -9, "node6": -9}
+
+
+@pytest.mark.timeout(120)
+def test_failure_during_agreement_store_host_death_and_quorum_loss(cluster_factory):
+    """5 nodes: node1 is stopped and node4 killed, so the round stalls on node1; during that
+    round node0 -- the first node, generation 0's store host -- is killed; node1 resumes. The
+    survivors end on [node1, node2, node3] with the store on node1 (in one superseded round,
+    or -- if node1 reads node0's last proposal before its end of stream -- in two). Then two of
+    the three die at once: the last one has no quorum and stops itself, whatever the order in
+    which it learns of the two deaths."""
+    c = cluster_factory(5, workers=1)
+    c.wait_workers(c.names, 0, timeout=30)
+
+    t0 = c.signal("node1", signal.SIGSTOP)
+    c.signal("node4", signal.SIGKILL)
+    time.sleep(0.5)
+    opened = c.events("round_started", gen=1)
+    assert {e["source"] for e in opened} >= {"node0", "node2", "node3"}
+    assert not c.events("agreement_reached", gen=1), "the round must wait for the stopped node1"
+    t_kill0 = c.signal("node0", signal.SIGKILL)
+    time.sleep(0.5)
+    t_cont = c.signal("node1", signal.SIGCONT)
+    assert t_cont - t0 < LEASE_S - 0.5  # node1 resumed before its lease ran out
+    survivors = ["node1", "node2", "node3"]
+    gen = wait_view(c, survivors)
+    decided = check_same_decision(c, gen, survivors)
+    assert min(e["t"] for e in c.events("agreement_reached")) > t_kill0
+    print(f"\n[figures] stalled round with a failure inside: view {survivors} decided as "
+          f"generation {gen}, {max(e['t'] for e in decided.values()) - t_cont:.4f} s after the "
+          "stalled node resumed")
+
+    # Two of the three survivors die at once: node3 has no quorum in every order of events
+    # ([node3] is 1 of 3; [node2, node3] then [node3] is half without the first node).
+    t = kill_at_once(c, ["node1", "node2"])
+    assert c.wait_exit("node3", timeout=10) == 3
+    (fence,) = c.events("fenced", source="node3")
+    assert "quorum" in fence["reason"] and fence["t"] - t < 1.0
+    print(f"\n[figures] quorum loss -> fenced in {fence['t'] - t:.4f} s")
+    check_consistent(c)
+
+
+@pytest.mark.timeout(60)
+def test_agent_rejects_bad_roster_and_unknown_node(tmp_path):
+    roster = tmp_path / "roster.json"
+    roster.write_text(json.dumps({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 70000}]}))
+    cmd = [sys.executable, "-m", "oobleck_hpc.agent", "--node", "a", "--roster", str(roster),
+           "--", "true"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "nodes[0].port" in r.stderr and "70000" in r.stderr
+    roster.write_text(json.dumps({"nodes": [{"name": "a", "host": "127.0.0.1", "port": free_port()}]}))
+    cmd[4] = "b"
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "'b' is not in the roster" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_single_node_job_runs_workers_to_completion(tmp_path):
+    """Orderly end: every worker says 'done' and exits 0 -> the agent exits 0, no failure events."""
+    c = Cluster(tmp_path, 1, workers=2)
+    try:
+        c.wait_workers(["node0"], 0, timeout=30)
+        assert c.stop_all() == {"node0": 0}
+        kinds = [e["kind"] for e in c.events()]
+        assert "agent_finished" in kinds and "failure_detected" not in kinds
+    finally:
+        c.cleanup()
