@@ -129,3 +129,29 @@ def test_engine_equals_single_process_reference(pool, references, name: str, flo
         assert worst_norm <= 1e-3, f"{name}: max tensor-wise relative difference {worst_norm:.2e}"
     # The loss must move, so that equal losses mean something.
     assert abs(ref["losses"][0] - ref["losses"][-1]) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["forward", "gradient_sync"])
+def test_a_vanished_rank_is_reported_as_a_value(pool, references, phase: str) -> None:
+    """Rank 3 (second GPU of the 2-GPU first stage of pipeline 1) leaves without a word during
+    step 1: every other rank's step returns ok=False within the collective timeout, names the
+    phase, and -- for its point-to-point partner, rank 4 -- the peer; step 1 is not committed."""
+    _, data, _ = references
+    job = _job()
+    timeout = 8.0  # short, but not so short that a loaded 2-core machine trips it spuriously
+    job.fault_tolerance.collective_timeout_s = timeout
+    out = [r for r in pool.run("engine", job, PLANS["hetero"], 3, data, fault=(3, 1, phase),
+                               return_params=False) if r is not None]
+    by_rank = {r["rank"]: r for r in out}
+    assert by_rank[3].get("injected")
+    others = [r for k, r in by_rank.items() if k != 3]
+    assert len(others) == 7
+    for r in others:
+        assert r.get("failed") == 1, r
+        assert r["phase"] in ("forward", "backward", "gradient_sync"), r
+        assert r["state"] == (1, 32), r  # step 0 committed (16 microbatches x 2), step 1 not
+        assert r["seconds"] < 2 * timeout + 5, r
+    if phase == "forward":
+        assert by_rank[4]["peer"] == 3, by_rank[4]

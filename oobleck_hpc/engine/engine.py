@@ -29,7 +29,8 @@ state are untouched (the optimizer has not run), so the step can be replayed on 
 The engine never exits and never decides what to do about a failure.
 
 `on_phase(phase, step)` (optional) is called when the step enters forward, backward,
-gradient_sync and optimizer: the elastic layer injects faults there.
+gradient_sync and optimizer: the elastic layer injects faults there. What it raises is not a
+communication failure and propagates out of `step()` unchanged.
 """
 
 from __future__ import annotations
@@ -265,6 +266,9 @@ class Engine:
         phase = "forward"
         self._phase(phase)
         for a in self.actions:
+            if a.kind == "B" and phase == "forward":
+                phase = "backward"
+                self._phase(phase)
             try:
                 if a.kind == "RECV_ACT":
                     slot = self.act_slots[a.microbatch % len(self.act_slots)]
@@ -277,9 +281,6 @@ class Engine:
                     self._sends.append((dist.isend(t[a.rows[0] - r0:a.rows[1] - r0].contiguous(),
                                                    dst=a.peer), a.peer))
                 else:
-                    if a.kind == "B" and phase == "forward":
-                        phase = "backward"
-                        self._phase(phase)
                     for work, peer in recvs:
                         try:
                             work.wait(self.comm.timeout)

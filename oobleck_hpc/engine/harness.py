@@ -36,6 +36,9 @@ class Task:
     dataset: Any
     return_params: bool = True
     float64: bool = False
+    fault: tuple[int, int, str] | None = None
+    """(rank, step, phase): that rank leaves the world abruptly (destroys its process groups
+    without a word) when the step enters the phase; the others must report the failure."""
     """Build the model in float64 (default dtype) for this task: exactness checks."""
 
 
@@ -65,6 +68,10 @@ def _worker(worker: int, gpus_per_node: int, store_port: int, conn) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+class _Injected(Exception):
+    pass
+
+
 def _params_numpy(modules: dict) -> dict:
     return {(layer, name): p.detach().cpu().numpy().copy()
             for layer, m in modules.items() for name, p in m.named_parameters()}
@@ -72,6 +79,7 @@ def _params_numpy(modules: dict) -> dict:
 
 def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
     import torch
+    import torch.distributed as dist
 
     from oobleck_hpc.engine.engine import Engine, Reference
     from oobleck_hpc.engine.groups import Comm, PlanGroups
@@ -102,12 +110,28 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
                      job.fault_tolerance.collective_timeout_s)
     try:
         groups = PlanGroups.build(plan, comm)
-        engine = Engine(job, model, plan, comm, groups, task.dataset, torch.device("cpu"))
+        on_phase = None
+        if task.fault is not None and task.fault[0] == rank:
+            def on_phase(phase: str, step: int) -> None:
+                if (step, phase) == tuple(task.fault[1:]):
+                    dist.destroy_process_group()
+                    raise _Injected()
+        engine = Engine(job, model, plan, comm, groups, task.dataset, torch.device("cpu"),
+                        on_phase=on_phase)
         losses, times, norms = [], [], []
         for _ in range(task.steps):
-            r = engine.step()
+            t0 = time.perf_counter()
+            try:
+                r = engine.step()
+            except _Injected:
+                return {"rank": rank, "injected": True, "state": (engine.state.step, engine.state.cursor)}
             if not r.ok:
-                raise RuntimeError(f"step {r.step} failed in {r.phase} (peer {r.peer}): {r.error!r}")
+                if task.fault is None:
+                    raise RuntimeError(f"step {r.step} failed in {r.phase} (peer {r.peer}): {r.error!r}")
+                return {"rank": rank, "failed": r.step, "phase": r.phase, "peer": r.peer,
+                        "group": r.group, "error": repr(r.error),
+                        "seconds": time.perf_counter() - t0,
+                        "state": (engine.state.step, engine.state.cursor)}
             losses.append(r.loss)
             norms.append(r.grad_norm)
             times.append(r.seconds)
@@ -201,11 +225,12 @@ class WorkerPool:
         return [node_name(i) for i in range(self.nodes)]
 
     def run(self, kind: str, job: JobConfig, plan: Plan | None, steps: int, dataset: Any,
-            timeout_s: float = 120.0, return_params: bool = True, float64: bool = False
-            ) -> list[dict | None]:
+            timeout_s: float = 120.0, return_params: bool = True, float64: bool = False,
+            fault: tuple[int, int, str] | None = None) -> list[dict | None]:
         """Run one task in every worker; results indexed by worker."""
         self.generation += 1
-        task = Task(kind, job, plan, steps, self.generation, dataset, return_params, float64)
+        task = Task(kind, job, plan, steps, self.generation, dataset, return_params, float64,
+                    fault)
         for c in self.conns:
             c.send(task)
         out, errors = [], []
