@@ -32,8 +32,10 @@ of a crashed run or of an older plan are never mixed into a new checkpoint of th
 
 Writing (no coordinator, no network)
 ------------------------------------
-`Checkpointer.save(step, shards, train_state)` copies the tensors to host memory (the only part that
-blocks training) and returns; a background thread then, for this rank:
+`Checkpointer.save(step, shards, train_state)` copies the tensors into this rank's host buffers (the
+only part that blocks training; the buffers are allocated by the first save -- pinned when the
+tensors are on a GPU -- and reused, since one save is in flight at a time) and returns; a
+background thread then, for this rank:
 
 1. writes each shard file (header + raw tensor bytes), hashing while writing, and fsyncs it;
 2. writes its completion record `done-rank<r>.json` (temp file, fsync, rename, fsync directory);
@@ -627,6 +629,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._last_step: int | None = None
         self._last_time = time.monotonic()
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
 
     # -- when
     def due(self, step: int, now: float | None = None) -> bool:
@@ -652,16 +655,21 @@ class Checkpointer:
         self.wait()
         if step == self._last_step:
             return None
+        for key in [k for k in self._buffers if k[0] not in shards]:
+            del self._buffers[key]  # a layer this rank no longer writes (the plan changed)
         for layer in shards:
             if not 0 <= layer < self.num_layers:
                 raise CheckpointError(f"rank {self.rank}: layer {layer} is not a layer of this model "
                                       f"(0..{self.num_layers - 1})")
         t0 = time.perf_counter()
-        snap = {int(i): {k: _host_copy(t) for k, t in s.items()} for i, s in shards.items()}
+        snap = {int(i): {k: self._host_copy((int(i), k), t) for k, t in s.items()}
+                for i, s in shards.items()}
         train = None
         if train_state is not None:
             meta, tensors = _split_train_state(train_state)
-            train = (meta, {k: _host_copy(t) for k, t in tensors.items()})
+            train = (meta, {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()})
+        if any(t.device.type == "cuda" for s in shards.values() for t in s.values()):
+            torch.cuda.synchronize()  # the non_blocking copies above are complete
         stats = SaveStats(step, time.perf_counter() - t0)
         self._last_step, self._last_time = step, time.monotonic()
         self.history.append(stats)
@@ -723,12 +731,18 @@ class Checkpointer:
         return sum(f["size"] for f in files.values()), published
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A private host-memory copy (the snapshot that the background thread writes)."""
-    t = t.detach()
-    if t.device.type == "cpu":
-        return t.clone(memory_format=torch.contiguous_format)
-    return t.to("cpu", copy=True).contiguous()
+    def _host_copy(self, key: tuple[int, str], t: torch.Tensor) -> torch.Tensor:
+        """Copy `t` into this rank's host buffer for `key` (allocated on first use, pinned when
+        CUDA is present, reused by later saves once the previous write is done: a copy into
+        memory already mapped is several times faster than a fresh allocation)."""
+        t = t.detach()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.device.type == "cuda"
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=t.device.type == "cuda")
+        return buf
 
 
 def try_publish(tmp: Path, keep: int = 3) -> bool:

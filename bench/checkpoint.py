@@ -1,0 +1,148 @@
+"""Checkpoint cost: size, time training is paused per save, background write time, restore time.
+
+    python bench/checkpoint.py --json                      # gpt-tiny and gpt-mini
+    python bench/checkpoint.py --json --models gpt2-small  # 124M parameters, ~1.5 GB checkpoint
+
+For each model: build every layer of the real GPT (oobleck_hpc.models.gpt) with an AdamW whose
+state exists (one step), then save `--saves` checkpoints through `--ranks` Checkpointers (threads,
+each owning an equal share of the layers, one of them the training state), as ranks would:
+
+    blocking_s   per save, the longest time any rank's save() held its caller (the snapshot to
+                 host memory; training is paused only for this). Median over saves 2..N; the
+                 first save also allocates the reused host buffers (blocking_first_s)
+    write_s      per save, from the save() call until the checkpoint is published (all shards
+                 written + fsynced, manifest, rename, `latest`)
+    restore_s    find_latest (full sha256 verification of every file) + loading every layer into
+                 fresh modules and optimizers
+    target       blocking_s <= 10 % of write_s
+
+Medians over the saves. The directory defaults to a fresh one under the system temp dir
+(`--dir` to measure the filesystem that checkpoints will use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from oobleck_hpc.checkpoint import (  # noqa: E402
+    Checkpointer,
+    TrainState,
+    capture_rng,
+    find_latest,
+    layer_state,
+    load_layers,
+    wait_published,
+)
+from oobleck_hpc.models.configs import GPT_CONFIGS  # noqa: E402
+from oobleck_hpc.models.gpt import GPT  # noqa: E402
+
+
+def build(name: str):
+    model = GPT(GPT_CONFIGS[name], seed=0)
+    layers = {i: model.build_layer(i) for i in range(model.num_layers)}
+    opt = torch.optim.AdamW([p for m in layers.values() for p in m.parameters()], lr=1e-3)
+    for m in layers.values():  # one step so that exp_avg / exp_avg_sq / step exist
+        for p in m.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, layers, opt
+
+
+def bench_model(name: str, root: Path, ranks: int, saves: int) -> dict:
+    model, layers, opt = build(name)
+    n = model.num_layers
+    params = sum(p.numel() for m in layers.values() for p in m.parameters())
+    owners = {i: i * ranks // n for i in range(n)}  # contiguous, equal shares
+    cps = [Checkpointer(root, rank=r, num_layers=n, keep=2, attempt="bench") for r in range(ranks)]
+    blocking, writes = [], []
+    for k in range(saves):
+        step = k + 1
+        ts = TrainState(step=step, samples_seen=step * 32, rng=capture_rng())
+        t0 = time.perf_counter()
+        per_rank = [0.0] * ranks
+
+        def save(r: int) -> None:
+            shards = {i: layer_state(layers[i], opt) for i, o in owners.items() if o == r}
+            s = cps[r].save(step, shards, ts if r == 0 else None)
+            per_rank[r] = s.blocking_s
+
+        threads = [threading.Thread(target=save, args=(r,)) for r in range(ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not wait_published(root, step, timeout_s=600):
+            raise RuntimeError(f"step {step} was not published")
+        writes.append(time.perf_counter() - t0)
+        blocking.append(max(per_rank))
+        for cp in cps:
+            cp.wait()
+    ck = find_latest(root).checkpoint
+    size = sum(f["size"] for f in ck.manifest["files"].values())
+
+    fresh = {i: model.build_layer(i) for i in range(n)}
+    fresh_opt = torch.optim.AdamW([p for m in fresh.values() for p in m.parameters()], lr=1e-3)
+    t0 = time.perf_counter()
+    ck = find_latest(root).checkpoint  # verifies every file's sha256
+    load_layers(ck, fresh, fresh_opt)
+    ck.train_state()
+    restore_s = time.perf_counter() - t0
+    for i in range(n):  # the restore is exact
+        for a, b in zip(layers[i].parameters(), fresh[i].parameters()):
+            assert torch.equal(a, b)
+    # The first save allocates the host buffers that later saves reuse: reported apart.
+    warm = blocking[1:] or blocking
+    b, w = statistics.median(warm), statistics.median(writes)
+    return {"model": name, "params": params, "layers": n, "ranks": ranks, "saves": saves,
+            "size_bytes": size, "blocking_first_s": round(blocking[0], 5),
+            "blocking_s": round(b, 5), "write_s": round(w, 4),
+            "blocking_fraction": round(b / w, 4), "restore_s": round(restore_s, 4),
+            "write_MBps": round(size / w / 1e6, 1), "target_blocking_le_10pct": b <= 0.10 * w}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-mini"], choices=list(GPT_CONFIGS))
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results = []
+    for name in args.models:
+        root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")) / name
+        shutil.rmtree(root, ignore_errors=True)
+        try:
+            results.append(bench_model(name, root, args.ranks, args.saves))
+        finally:
+            if args.dir is None:
+                shutil.rmtree(root.parent, ignore_errors=True)
+    out = {"bench": "checkpoint", "torch": torch.__version__, "machine": platform.node(),
+           "cpus": torch.get_num_threads(), "results": results}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for r in results:
+            print(f"{r['model']:>10}: {r['size_bytes'] / 1e6:8.1f} MB  blocking {r['blocking_s'] * 1e3:7.1f} ms"
+                  f"  write {r['write_s'] * 1e3:8.1f} ms ({r['blocking_fraction']:.1%})"
+                  f"  restore {r['restore_s'] * 1e3:8.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
