@@ -50,6 +50,10 @@ class Template:
     costs the same)."""
     peak_memory_bytes: tuple[int, ...]
     """Per stage: the peak memory of one of its GPUs under 1F1B."""
+    microbatches: int = 0
+    """The microbatch count the template was optimised for (planning/cost.py, `m_t`)."""
+    iteration_ms: float = 0.0
+    """pipeline_iteration_ms(self, microbatches): the optimised objective."""
 
     @property
     def num_stages(self) -> int:

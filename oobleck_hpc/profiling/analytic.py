@@ -1,0 +1,143 @@
+"""Analytic profiles: per-layer times and bytes from FLOP and byte counts plus a device sheet.
+
+For machines we do not have (the planner and the simulator at 1,024 GPUs). Labelled
+`source="analytic"` in the fingerprint. Pure arithmetic: no torch.
+
+Model (a GPT of oobleck_hpc/models/configs.py, microbatch b samples of s tokens, width d,
+vocabulary V, MLP ratio r = 4). Layers: embedding, n_layer blocks, head (untied, as our models).
+
+Parameters::
+
+    embedding   V d + s d
+    block       (4 + 2 r) d^2 + (9 + r) d        qkv 3d^2+3d, proj d^2+d, fc r d^2 + r d,
+                                                out r d^2 + d, two LayerNorms 4d
+    head        2 d + d V                        final LayerNorm, LM head without bias
+
+Forward FLOPs per microbatch (2 per multiply-add; backward = 2 x forward)::
+
+    embedding   0 (a gather; charged as memory traffic, see below)
+    block       2 b s ((4 + 2 r) d^2)  +  4 b s^2 d       dense matmuls + attention (QK^T, AV)
+    head        2 b s d V
+
+time = FLOPs / (peak_flops(dtype) * efficiency), efficiency = 0.5 for matmul-bound layers
+(Megatron-LM reports 40-55 % of peak on GPT-3-size models), plus for every layer the activation
+traffic  bytes_moved / (memory_bandwidth * 0.7); the embedding costs only that.
+
+Bytes (per microbatch unless said otherwise). Training keeps fp32 master parameters (our models'
+parameters are float32; `bfloat16` turns on autocast for the compute), so per parameter:
+param 4, grad 4, AdamW exp_avg + exp_avg_sq 8. Activation element size e = 2 for bfloat16, 4 for
+float32. Activations kept for backward (Korthikanti et al. 2022, "Reducing Activation
+Recomputation", without the 5 a s / d attention-score term because our blocks use fused
+scaled-dot-product attention that does not store the scores)::
+
+    block       34 b s d * e / 2
+    embedding   b s d e
+    head        b s d e  +  4 b s V          (input, and fp32 logits for the loss)
+
+Output sent to the next layer: b s d e (the head sends nothing onwards: its loss, 4 bytes).
+
+Devices (dense tensor-core peak; links per GPU, with an achievable fraction of 0.8 applied)::
+
+    A40        bf16 149.7 TFLOP/s, fp32 37.4, 48 GB,  HBM 696 GB/s,  NVLink bridge 112.5 GB/s,
+               HDR InfiniBand 25 GB/s
+    A100-80G   bf16 312,   fp32 19.5 (TF32 156 used for matmuls), 80 GB, 2039 GB/s,
+               NVLink 600 GB/s, HDR 25 GB/s per GPU
+    H100-80G   bf16 989,   fp32 67 (TF32 494.7 used for matmuls),  80 GB, 3350 GB/s,
+               NVLink 900 GB/s, NDR 50 GB/s per GPU
+
+Latencies: 0.01 ms inside a node, 0.02 ms across nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from oobleck_hpc.errors import ProfileError
+from oobleck_hpc.models.configs import GPT_CONFIGS, GPTConfig
+from oobleck_hpc.profiling.profile import (Fingerprint, LayerProfile, LinkCost, MachineProfile,
+                                           ModelProfile)
+
+MATMUL_EFFICIENCY = 0.5
+MEMORY_EFFICIENCY = 0.7
+LINK_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    bf16_tflops: float
+    fp32_tflops: float
+    """Matmul throughput used for float32 (TF32 tensor cores where the device has them)."""
+    memory_bytes: int
+    hbm_gbs: float
+    nvlink_gbs: float
+    network_gbs: float
+    interconnect: str
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in [
+        DeviceSpec("A40", 149.7, 37.4, 48 * 10**9, 696.0, 112.5, 25.0, "NVLink bridge + HDR InfiniBand"),
+        DeviceSpec("A100-80G", 312.0, 156.0, 80 * 10**9, 2039.0, 600.0, 25.0, "NVLink 3 + HDR InfiniBand"),
+        DeviceSpec("H100-80G", 989.0, 494.7, 80 * 10**9, 3350.0, 900.0, 50.0, "NVLink 4 + NDR InfiniBand"),
+    ]
+}
+
+# A Llama-like extra (SwiGLU MLP approximated by r = 8/3 * 3/2 = 4 in FLOPs and bytes).
+EXTRA_CONFIGS: dict[str, GPTConfig] = {
+    "llama-7b-like": GPTConfig("llama-7b-like", n_layer=32, d_model=4096, n_head=32, seq_len=4096,
+                               vocab_size=32000),
+}
+
+
+def _model(model: str | GPTConfig) -> GPTConfig:
+    if isinstance(model, GPTConfig):
+        return model
+    cfg = GPT_CONFIGS.get(model) or EXTRA_CONFIGS.get(model)
+    if cfg is None:
+        raise ProfileError(f"no analytic model {model!r}. Fix: use one of "
+                           f"{', '.join([*GPT_CONFIGS, *EXTRA_CONFIGS])}")
+    return cfg
+
+
+def analytic_profile(model: str | GPTConfig, device: str, microbatch_size: int,
+                     dtype: str = "bfloat16", gpus_per_node: int = 8) -> ModelProfile:
+    """Per-layer profile of a GPT config on `device` (one of DEVICES), from the equations above."""
+    cfg = _model(model)
+    if device not in DEVICES:
+        raise ProfileError(f"no analytic device {device!r}. Fix: use one of {', '.join(DEVICES)}")
+    if dtype not in ("bfloat16", "float32"):
+        raise ProfileError(f"analytic dtype {dtype!r} is not supported. Fix: bfloat16 or float32")
+    if microbatch_size < 1 or gpus_per_node < 1:
+        raise ProfileError("analytic profile: microbatch_size and gpus_per_node must be >= 1")
+    dev = DEVICES[device]
+    b, s, d, V, r = microbatch_size, cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.mlp_ratio
+    e = 2 if dtype == "bfloat16" else 4
+    flops = (dev.bf16_tflops if dtype == "bfloat16" else dev.fp32_tflops) * 1e12 * MATMUL_EFFICIENCY
+    hbm = dev.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
+
+    def layer(name: str, params: int, fwd_flops: float, act: int, out: int) -> LayerProfile:
+        traffic = 2 * act + out  # written in forward, read (and gradient written) in backward
+        fwd = 1000.0 * (fwd_flops / flops + act / hbm)
+        bwd = 1000.0 * (2 * fwd_flops / flops + traffic / hbm)
+        return LayerProfile(name, fwd, bwd, 4 * params, 4 * params, 8 * params, int(act), int(out))
+
+    tokens = b * s
+    layers = [layer("embedding", V * d + s * d, 0.0, tokens * d * e, tokens * d * e)]
+    block_params = (4 + 2 * r) * d * d + (9 + r) * d
+    for i in range(cfg.n_layer):
+        layers.append(layer(f"block{i}", block_params,
+                            2 * tokens * (4 + 2 * r) * d * d + 4 * b * s * s * d,
+                            34 * tokens * d * e // 2, tokens * d * e))
+    layers.append(layer("head", 2 * d + d * V, 2 * tokens * d * V, tokens * d * e + 4 * tokens * V, 4))
+
+    nvl = LinkCost(0.01, dev.nvlink_gbs * 1e9 * LINK_EFFICIENCY)
+    net = LinkCost(0.02, dev.network_gbs * 1e9 * LINK_EFFICIENCY)
+    machine = MachineProfile(dev.name, dev.memory_bytes, gpus_per_node, nvl, net, nvl, net,
+                             interconnect=dev.interconnect)
+    fp = Fingerprint(cfg.name, cfg.arch_hash(), microbatch_size, dtype, dev.name, gpus_per_node,
+                     dev.interconnect, source="analytic", tool_version="oobleck_hpc analytic 1",
+                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return ModelProfile(fp, machine, tuple(layers))
