@@ -17,6 +17,7 @@ Layers (one at a time, in model order, at the job's microbatch size, sequence le
   sizes of their unique storages, parameters excluded (they are counted as parameters; a view of
   a storage counts the whole storage because the whole storage stays alive); output bytes = the
   layer's output tensor (what the next stage receives).
+- On CPU the layers run with `cpu_threads` torch threads (default 1, as the engine's CPU workers).
 - bfloat16 jobs run the forward under `torch.autocast(dtype=torch.bfloat16)` with float32 weights,
   exactly as the engine does.
 
@@ -35,6 +36,7 @@ Links (alpha-beta fits, `LinkCost(latency_ms, bandwidth)`):
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import statistics
@@ -77,6 +79,9 @@ class ProfilerOptions:
     comm_procs: int = 2
     """Processes for the link measurement (all-reduce participants); at least 2."""
     comm_timeout_s: float = 120.0
+    cpu_threads: int = 1
+    """Torch threads on CPU: what one CPU worker of the engine gets (the local launcher sets
+    OMP_NUM_THREADS=1 so the workers of a node share its cores)."""
 
 
 # ----------------------------------------------------------------------------- timing helpers
@@ -364,6 +369,19 @@ def job_device(job: JobConfig) -> torch.device:
     return torch.device("cuda", 0)
 
 
+@contextlib.contextmanager
+def _cpu_threads(device: torch.device, threads: int):
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _device_memory(device: torch.device, gpus_per_node: int) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
@@ -402,11 +420,14 @@ def profile_job(job: JobConfig, options: ProfilerOptions = ProfilerOptions(), qu
     model = build_model(job.model, job.source)
     seq_len = job.data.seq_len or model.seq_len
     report = None if quiet else _reporter(model.num_layers)
-    layers = profile_layers(model, job.train.microbatch_size, seq_len, job.model.dtype, device,
-                            options, report)
+    with _cpu_threads(device, options.cpu_threads):
+        layers = profile_layers(model, job.train.microbatch_size, seq_len, job.model.dtype, device,
+                                options, report)
     p2p, allreduce, what = measure_links(device, options)
     interconnect = (f"single machine: intra-node links = {what}; inter-node links = the same "
                     f"loopback measurement (no second node)")
+    if device.type == "cpu":
+        interconnect += f"; CPU workers with {options.cpu_threads} torch thread(s) each"
     gpn = job.cluster.gpus_per_node
     machine = MachineProfile(device_name=job_device_name(job), device_memory_bytes=_device_memory(device, gpn),
                              gpus_per_node=gpn, p2p_intra=p2p, p2p_inter=p2p,
@@ -445,7 +466,8 @@ def profile_and_save(job: JobConfig, out_dir: str | Path | None = None, overwrit
 # ----------------------------------------------------------------------------- acceptance check
 
 
-def measure_step_ms(job: JobConfig, microbatches: int, warmup: int = 3, repeats: int = 10) -> tuple[float, float]:
+def measure_step_ms(job: JobConfig, microbatches: int, warmup: int = 3, repeats: int = 10,
+                    cpu_threads: int = ProfilerOptions.cpu_threads) -> tuple[float, float]:
     """A real single-process training step of the whole model: `microbatches` forward/backward
     passes with gradient accumulation, gradient clipping as the job sets it, one AdamW step.
     Returns (median, interquartile range) in ms -- the figure a 1-node, 1-stage, 1-GPU plan
@@ -475,15 +497,16 @@ def measure_step_ms(job: JobConfig, microbatches: int, warmup: int = 3, repeats:
         opt.step()
 
     times = []
-    for rep in range(warmup + repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if rep >= warmup:
-            times.append(1000 * (time.perf_counter() - t0))
+    with _cpu_threads(device, cpu_threads):
+        for rep in range(warmup + repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if rep >= warmup:
+                times.append(1000 * (time.perf_counter() - t0))
     return _median_iqr(times)
 
 
