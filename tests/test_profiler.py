@@ -188,3 +188,17 @@ def test_bfloat16_layers_are_measured_under_autocast():
     assert bf[1].activation_bytes > fp[1].activation_bytes
     assert bf[-1].output_bytes == fp[-1].output_bytes // 2
     assert all(x.forward_ms > 0 for x in bf)
+
+
+def test_check_step_compares_the_planner_with_a_real_step(capsys):
+    """The acceptance figure's machinery (its numbers are reported, not asserted: no timed tests)."""
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.profiling.store import load_profile
+
+    p = load_profile(REPO / "profiles" / "gpt-tiny" / "cpu" / "float32-mb2.h5")
+    # one stage on one GPU: the planner's 1F1B time is m x (sum of forward + backward)
+    assert profiler.predicted_single_gpu_step_ms(p, 4) == pytest.approx(
+        4 * sum(x.forward_ms + x.backward_ms for x in p.layers))
+    job = load_job(REPO / "examples" / "gpt-tiny-local.yaml")
+    median, spread = profiler.measure_step_ms(job, 2, warmup=1, repeats=2)
+    assert median > 0 and spread >= 0
