@@ -308,12 +308,7 @@ def fit_p2p(sizes: np.ndarray, seconds: np.ndarray) -> LinkCost:
 def fit_allreduce(sizes: np.ndarray, seconds: np.ndarray, participants: int) -> LinkCost:
     """Fit the planner's all-reduce equation (linear in latency and in 1/bandwidth): the basis
     functions are the equation itself evaluated with unit latency and with unit 1/bandwidth."""
-    try:
-        from oobleck_hpc.planning.cost import allreduce_ms
-    except ImportError:  # planner's cost module not present: the ring equation it documents
-        def allreduce_ms(link: LinkCost, nbytes: int, participants: int) -> float:
-            p = participants
-            return 0.0 if p < 2 else 2 * (p - 1) * link.time_ms(nbytes / p)
+    from oobleck_hpc.planning.cost import allreduce_ms
 
     a = np.array([allreduce_ms(LinkCost(1.0, float("inf")), int(n), participants) for n in sizes])
     b = np.array([allreduce_ms(LinkCost(0.0, 1.0), int(n), participants) for n in sizes])
