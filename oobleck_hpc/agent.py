@@ -18,7 +18,19 @@ srun step per node). It
      their event logs say why), kill the node's other workers, exit 3;
    - this node was fenced (excluded by the survivors, or no quorum): tell the workers, give them
      `--kill-grace-s` to exit, kill what is left, exit 3.
-   SIGTERM/SIGINT are forwarded to the workers; what they do then decides the exit as above.
+   SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (Slurm's pre-timeout signal) are forwarded to the
+   workers; what they do then decides the exit as above.
+
+Worker environment (what `oobleck_hpc.bootstrap.detect()` reads, source 'local'): OOBLECK_NODE,
+OOBLECK_NODES (generation 0: the roster), OOBLECK_LOCAL_RANK, OOBLECK_NODE_ADDR, and as `extra`:
+OOBLECK_JOB (with --job), OOBLECK_RUN_DIR, OOBLECK_STORE (generation 0's store host:port, to be
+hosted by local rank 0 of the first roster node), OOBLECK_AGENT_FD, OOBLECK_LOCAL_WORLD,
+OOBLECK_NODE_INDEX (see oobleck_hpc/elastic/client.py for the link itself).
+
+Under Slurm the launcher runs `python -m oobleck_hpc.agent --job JOB --run-dir RUN_DIR`: the node
+name then defaults to $SLURMD_NODENAME (else the short host name), the roster to
+RUN_DIR/roster.json (written by the discovery step), and the worker command to
+`python -m oobleck_hpc.train`.
 
 Every transition goes to `<run_dir>/events.jsonl` (events.py) and a short line on stderr.
 """
@@ -63,6 +75,8 @@ class AgentOptions:
     startup_s: float = 60.0
     quorum: str = "majority"
     kill_grace_s: float = 2.0
+    job: Path | None = None
+    """The job file, passed to the workers as OOBLECK_JOB."""
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -102,7 +116,7 @@ class Agent:
         self.events.emit("agent_started", pid=os.getpid(), workers=self.opts.workers,
                          port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
         self._tell_membership(self.cp.decided)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward_signal)
         try:
             return self._loop()
@@ -134,14 +148,20 @@ class Agent:
         parent, child = socket.socketpair()
         env = dict(os.environ)
         env.update(self.opts.extra_env)
+        roster, d0 = self.opts.roster, self.cp.decided
         env.update({
             "OOBLECK_AGENT_FD": str(child.fileno()),
             "OOBLECK_NODE": self.opts.node,
-            "OOBLECK_NODE_INDEX": str(self.opts.roster.names.index(self.opts.node)),
+            "OOBLECK_NODES": ",".join(d0.nodes),
+            "OOBLECK_NODE_ADDR": roster.address(self.opts.node).host,
+            "OOBLECK_NODE_INDEX": str(roster.names.index(self.opts.node)),
             "OOBLECK_LOCAL_RANK": str(lr),
             "OOBLECK_LOCAL_WORLD": str(self.opts.workers),
             "OOBLECK_RUN_DIR": str(self.opts.run_dir),
+            "OOBLECK_STORE": f"{roster.address(d0.store_node).host}:{d0.store_port}",
         })
+        if self.opts.job is not None:
+            env["OOBLECK_JOB"] = str(self.opts.job.resolve())
         try:
             proc = subprocess.Popen(self.opts.command, env=env, pass_fds=(child.fileno(),))
         except OSError as e:
@@ -293,8 +313,10 @@ def _describe(code: int) -> str:
 
 def parse_args(argv: list[str] | None = None) -> AgentOptions:
     p = argparse.ArgumentParser(prog="python -m oobleck_hpc.agent", description=__doc__.splitlines()[0])
-    p.add_argument("--node", required=True, help="this node's name in the roster")
-    p.add_argument("--roster", required=True, help="roster JSON file (see oobleck_hpc/elastic/wire.py)")
+    p.add_argument("--node", help="this node's name in the roster (default: $SLURMD_NODENAME, "
+                   "else the short host name)")
+    p.add_argument("--roster", help="roster JSON file (see oobleck_hpc/elastic/wire.py; default: "
+                   "RUN_DIR/roster.json)")
     p.add_argument("--job", help="YAML job file: fault_tolerance, cluster.gpus_per_node and run_dir "
                    "are read from it (the flags below override)")
     p.add_argument("--workers", type=int, help="worker processes on this node (default: "
@@ -313,7 +335,9 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
-        p.error("give the worker command after --, e.g. -- python -m oobleck_hpc.train job.yaml")
+        if not a.job:
+            p.error("give the worker command after --, or --job (worker: python -m oobleck_hpc.train)")
+        command = [sys.executable, "-m", "oobleck_hpc.train"]
     heartbeat_s, lease_s, workers, run_dir = 0.5, 3.0, 1, Path("runs/job")
     if a.job:
         from oobleck_hpc.config import load_job
@@ -325,16 +349,19 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
     lease_s = a.lease_s if a.lease_s is not None else lease_s
     if not 0 < heartbeat_s < lease_s:
         p.error(f"need 0 < --heartbeat-s ({heartbeat_s}) < --lease-s ({lease_s})")
-    roster = Roster.load(a.roster)
-    if a.node not in roster.names:
-        p.error(f"--node {a.node!r} is not in the roster {a.roster} (nodes: {', '.join(roster.names)})")
+    run_dir = Path(a.run_dir) if a.run_dir else run_dir
+    roster_path = a.roster or str(run_dir / "roster.json")
+    roster = Roster.load(roster_path)
+    node = a.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    if node not in roster.names:
+        p.error(f"node {node!r} is not in the roster {roster_path} (nodes: {', '.join(roster.names)}); "
+                "pass --node NAME")
     return AgentOptions(
-        node=a.node, roster=roster, command=command,
-        workers=a.workers if a.workers is not None else workers,
-        run_dir=Path(a.run_dir) if a.run_dir else run_dir,
+        node=node, roster=roster, command=command,
+        workers=a.workers if a.workers is not None else workers, run_dir=run_dir,
         heartbeat_s=heartbeat_s, lease_s=lease_s, probe_s=a.probe_s,
         agreement_timeout_s=a.agreement_timeout_s, startup_s=a.startup_s, quorum=a.quorum,
-        kill_grace_s=a.kill_grace_s)
+        kill_grace_s=a.kill_grace_s, job=Path(a.job) if a.job else None)
 
 
 def main(argv: list[str] | None = None) -> int:
