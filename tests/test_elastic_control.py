@@ -372,3 +372,24 @@ def test_agent_options_from_job_file(tmp_path, monkeypatch):
     opts = parse_args(["--job", str(ROOT / "examples" / "gpt-tiny-local.yaml"), "--run-dir", str(tmp_path),
                        "--node", "gpu7", "--lease-s", "9", "--workers", "3", "--", "echo", "hi"])
     assert (opts.node, opts.lease_s, opts.workers, opts.command) == ("gpu7", 9.0, 3, ["echo", "hi"])
+
+
+@pytest.mark.timeout(60)
+def test_unexplained_comm_error_probes_peers_and_catches_a_hang_before_the_lease(cluster_factory):
+    """A worker's collective times out without knowing who hangs: its agent pings every peer and
+    suspects the one that does not answer within probe_s -- well before the lease would."""
+    c = cluster_factory(3, workers=1)
+    c.wait_workers(c.names, 0, timeout=30)
+    c.signal("node2", signal.SIGSTOP)
+    t = time.time()
+    (c.run_dir / "ctl" / "node0.0.report").write_text(json.dumps(
+        {"kind": "comm_error", "detail": "allreduce timed out"}))
+    f = latency(c, t, ["node2"], ["node0", "node1"])
+    (probe,) = c.events("probe", source="node0")
+    hows = [e["how"] for e in c.events("failure_detected", node="node2", source="node0")]
+    assert hows and hows[0].startswith("probe_unanswered"), hows
+    assert f["agree_s"] < probe["timeout_s"] + 0.5 < LEASE_S
+    check_same_decision(c, f["gen"], ["node0", "node1"])
+    c.signal("node2", signal.SIGCONT)
+    assert c.wait_exit("node2") == 3
+    check_consistent(c)

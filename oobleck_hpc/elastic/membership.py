@@ -40,7 +40,9 @@ Message flow
    decided without it: its first heartbeat is answered with FENCE). An agent that was itself not
    scheduled for longer than `lease_s` (SIGSTOP, swap storm) fences itself without waiting: its
    peers have excluded it by then. An agent whose own proposal no longer contains a quorum is
-   fenced (the survivors cannot be told apart from a partitioned minority).
+   fenced (the survivors cannot be told apart from a partitioned minority). A FENCE from a node
+   that I excluded myself, and whose view excludes me, means we excluded each other (a partition,
+   or two simultaneous false suspicions): I am fenced too, so that the job never splits in two.
 
 Why two survivors cannot decide differently
 -------------------------------------------
