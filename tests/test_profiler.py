@@ -163,6 +163,15 @@ def test_resolve_profile_analytic_fallback(tmp_path):
     no_device = dataclasses.replace(job, profile=dataclasses.replace(job.profile, device=None))
     with pytest.raises(ProfileError, match="profile.device"):
         resolve_profile(no_device)
+    # the shipped library's analytic file has 8 GPUs per node; a 1-GPU job that allows analytic
+    # profiles gets one derived for it, a job that does not is told about the mismatch
+    one = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpus_per_node=1),
+                              profile=dataclasses.replace(job.profile, library=str(REPO / "profiles")))
+    assert (REPO / "profiles" / "gpt3-350m" / "A100-80G" / "bfloat16-mb1.h5").exists()
+    assert resolve_profile(one).fingerprint.gpus_per_node == 1
+    strict = dataclasses.replace(one, profile=dataclasses.replace(one.profile, analytic=False))
+    with pytest.raises(ProfileError, match=r"GPUs per node .* is 8 in the profile .* but 1 in the job"):
+        resolve_profile(strict)
 
 
 def test_shipped_library_verifies_and_serves_the_demo():

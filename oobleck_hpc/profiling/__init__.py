@@ -11,7 +11,8 @@
 1. `profile.path` when set (an explicit file);
 2. the library: `<profile.library>/<model>/<device>/<dtype>-mb<k>.h5`, where device is
    `profile.device`, else 'cpu' for CPU jobs or the CUDA device name of this machine;
-3. `analytic_profile(...)` when `profile.analytic: true` (device = `profile.device`);
+3. `analytic_profile(...)` when `profile.analytic: true` (device = `profile.device`), also when
+   the library holds an analytic file made for other settings (e.g. 8 instead of 1 GPU per node);
 4. otherwise a ProfileError naming the file looked for and the command that creates it.
 
 Whatever the source, the profile is checked against the job before the planner sees it:
@@ -98,7 +99,14 @@ def resolve_profile(job: JobConfig) -> ModelProfile:
         return check_profile(load_profile(job.profile.path), job, job.profile.path)
     path = library_file(job)
     if path.exists():
-        return check_profile(load_profile(path), job, str(path))
+        profile = load_profile(path)
+        try:
+            return check_profile(profile, job, str(path))
+        except ProfileError:
+            # an analytic library file made for other settings (e.g. GPUs per node) is no reason
+            # to refuse a job that allows analytic profiles: derive one for exactly this job
+            if not (job.profile.analytic and profile.fingerprint.source == "analytic"):
+                raise
     if job.profile.analytic:
         from oobleck_hpc.profiling.analytic import analytic_profile
 
