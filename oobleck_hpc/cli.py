@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "oobleck_hpc.sim.cli",  # simulate
     "oobleck_hpc.launch.cli_watch",  # watch
     "oobleck_hpc.launch.cli_slurm",  # submit
+    "oobleck_hpc.launch.cli",  # run
 ]
 
 

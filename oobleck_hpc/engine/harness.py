@@ -142,7 +142,10 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
 
 
 def _run_ddp(task: Task, worker: int, store, model) -> dict:
-    """Plain DDP over all workers: each takes an equal share of the global microbatches."""
+    """torch DDP doing the same per-rank work as the engine on a pure data-parallel plan: the
+    rank of pipeline p, replica j of the plan's single stage, runs rows split_rows(b, G)[j] of
+    each of pipeline p's microbatches, then DDP's bucketed all-reduce (overlapped with the last
+    backward) averages the gradients; same clipping, LR and AdamW."""
     import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -150,9 +153,18 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
     from oobleck_hpc.engine.groups import Comm
     from oobleck_hpc.engine.optim import lr_at, make_optimizer, set_lr
     from oobleck_hpc.engine.sampler import GlobalSampler
+    from oobleck_hpc.engine.schedule import split_rows
 
-    job, world = task.job, task.plan.world_size
-    comm = Comm.init(store, worker, world, task.generation, "gloo",
+    job, plan = task.job, task.plan
+    if any(p.template.num_stages != 1 for p in plan.pipelines):
+        raise ValueError("the DDP baseline needs a pure data-parallel plan (single-stage templates)")
+    node, gpu = node_name(worker // plan.gpus_per_node), worker % plan.gpus_per_node
+    if node not in plan.nodes:
+        return None
+    rank = plan.rank_of(node, gpu)
+    info = plan.ranks[rank]
+    world = plan.world_size
+    comm = Comm.init(store, rank, world, task.generation, "gloo",
                      job.fault_tolerance.collective_timeout_s)
     try:
         net = nn.Sequential(*[model.build_layer(i) for i in range(model.num_layers)])
@@ -160,15 +172,17 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
         opt = make_optimizer([net], job.train, torch.device("cpu"))
         sampler = GlobalSampler(task.dataset, job.train.microbatch_size,
                                 job.train.global_microbatches, seed=job.model.seed)
-        per = job.train.global_microbatches // world
+        offset = sum(p.microbatches for p in plan.pipelines[:info.pipeline])
+        count = plan.pipelines[info.pipeline].microbatches
+        rows = split_rows(job.train.microbatch_size, info.replicas)[info.replica]
         cursor, times, losses = 0, [], []
         for step in range(task.steps):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=False)
             total = torch.zeros(())
-            for k in range(per):
-                x, y = sampler.microbatch(cursor, worker * per + k)
-                ctx = ddp.no_sync() if k < per - 1 else _nullcontext()
+            for k in range(count):
+                x, y = sampler.microbatch(cursor, offset + k, rows)
+                ctx = ddp.no_sync() if k < count - 1 else _nullcontext()
                 with ctx:
                     loss = model.loss(ddp(x), y).sum()
                     (loss * world / sampler.global_batch).backward()
@@ -179,7 +193,7 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
             cursor += sampler.global_batch
             times.append(time.perf_counter() - t0)
             losses.append(float(total))
-        return {"rank": worker, "times": times, "losses": losses, "params": {}}
+        return {"rank": rank, "times": times, "losses": losses, "params": {}}
     finally:
         comm.destroy()
 

@@ -1,0 +1,153 @@
+"""Engine speed: steady-state step time of our engine vs the single-process reference doing the
+same math, vs torch DDP on a pure data-parallel plan, and the planner's predicted step time vs
+the measured one. All in ONE pool of worker processes (the same processes run every case).
+
+    python bench/engine.py [--json] [--job examples/gpt-tiny-local.yaml] [--steps 12]
+
+Cases (nodes x gpus_per_node ranks from the job):
+- "planner": the plan `planning.plan_job` computes for the job's nodes (when the planner exists);
+- "hetero":  a hand-made plan with pipelines of different templates (one with a 2-GPU stage),
+             its templates' times computed by the planner's cost model (templates.make_template);
+- "two_stage": every node runs a 1-node, 2-stage template (layers halved), batch split evenly;
+- "pure_dp": one single-stage 2-GPU template per node (every rank holds the whole model);
+             also timed under torch DDP with the same global batch and optimizer.
+
+Steady state: the first `--warmup` steps are dropped; a step's time is the slowest rank's
+(ranks leave the step together: the final all-reduce is a barrier); the median is reported.
+Data: synthetic tokens (the sampler cost is the same; a memory-mapped corpus cannot be shipped to
+the pool through a pipe).
+
+Keys of --json (top level = the planner's plan, else "hetero"): engine_step_s,
+reference_step_s, ratio (engine / reference), predicted_step_s, prediction_error
+(|predicted - measured| / measured); dp_engine_step_s, ddp_step_s, dp_ratio_vs_ddp; and
+"cases" with every case's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from oobleck_hpc.config import load_job  # noqa: E402
+from oobleck_hpc.engine.harness import WorkerPool  # noqa: E402
+from oobleck_hpc.engine.sampler import SyntheticTokens  # noqa: E402
+from oobleck_hpc.models.base import build_model  # noqa: E402
+from oobleck_hpc.planning import cost  # noqa: E402
+from oobleck_hpc.planning.plan import PipelineSpec, Plan  # noqa: E402
+from oobleck_hpc.planning.templates import make_template  # noqa: E402
+from oobleck_hpc.profiling import resolve_profile  # noqa: E402
+
+
+def steady(results: list[dict | None], warmup: int) -> float:
+    rows = [r["times"] for r in results if r is not None]
+    per_step = [max(ts) for ts in zip(*rows)][warmup:]
+    return statistics.median(per_step)
+
+
+def split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def hand_plans(job, profile, nodes: list[str]) -> dict[str, Plan]:
+    L, G, M = profile.num_layers, job.cluster.gpus_per_node, job.train.global_microbatches
+    out = {}
+    dp = make_template(profile, [(0, L, G, 0, 0)], 1, M // len(nodes))
+    pipes = [PipelineSpec(dp, (n,), m) for n, m in zip(nodes, split(M, len(nodes)))]
+    out["pure_dp"] = Plan(tuple(pipes), M, 0.0)
+    if G == 2:
+        t1 = make_template(profile, [(0, L // 2, 1, 0, 0), (L // 2, L, 1, 0, 1)], 1,
+                           M // len(nodes))
+        pipes = [PipelineSpec(t1, (n,), m) for n, m in zip(nodes, split(M, len(nodes)))]
+        out["two_stage"] = Plan(tuple(pipes), M, 0.0)
+    if G == 2 and len(nodes) >= 4 and L >= 4:
+        t1 = make_template(profile, [(0, L // 2, 1, 0, 0), (L // 2, L, 1, 0, 1)], 1, M // 3)
+        t2 = make_template(profile, [(0, 2, 2, 0, 0), (2, L - 2, 1, 1, 0), (L - 2, L, 1, 1, 1)],
+                           2, M // 3)
+        rest = nodes[3:]
+        pipes = [PipelineSpec(t1, (nodes[0],), 0), PipelineSpec(t2, (nodes[1], nodes[2]), 0)]
+        pipes += [PipelineSpec(t1, (n,), 0) for n in rest]
+        # Split the batch so that no pipeline is a straggler (by the cost model).
+        counts = [1] * len(pipes)
+        for _ in range(M - len(pipes)):
+            times = [cost.pipeline_iteration_ms(p.template, c + 1) for p, c in zip(pipes, counts)]
+            counts[times.index(min(times))] += 1
+        pipes = [PipelineSpec(p.template, p.nodes, c) for p, c in zip(pipes, counts)]
+        out["hetero"] = Plan(tuple(pipes), M, 0.0)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", default="examples/gpt-tiny-local.yaml")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="override cluster.nodes (1: 2 ranks, no oversubscription on 2 cores)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    job = load_job(args.job, {"cluster.nodes": args.nodes} if args.nodes else None)
+    job.fault_tolerance.collective_timeout_s = 120.0
+    profile = resolve_profile(job)
+    model = build_model(job.model)
+    seq_len = job.data.seq_len or model.seq_len
+    data = SyntheticTokens(256, seq_len, seed=0)
+    steps = args.steps + args.warmup
+    pool = WorkerPool(job.cluster.nodes, job.cluster.gpus_per_node)
+    try:
+        nodes = pool.node_names
+        plans = hand_plans(job, profile, nodes)
+        try:
+            from oobleck_hpc.planning import plan_job
+
+            plans = {"planner": plan_job(job, profile, nodes), **plans}
+        except ImportError:
+            pass
+        ref = pool.run("reference", job, None, steps, data, timeout_s=600, return_params=False)
+        reference_s = statistics.median(ref[0]["times"][args.warmup:])
+        cases = {}
+        for name, plan in plans.items():
+            res = pool.run("engine", job, plan, steps, data, timeout_s=600, return_params=False)
+            measured = steady(res, args.warmup)
+            predicted = cost.plan_iteration_ms(plan, profile) / 1000.0
+            cases[name] = {
+                "engine_step_s": measured, "reference_step_s": reference_s,
+                "ratio": measured / reference_s, "predicted_step_s": predicted,
+                "prediction_error": abs(predicted - measured) / measured,
+                "pipelines": [f"{p.template.num_nodes}n/{p.template.num_stages}st x{p.microbatches}"
+                              for p in plan.pipelines],
+            }
+        ddp = pool.run("ddp", job, plans["pure_dp"], steps, data, timeout_s=600,
+                       return_params=False)
+        ddp_s = steady(ddp, args.warmup)
+    finally:
+        pool.close()
+    top = cases.get("planner") or cases.get("hetero") or cases["two_stage"]
+    out = {**{k: v for k, v in top.items() if k != "pipelines"},
+           "plan": next(k for k in ("planner", "hetero", "two_stage") if k in cases),
+           "dp_engine_step_s": cases["pure_dp"]["engine_step_s"], "ddp_step_s": ddp_s,
+           "dp_ratio_vs_ddp": cases["pure_dp"]["engine_step_s"] / ddp_s,
+           "ranks": len(nodes) * job.cluster.gpus_per_node, "model": job.model.name,
+           "global_batch": job.train.global_microbatches * job.train.microbatch_size,
+           "cases": cases}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for name, c in cases.items():
+            print(f"{name:8s} engine {c['engine_step_s'] * 1e3:7.1f} ms  reference "
+                  f"{c['reference_step_s'] * 1e3:7.1f} ms  ratio {c['ratio']:.2f}  predicted "
+                  f"{c['predicted_step_s'] * 1e3:7.1f} ms  error {c['prediction_error']:.0%}  "
+                  f"{' '.join(c['pipelines'])}")
+        print(f"pure_dp vs DDP: {out['dp_engine_step_s'] * 1e3:.1f} ms vs {ddp_s * 1e3:.1f} ms "
+              f"= {out['dp_ratio_vs_ddp']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
