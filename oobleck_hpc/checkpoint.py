@@ -47,6 +47,11 @@ background thread then, for this rank:
    `keep` checkpoints (rename to `*.deleting` first, then delete, so a half-deleted directory is
    never taken for a checkpoint).
 
+With `save(..., defer_copy=True)` even the copy leaves the critical path: it runs in the
+background during the next forward and backward (which only read parameters and optimizer state),
+and the engine calls `fence()` before `optimizer.step()` (CheckFreq's split of snapshot and persist,
+Mohan et al., FAST'21). bench/checkpoint.py measures both modes.
+
 A crash at any moment leaves at worst an unpublished `*.tmp*` directory (removed by a later publish)
 and the previous `step-<M>` untouched: a directory is only ever called `step-<N>` after every file in
 it and its manifest are durable.
@@ -630,6 +635,8 @@ class Checkpointer:
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._snapshot_done: threading.Event | None = None
+        self._stream: Any = None
 
     # -- when
     def due(self, step: int, now: float | None = None) -> bool:
@@ -644,13 +651,21 @@ class Checkpointer:
 
     # -- save
     def save(self, step: int, shards: Mapping[int, Mapping[str, torch.Tensor]],
-             train_state: TrainState | None = None, *, tag: str = "") -> SaveStats | None:
+             train_state: TrainState | None = None, *, tag: str = "",
+             defer_copy: bool = False) -> SaveStats | None:
         """Snapshot this rank's shards (layer -> layer_state) and, on the train-state owner, the
         training state to host memory, and write them in the background.
 
         Waits first for this rank's previous save (one in flight at a time; its error, if any, is
         raised here). Returns None if `step` was already saved by this Checkpointer. `tag` must be
         equal on every rank of the checkpoint (use `plan_tag(plan)`).
+
+        `defer_copy`: return at once and take the snapshot in the background too, overlapped with
+        the next step's forward and backward (which read but do not change the parameters and the
+        optimizer state). The caller MUST call `fence()` before anything changes them (i.e. before
+        the next `optimizer.step()` or a state transfer); only the wait in `fence()` pauses
+        training. On a GPU the copy runs on its own CUDA stream, ordered after the work already
+        queued on the current stream.
         """
         self.wait()
         if step == self._last_step:
@@ -662,25 +677,56 @@ class Checkpointer:
                 raise CheckpointError(f"rank {self.rank}: layer {layer} is not a layer of this model "
                                       f"(0..{self.num_layers - 1})")
         t0 = time.perf_counter()
-        snap = {int(i): {k: self._host_copy((int(i), k), t) for k, t in s.items()}
-                for i, s in shards.items()}
         train = None
-        if train_state is not None:
+        if train_state is not None:  # small: always copied now
             meta, tensors = _split_train_state(train_state)
             train = (meta, {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()})
-        if any(t.device.type == "cuda" for s in shards.values() for t in s.values()):
-            torch.cuda.synchronize()  # the non_blocking copies above are complete
-        stats = SaveStats(step, time.perf_counter() - t0)
+        stats = SaveStats(step, 0.0)
         self._last_step, self._last_time = step, time.monotonic()
         self.history.append(stats)
-        if not snap and train is None:
+        if not shards and train is None:
+            stats.blocking_s = time.perf_counter() - t0
             return stats  # this rank owns nothing in this checkpoint
         tmp = self.root / f"step-{step}.tmp.{self.attempt}.{_safe(tag)}"
-        job = _Job(step, snap, train, tmp)
-        self._thread = threading.Thread(target=self._run, args=(job, stats),
+        live = {int(i): dict(s) for i, s in shards.items()}
+        stream = None
+        if any(t.device.type == "cuda" for s in live.values() for t in s.values()):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            stream = self._stream
+        job = _Job(step, {}, train, tmp)
+        self._snapshot_done = None
+        if defer_copy:
+            self._snapshot_done = threading.Event()
+        else:
+            job.shards = self._snapshot(live, stream)
+            live = None
+        stats.blocking_s = time.perf_counter() - t0
+        self._thread = threading.Thread(target=self._run,
+                                        args=(job, stats, live, stream, self._snapshot_done),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
         return stats
+
+    def fence(self) -> None:
+        """Wait until a `defer_copy` snapshot is taken (call before the state changes); no-op
+        otherwise. The wait is added to the save's `blocking_s`."""
+        done, self._snapshot_done = self._snapshot_done, None
+        if done is not None:
+            t0 = time.perf_counter()
+            done.wait()
+            if self.history:
+                self.history[-1].blocking_s += time.perf_counter() - t0
+
+    def _snapshot(self, shards: Mapping[int, Mapping[str, torch.Tensor]],
+                  stream: Any = None) -> dict[int, dict[str, torch.Tensor]]:
+        if stream is None:
+            return {i: {k: self._host_copy((i, k), t) for k, t in s.items()} for i, s in shards.items()}
+        with torch.cuda.stream(stream):
+            snap = {i: {k: self._host_copy((i, k), t) for k, t in s.items()} for i, s in shards.items()}
+        stream.synchronize()  # this stream only: training's own stream keeps running
+        return snap
 
     def save_sync(self, step: int, shards: Mapping[int, Mapping[str, torch.Tensor]],
                   train_state: TrainState | None = None, *, tag: str = "") -> SaveStats | None:
@@ -691,6 +737,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until this rank's in-flight save is written; re-raise its error."""
+        self.fence()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -702,9 +749,17 @@ class Checkpointer:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _run(self, job: _Job, stats: SaveStats) -> None:
+    def _run(self, job: _Job, stats: SaveStats, live: dict | None, stream: Any,
+             snapshot_done: threading.Event | None) -> None:
         t0 = time.perf_counter()
         try:
+            if live is not None:  # defer_copy: the snapshot is taken here
+                try:
+                    job.shards = self._snapshot(live, stream)
+                finally:
+                    live = None
+                    if snapshot_done is not None:
+                        snapshot_done.set()
             stats.bytes, stats.published = self._write(job)
         except BaseException as e:  # reported by wait()
             if isinstance(e, FileNotFoundError) and (_published_steps(self.root) or [-1])[-1] > job.step:
@@ -741,7 +796,7 @@ class Checkpointer:
             pin = t.device.type == "cuda"
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
-        buf.copy_(t, non_blocking=t.device.type == "cuda")
+        buf.copy_(t, non_blocking=t.device.type == "cuda")  # completed by _snapshot's sync
         return buf
 
 

@@ -208,6 +208,31 @@ def test_snapshot_is_taken_at_save_time(tmp_path):
     assert cp.history[-1].bytes > 0 and cp.history[-1].published
 
 
+def test_deferred_snapshot_holds_the_state_of_the_save_call(tmp_path):
+    """defer_copy: the copy overlaps the next forward/backward; fence() before the state changes."""
+    layers = small_layers(2)
+    opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], lr=1e-2)
+    step_once(layers, opt)
+    expect = {i: {k: v.clone() for k, v in layer_state(m, opt).items()} for i, m in enumerate(layers)}
+    cp = Checkpointer(tmp_path, rank=0, num_layers=2)
+    stats = cp.save(1, {i: layer_state(m, opt) for i, m in enumerate(layers)}, _ts(1), defer_copy=True)
+    x = torch.randn(4, 8)
+    for m in layers:  # a forward and backward only read the saved state
+        x = m(x)
+    x.sum().backward()
+    cp.fence()
+    opt.step()  # now the state may change
+    cp.wait()
+    ck = find_latest(tmp_path).checkpoint
+    for i in range(2):
+        got = ck.layer(i)
+        assert got.keys() == expect[i].keys()
+        for k in got:
+            assert torch.equal(got[k], expect[i][k]), (i, k)
+    assert cp.history[-1] is stats and stats.blocking_s > 0 and stats.published
+    cp.fence()  # no deferred snapshot pending: a no-op
+
+
 def test_keep_prunes_old_checkpoints_and_latest_moves_forward(tmp_path):
     layers = small_layers(2)
     cp = Checkpointer(CheckpointConfig(dir=str(tmp_path), keep=2, every_steps=2), rank=0, num_layers=2)
