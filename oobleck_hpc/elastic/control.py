@@ -257,7 +257,7 @@ class ControlPlane:
                 if self.core.fenced:
                     return
                 if gap > self.lease_s:
-                    self._run(lambda: self.core._fence(
+                    self._run(lambda: self.core.fence(
                         f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
                         "(stopped or starved): its peers have excluded it"))
                     return
@@ -287,7 +287,7 @@ class ControlPlane:
                 view, since = self._proposal_seen
                 if (self.core.proposal is not None and view == self.core.proposal
                         and now - since > self.agreement_timeout_s):
-                    self._run(lambda: self.core._fence(
+                    self._run(lambda: self.core.fence(
                         f"no agreement on {list(view)} within agreement_timeout_s="
                         f"{self.agreement_timeout_s}"))
                     return

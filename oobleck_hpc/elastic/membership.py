@@ -155,7 +155,7 @@ class MembershipCore:
         if self.fenced:
             return
         if node == self.me:
-            self._fence(f"own node failed: {how}")
+            self.fence(f"own node failed: {how}")
             return
         if node not in self.decided.nodes or node in self.suspects:
             return
@@ -176,7 +176,7 @@ class MembershipCore:
         for node in self.decided.nodes:
             if node != self.me:
                 self.outbox.append((node, {"type": "failed", "how": how}))
-        self._fence(f"own node failed: {how}")
+        self.fence(f"own node failed: {how}")
 
     def exchange(self, key: str, value: Any) -> None:
         """Contribute `value` to the all-gather `key` among the current generation's nodes.
@@ -203,7 +203,7 @@ class MembershipCore:
             if kind == "fence" and self.me not in msg.get("nodes", ()):
                 # We excluded each other (a partition, or two false suspicions at once): neither
                 # side may go on alone, or the job would split in two.
-                self._fence(f"{src} and this node excluded each other (split brain averted)")
+                self.fence(f"{src} and this node excluded each other (split brain averted)")
                 return
             # Not (or no longer) a member of my view: tell it, once, that it is fenced.
             if kind not in ("fence", "bye", "failed") and src not in self._fence_sent and src in self.roster:
@@ -213,14 +213,14 @@ class MembershipCore:
             return
         # A member whose view excludes me: I am fenced (suspicions are never withdrawn).
         if kind == "fence":
-            self._fence(f"fenced by {src} (its generation {msg.get('gen')} excludes this node)")
+            self.fence(f"fenced by {src} (its generation {msg.get('gen')} excludes this node)")
             return
         for view_key in ("view", "nodes"):
             if view_key in msg and self.me not in msg[view_key]:
-                self._fence(f"excluded by {src} (generation {msg.get('round', msg.get('gen'))})")
+                self.fence(f"excluded by {src} (generation {msg.get('round', msg.get('gen'))})")
                 return
         if "decided" in msg and self.me not in msg["decided"]["nodes"]:
-            self._fence(f"excluded by {src} (its decided generation {msg['decided']['gen']})")
+            self.fence(f"excluded by {src} (its decided generation {msg['decided']['gen']})")
             return
         if kind == "failed":
             self.suspect(src, f"{msg.get('how', 'failed')} (reported by {src})")
@@ -268,10 +268,10 @@ class MembershipCore:
         elif new == self.proposal:
             return
         if self.me not in new:
-            self._fence("this node is suspected")
+            self.fence("this node is suspected")
             return
         if not self._has_quorum(new):
-            self._fence(f"no quorum: proposal {list(new)} of generation {g} holds too few of "
+            self.fence(f"no quorum: proposal {list(new)} of generation {g} holds too few of "
                         f"{list(self.decided.nodes)} (quorum={self.quorum})")
             return
         self.proposal = new
@@ -327,13 +327,13 @@ class MembershipCore:
             return
         if d.gen == self.decided.gen:
             if d.nodes != self.decided.nodes:
-                self._fence(f"safety check: {src} decided {list(d.nodes)} for generation {d.gen}, "
+                self.fence(f"safety check: {src} decided {list(d.nodes)} for generation {d.gen}, "
                             f"this node {list(self.decided.nodes)}")
             return
         if d.gen > self.round or src in self.suspects:
             return
         if d.nodes not in self._chain.get(d.gen, []):
-            self._fence(f"safety check: {src} decided {list(d.nodes)} for generation {d.gen}, "
+            self.fence(f"safety check: {src} decided {list(d.nodes)} for generation {d.gen}, "
                         "a view this node never proposed")
             return
         self._decide(d, how=f"adopted from {src}")
@@ -365,7 +365,8 @@ class MembershipCore:
             if xg == d.gen:
                 self._check_exchange(xg, key)
 
-    def _fence(self, reason: str) -> None:
+    def fence(self, reason: str) -> None:
+        """Stop taking part: this node is excluded (or must behave as if it were)."""
         if self.fenced:
             return
         self.fenced = reason
