@@ -196,6 +196,13 @@ class TokenDataset:
             raise ValueError(f"{self.path} holds {len(self.tokens)} tokens, fewer than one sample "
                              f"of seq_len {self.seq_len} + 1; use a larger corpus or a shorter seq_len")
 
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "seq_len": self.seq_len}  # processes re-map the file, not copy it
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self.seq_len = state["path"], state["seq_len"]
+        self.__post_init__()
+
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 

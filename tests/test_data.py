@@ -40,6 +40,10 @@ def test_user_directory_corpus_and_samples(tmp_path):
     assert xb.shape == (2, 4) and torch.equal(xb[1], x)
     with pytest.raises(IndexError):
         ds.sample(len(ds))
+    import pickle
+    assert set(ds.__getstate__()) == {"path", "seq_len"}  # pickled without the tokens
+    loaded = pickle.loads(pickle.dumps(ds))
+    assert isinstance(loaded.tokens, np.memmap) and torch.equal(loaded.sample(1)[1], y)  # re-mapped
     # cached: same file, not rewritten
     mtime = path.stat().st_mtime_ns
     assert data.prepare_tokens(cfg) == path and path.stat().st_mtime_ns == mtime
