@@ -74,7 +74,7 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def corpus_files(corpus: str) -> tuple[Path, list[Path]]:
+def corpus_files(corpus: str, source: str = "<job>") -> tuple[Path, list[Path]]:
     """(root, files in sorted order) of a corpus: 'stdlib' or a file / directory path."""
     if corpus == "stdlib":
         root = stdlib_dir()
@@ -87,13 +87,13 @@ def corpus_files(corpus: str) -> tuple[Path, list[Path]]:
         if root.is_file():
             return root.parent, [root]
         if not root.is_dir():
-            raise ConfigError("<job>", "data.corpus", f"value {corpus!r} is neither 'stdlib' nor an "
+            raise ConfigError(source, "data.corpus", f"value {corpus!r} is neither 'stdlib' nor an "
                               "existing file or directory", "use 'stdlib' or the path of your text")
         files = [p for p in root.rglob("*") if p.is_file()
                  and not any(part.startswith(".") for part in p.relative_to(root).parts)]
     files.sort(key=lambda p: p.relative_to(root).as_posix())
     if not files:
-        raise ConfigError("<job>", "data.corpus", f"value {corpus!r} holds no files",
+        raise ConfigError(source, "data.corpus", f"value {corpus!r} holds no files",
                           "point it at a text file or a directory with text files")
     return root, files
 
@@ -137,9 +137,10 @@ def _write_token_file(path: Path, files: list[Path]) -> None:
             tmp.unlink()
 
 
-def prepare_tokens(data: DataConfig) -> Path:
-    """The token file of `data.corpus`, tokenised now if no valid one is in `data.cache_dir`."""
-    root, files = corpus_files(data.corpus)
+def prepare_tokens(data: DataConfig, source: str = "<job>") -> Path:
+    """The token file of `data.corpus`, tokenised now if no valid one is in `data.cache_dir`.
+    `source` (the job file) is named in error messages."""
+    root, files = corpus_files(data.corpus, source)
     cache = Path(data.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"tokens-{corpus_key(data.corpus, root, files)}.bin"
@@ -220,6 +221,7 @@ class TokenDataset:
         return torch.stack(xs), torch.stack(ys)
 
 
-def dataset_for(data: DataConfig, seq_len: int) -> TokenDataset:
-    """The job's dataset: tokenise (once) and open. `seq_len`: data.seq_len or the model's."""
-    return TokenDataset(prepare_tokens(data), data.seq_len or seq_len)
+def dataset_for(data: DataConfig, seq_len: int, source: str = "<job>") -> TokenDataset:
+    """The job's dataset: tokenise (once) and open. `seq_len`: data.seq_len, else this (the
+    model's context length). `source` (the job file) is named in error messages."""
+    return TokenDataset(prepare_tokens(data, source), data.seq_len or seq_len)
