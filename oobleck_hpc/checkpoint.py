@@ -530,13 +530,14 @@ class LatestResult:
     """Why newer checkpoints were refused (one message each)."""
 
 
-def find_latest(root: str | Path, verify: bool = True, quarantine: bool = False) -> LatestResult:
+def find_latest(root: str | Path, verify: bool = True, quarantine: bool = True) -> LatestResult:
     """The newest published checkpoint that verifies, falling back past partial or corrupt ones.
 
     `checkpoint` is None when `root` holds no good checkpoint (a fresh start); `skipped` says why
-    each newer one was refused. With `quarantine`, a refused checkpoint is renamed
-    `step-<N>.refused-<time>` (kept for inspection, no longer a checkpoint): the resumed run then
-    publishes, prunes and points `latest` as if it had never existed.
+    each newer one was refused. With `quarantine` (the default for a job that resumes), a refused
+    checkpoint is renamed `step-<N>.refused-<time>` (kept for inspection, no longer a
+    checkpoint): otherwise it would stay the newest step, and the resumed run's own checkpoints
+    would be pruned before it and never named by `latest`. Read-only tools pass False.
     """
     skipped = []
     for step in reversed(_published_steps(Path(root))):
@@ -633,6 +634,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last_step: int | None = None
+        self._last_saved: tuple[int, str] | None = None
         self._last_time = time.monotonic()
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._snapshot_done: threading.Event | None = None
@@ -657,8 +659,10 @@ class Checkpointer:
         training state to host memory, and write them in the background.
 
         Waits first for this rank's previous save (one in flight at a time; its error, if any, is
-        raised here). Returns None if `step` was already saved by this Checkpointer. `tag` must be
-        equal on every rank of the checkpoint (use `plan_tag(plan)`).
+        raised here). Returns None if this Checkpointer already saved `step` with this `tag`. `tag`
+        must be equal on every rank of the checkpoint (use `plan_tag(plan)`): after a
+        reconfiguration, the same step can be saved again under the new plan's tag (e.g. when the
+        first attempt lost a writer).
 
         `defer_copy`: return at once and take the snapshot in the background too, overlapped with
         the next step's forward and backward (which read but do not change the parameters and the
@@ -668,7 +672,7 @@ class Checkpointer:
         queued on the current stream.
         """
         self.wait()
-        if step == self._last_step:
+        if (step, tag) == self._last_saved:
             return None
         for key in [k for k in self._buffers if k[0] not in shards]:
             del self._buffers[key]  # a layer this rank no longer writes (the plan changed)
@@ -682,7 +686,7 @@ class Checkpointer:
             meta, tensors = _split_train_state(train_state)
             train = (meta, {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()})
         stats = SaveStats(step, 0.0)
-        self._last_step, self._last_time = step, time.monotonic()
+        self._last_step, self._last_saved, self._last_time = step, (step, tag), time.monotonic()
         self.history.append(stats)
         if not shards and train is None:
             stats.blocking_s = time.perf_counter() - t0
@@ -975,8 +979,9 @@ def request_slurm_requeue(env: Mapping[str, str] | None = None, run: Any = subpr
     Raises CheckpointError with scontrol's message if Slurm refuses (e.g. the job was not submitted
     with --requeue and the cluster's JobRequeue=0)."""
     env = os.environ if env is None else env
-    job_id = env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID") and \
-        f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}" or env.get("SLURM_JOB_ID")
+    job_id = env.get("SLURM_JOB_ID")
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     if not job_id:
         return False
     out = run(["scontrol", "requeue", job_id], capture_output=True, text=True)

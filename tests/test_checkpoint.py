@@ -242,10 +242,22 @@ def test_keep_prunes_old_checkpoints_and_latest_moves_forward(tmp_path):
             cp.save(step, {i: layer_state(m) for i, m in enumerate(layers)}, _ts(step))
             saved.append(step)
     cp.wait()
-    assert saved == [2, 4, 6]
+    assert saved == [2, 4, 6] and not cp.due(6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-4", "step-6"]
     assert read_latest_pointer(tmp_path) == 6
     assert cp.save(6, {0: layer_state(layers[0])}) is None  # the same step twice: skipped
+    # ... unless under another plan (a reconfiguration between the two saves).
+    assert cp.save_sync(6, {i: layer_state(m) for i, m in enumerate(layers)}, _ts(6), tag="g1") is not None
+
+
+def test_due_by_minutes_counts_from_the_last_save(tmp_path):
+    cp = Checkpointer(tmp_path, rank=0, num_layers=1, every_minutes=2.0)
+    t0 = cp._last_time
+    assert not cp.due(1, now=t0 + 119) and cp.due(1, now=t0 + 121)
+    cp.save_sync(1, {0: {"param/w": torch.zeros(1)}}, _ts(1))
+    assert not cp.due(2, now=cp._last_time + 60) and cp.due(2, now=cp._last_time + 120)
+    with pytest.raises(CheckpointError, match="checkpoint.dir is not set"):
+        Checkpointer(CheckpointConfig(), rank=0, num_layers=1)
 
 
 def test_corrupt_or_partial_latest_falls_back_to_previous(tmp_path):
@@ -262,15 +274,17 @@ def test_corrupt_or_partial_latest_falls_back_to_previous(tmp_path):
     f2.write_bytes(f2.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match="layer-00001.bin: sha256 differs"):
         open_checkpoint(tmp_path, 3)
-    res = find_latest(tmp_path)
+    res = find_latest(tmp_path, quarantine=False)
     assert res.checkpoint.step == 1
     assert len(res.skipped) == 2 and "layer-00001.bin" in res.skipped[0] and "train.bin" in res.skipped[1]
     # Reading a layer verifies its checksum even without a full verify.
     with pytest.raises(CheckpointError, match="differs from the manifest"):
         open_checkpoint(tmp_path, 3, verify=False).layer(1)
     # Quarantine: refused checkpoints stop counting; the next save publishes and moves latest back.
-    find_latest(tmp_path, quarantine=True)
+    assert (tmp_path / "step-3").exists()
+    assert find_latest(tmp_path).checkpoint.step == 1  # quarantines by default
     assert [p.name for p in tmp_path.glob("step-*") if p.name.startswith("step-3.refused")]
+    assert not (tmp_path / "step-3").exists()
     cp2 = Checkpointer(tmp_path, rank=0, num_layers=2, keep=5, attempt="resumed")
     cp2.save_sync(2, {i: layer_state(m) for i, m in enumerate(layers)}, _ts(2))
     assert read_latest_pointer(tmp_path) == 2 and find_latest(tmp_path).checkpoint.step == 2
