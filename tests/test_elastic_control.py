@@ -211,6 +211,10 @@ def check_same_decision(c: Cluster, gen: int, nodes: list[str]) -> dict:
             (rec,) = [r for r in c.worker_records(m, lr) if r["kind"] == "exchange" and r["gen"] == gen]
             assert sorted(rec["values"]) == sorted(nodes)
             assert len({d for ds in rec["values"].values() for d in ds}) == 1
+    hosts = [(m, lr) for m in nodes for lr in range(c.workers)
+             if [r for r in c.worker_records(m, lr) if r["kind"] == "membership"
+                 and r["gen"] == gen][0]["hosts_store"]]
+    assert hosts == [(nodes[0], 0)]  # exactly one worker hosts the new store
     return decided
 
 

@@ -80,6 +80,11 @@ class Membership:
     0 by convention) on store_host:store_port. Fresh for every generation."""
 
     @property
+    def store_addr(self) -> str:
+        """'host:port' (the format of OOBLECK_STORE)."""
+        return f"{self.store_host}:{self.store_port}"
+
+    @property
     def store_prefix(self) -> str:
         """A key prefix unique to this generation (for a store shared across generations)."""
         return f"gen{self.gen}/"
@@ -196,6 +201,11 @@ class AgentClient:
                                        f"{after_gen} within {timeout} s")
                 self._cond.wait(left)
             return self._membership
+
+    def hosts_store(self, m: Membership) -> bool:
+        """Whether this worker hosts generation `m`'s store (local rank 0 of m.store_node):
+        it creates TCPStore(m.store_host, m.store_port, is_master=True); the others connect."""
+        return m.store_node == self.node and self.local_rank == 0
 
     def close(self) -> None:
         try:

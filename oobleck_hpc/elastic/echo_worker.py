@@ -65,7 +65,8 @@ def main() -> int:
                 continue
             gen = m.gen
             record("membership", gen=m.gen, nodes=list(m.nodes), lost=list(m.lost),
-                   store=f"{m.store_host}:{m.store_port}", store_node=m.store_node, digest=digest(m))
+                   store=m.store_addr, store_node=m.store_node, hosts_store=client.hosts_store(m),
+                   digest=digest(m))
             try:
                 values = client.exchange(f"digest-{m.gen}", digest(m), timeout=30)
                 record("exchange", gen=m.gen, values=values)
