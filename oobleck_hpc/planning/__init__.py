@@ -1,0 +1,55 @@
+"""Planning: pure arithmetic on profiles (no torch, h5py, mpi4py or submitit).
+
+- `cost.py`         the cost model: every equation the planner optimises, in one place;
+- `templates.py`    the exact optimal pipeline for every node count;
+- `spec.py`         node specification (n0, template sizes) with the covering proof;
+- `instantiate.py`  templates -> pipelines on named nodes + batch split, exact and polynomial;
+- `reconfigure.py`  the plan after node losses, and the state-transfer plan;
+- `plan.py`         the plain data every rank reads.
+
+`plan_job(job, profile, nodes)` is what a job calls: every node computes the same bytes.
+
+How a job picks the template objective's `microbatches`: the job's global batch B divided by the
+number of pipelines it would run if every pipeline were as small as possible,
+``m = max(1, round(B / max(f + 1, N // n0)))`` -- the per-pipeline microbatch count of the
+smallest templates, whose bubbles matter most. A pipeline given another count is still costed
+exactly by cost.pipeline_iteration_ms (only the in-stage all-reduce share y / m_t keeps m_t).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from oobleck_hpc.config import JobConfig
+from oobleck_hpc.errors import PlanningError
+from oobleck_hpc.planning.instantiate import instantiate
+from oobleck_hpc.planning.plan import Plan, Template
+from oobleck_hpc.planning.spec import NodeSpec, node_specification
+from oobleck_hpc.planning.templates import build_templates
+from oobleck_hpc.profiling.profile import ModelProfile
+
+
+def template_microbatches(global_microbatches: int, num_nodes: int, n0: int, f: int) -> int:
+    pipes = max(f + 1, num_nodes // max(1, n0))
+    return max(1, round(global_microbatches / pipes))
+
+
+def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
+             ) -> tuple[NodeSpec, dict[int, Template], Plan]:
+    """Node specification, templates and the initial plan of `job` on `nodes`."""
+    G = profile.machine.gpus_per_node
+    if G != job.cluster.gpus_per_node:
+        raise PlanningError(f"profile has {G} GPUs per node but the job "
+                            f"({job.source}) has cluster.gpus_per_node = {job.cluster.gpus_per_node}")
+    f, B = job.fault_tolerance.f, job.train.global_microbatches
+    spec = node_specification(profile, len(nodes), f)
+    m = template_microbatches(B, len(nodes), spec.n0, f)
+    templates = build_templates(profile, spec.template_sizes, m)
+    if B < f + 1:
+        raise PlanningError(f"{job.source}: train.global_microbatches = {B} cannot feed f + 1 = "
+                            f"{f + 1} pipelines (each needs at least one). Fix: raise it to >= {f + 1}")
+    plan = instantiate(templates, nodes, B, f, profile)
+    return spec, templates, plan
+
+
+__all__ = ["plan_job", "template_microbatches", "NodeSpec", "Plan", "Template"]

@@ -112,8 +112,12 @@ class Plan:
     def world_size(self) -> int:
         return len(self.nodes) * self.gpus_per_node
 
+    @cached_property
+    def _node_index(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.nodes)}
+
     def rank_of(self, node: str, local_gpu: int) -> int:
-        return self.nodes.index(node) * self.gpus_per_node + local_gpu
+        return self._node_index[node] * self.gpus_per_node + local_gpu
 
     @cached_property
     def ranks(self) -> tuple[RankInfo, ...]:

@@ -144,9 +144,10 @@ class _Solver:
             self._mem[key] = out
         return out
 
-    def solve(self, tau: float) -> tuple[np.ndarray, np.ndarray, list]:
+    def solve(self, tau: float, minmax: bool = False) -> tuple[np.ndarray, np.ndarray, list]:
         """For q = 0..qmax: S_tau(q) (inf where none), the bottleneck of the chosen plan, and the
-        argmin tables for reconstruction."""
+        argmin tables for reconstruction. With `minmax`, the same DP in the (max, min) semiring
+        (no threshold): the first array is then the least possible bottleneck per node count."""
         L, G, w = self.ar.L, self.ar.G, self.width
         # V[q, b, u]: value of state (q, u, a=b); M: the bottleneck along the chosen path.
         V = np.full((self.qmax + 1, L + 2, G + 1), INF)
@@ -161,6 +162,8 @@ class _Solver:
             row_args = [None] * (G + 1)
             if q == 1:
                 last_v, last_m = self.end, self.end_max
+            elif minmax:
+                last_v, last_m = V[q - 1, :, G], M[q - 1, :, G]
             else:
                 last_v, last_m = V[q - 1, :, G] + self.c_inter, M[q - 1, :, G]
             for u in range(1, G + 1):
@@ -182,11 +185,14 @@ class _Solver:
                 nv = np.empty((L + 2, u))
                 nm = np.empty((L + 2, u))
                 if u > 1:
-                    nv[:, :u - 1] = V[q, :, u - 1:0:-1] + c_intra
+                    nv[:, :u - 1] = V[q, :, u - 1:0:-1] if minmax else V[q, :, u - 1:0:-1] + c_intra
                     nm[:, :u - 1] = M[q, :, u - 1:0:-1]
                 nv[:, u - 1] = last_v
                 nm[:, u - 1] = last_m
-                flat = (st + nv[bidx]).reshape(L + 1, w * u)  # (a, d*k)
+                if minmax:
+                    flat = np.maximum(st, nv[bidx]).reshape(L + 1, w * u)
+                else:
+                    flat = (st + nv[bidx]).reshape(L + 1, w * u)  # (a, d*k)
                 idx = flat.argmin(axis=1)
                 V[q, :L + 1, u] = flat[rows, idx]
                 dd, kk = np.divmod(idx, u)
@@ -295,36 +301,35 @@ def build_templates(profile: ModelProfile, node_counts: Iterable[int],
                 best[pos] = obj
                 best_key[pos] = key
 
-    def open_interval(pos: int) -> tuple[int, int] | None:
-        """The first interval of consecutive known candidates that may hide a better plan."""
+    def open_intervals(pos: int) -> list[tuple[int, int]]:
+        """Intervals between consecutive known candidates that may hide a better plan."""
         pts = sorted(known[pos].items())
+        out = []
         for (i, si), (j, sj) in zip(pts, pts[1:]):
             if j - i <= 1 or sj == INF or si == sj:
                 continue
             if sj + scale * float(cands[i + 1]) < best[pos]:
-                return (i, j)
-        return None
+                out.append((i, j))
+        return out
 
-    # No plan on n nodes has a bottleneck below max(W / (n G), slowest layer / G), where W is
-    # the whole model's compute: sum_i k_i t_i >= W and sum_i k_i = n G.
-    work = float(sum(x.forward_ms + x.backward_ms for x in profile.layers))
-    slowest = float(max(x.forward_ms + x.backward_ms for x in profile.layers))
+    # No plan on n nodes has a bottleneck below the least possible one (the same DP in the
+    # (max, min) semiring), so S is infinite below it.
+    least, _, _ = solver.solve(INF, minmax=True)
     for pos, n in enumerate(wanted):
-        floor_ = max(work / (n * G), slowest / G) * (1 - 1e-9)
-        j = int(np.searchsorted(cands, floor_)) - 1
-        if j >= 0:
-            known[pos][j] = INF
+        if least[n] < INF:
+            j = int(np.searchsorted(cands, least[n])) - 1
+            if j >= 0:
+                known[pos][j] = INF
     evaluate(len(cands) - 1)
     while True:
-        todo = None
-        for pos in range(nw):
-            iv = open_interval(pos)
-            if iv is not None:
-                todo = iv
-                break
-        if todo is None:
+        # the midpoints of all open intervals; evaluate the one inside the most of them (shared
+        # by the most node counts; ties: the smallest), so one DP serves many node counts
+        intervals = [iv for pos in range(nw) for iv in open_intervals(pos)]
+        if not intervals:
             break
-        evaluate((todo[0] + todo[1]) // 2)
+        mids = sorted({(i + j) // 2 for i, j in intervals})
+        cover = [sum(1 for i, j in intervals if i < x < j) for x in mids]
+        evaluate(mids[int(np.argmax(cover))])
 
     out: dict[int, Template] = {}
     for pos, n in enumerate(wanted):
