@@ -34,10 +34,10 @@ JOB = textwrap.dedent("""
 
     run_dir, ckpt_dir, total, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     with JobLock(run_dir):  # first thing, before the slow imports
-        import torch
-        from oobleck_hpc.checkpoint import Checkpointer, TrainState, find_latest
         if mode == "bad":
             record_exit(run_dir, 2, "bad config"); sys.exit(2)
+        import torch
+        from oobleck_hpc.checkpoint import Checkpointer, TrainState, find_latest
         latest = find_latest(ckpt_dir).checkpoint
         start = latest.step if latest else 0
         if latest:
