@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from oobleck_hpc.elastic.events import read_events
+from oobleck_hpc.elastic.local import LocalAgents
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port
 
 pytestmark = pytest.mark.slow
@@ -29,32 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_S, LEASE_S = 0.25, 2.0
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 class Cluster:
+    """LocalAgents running echo workers, plus what the tests observe: events, worker records."""
+
     def __init__(self, run_dir: Path, n: int, workers: int, quorum: str = "majority"):
         self.run_dir, self.n, self.workers = run_dir, n, workers
-        self.names = [f"node{i}" for i in range(n)]
-        self.roster = Roster(tuple(NodeAddress(m, "127.0.0.1", free_port()) for m in self.names),
-                             free_port())
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.roster.write(run_dir / "roster.json")
-        (run_dir / "ctl").mkdir()
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs = []
-        for m in self.names:
-            log = open(run_dir / f"{m}.log", "w")
-            self.logs.append(log)
-            self.procs[m] = subprocess.Popen(
-                [sys.executable, "-m", "oobleck_hpc.agent", "--node", m,
-                 "--roster", str(run_dir / "roster.json"), "--run-dir", str(run_dir),
-                 "--workers", str(workers), "--heartbeat-s", str(HEARTBEAT_S),
-                 "--lease-s", str(LEASE_S), "--startup-s", "20", "--quorum", quorum,
-                 "--kill-grace-s", "1", "--", sys.executable, "-m", "oobleck_hpc.elastic.echo_worker"],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        (run_dir / "ctl").mkdir(parents=True)
+        self.agents = LocalAgents.start(
+            run_dir, n, workers, command=[sys.executable, "-m", "oobleck_hpc.elastic.echo_worker"],
+            heartbeat_s=HEARTBEAT_S, lease_s=LEASE_S, quorum=quorum, startup_s=20, kill_grace_s=1)
+        self.names, self.procs = self.agents.names, self.agents.procs
 
     # -- observing
     def events(self, kind: str | None = None, **match) -> list[dict]:
@@ -108,15 +93,7 @@ class Cluster:
 
     # -- acting
     def signal(self, node: str, sig: int) -> float:
-        t = time.time()
-        pid = self.procs[node].pid
-        os.killpg(pid, sig)
-        if sig == signal.SIGSTOP:
-            # kill() returns before the target is stopped; wait until it really is.
-            deadline = time.time() + 5
-            while _state(pid) not in ("T", "t") and time.time() < deadline:
-                time.sleep(0.001)
-        return t
+        return self.agents.signal(node, sig)
 
     def worker_pid(self, node: str, lr: int) -> int:
         (started,) = self.events("agent_started", source=node)
@@ -127,16 +104,7 @@ class Cluster:
         return {m: self.wait_exit(m) for m, p in self.procs.items()}
 
     def cleanup(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.killpg(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
-                p.wait(timeout=10)
-        for log in self.logs:
-            log.close()
+        self.agents.cleanup()
 
 
 @pytest.fixture
@@ -348,7 +316,7 @@ def test_agent_rejects_bad_roster_and_unknown_node(tmp_path):
 @pytest.mark.timeout(60)
 def test_single_node_job_runs_workers_to_completion(tmp_path):
     """Orderly end: every worker says 'done' and exits 0 -> the agent exits 0, no failure events."""
-    c = Cluster(tmp_path, 1, workers=2)
+    c = Cluster(tmp_path / "run", 1, workers=2)
     try:
         c.wait_workers(["node0"], 0, timeout=30)
         assert c.stop_all() == {"node0": 0}

@@ -1,0 +1,129 @@
+"""Control-plane latency: node failure -> detection -> every survivor agreed on the new membership.
+
+    python bench/control_plane.py --json                     # 8 nodes x 2 workers, 5 repetitions
+    python bench/control_plane.py --json --nodes 16 --reps 3
+
+Real processes (oobleck_hpc.elastic.local.LocalAgents with echo workers, no torch): per
+repetition a fresh set of agents, then
+
+    kill     SIGKILL of one node's process group (agent + workers, as when a machine dies):
+             detect_s = kill -> first failure_detected event of any survivor,
+             agree_s  = kill -> the LAST survivor's agreement_reached event (all survivors hold the
+                        same generation: the decision the reconfiguration starts from)
+    hang     SIGSTOP of another node (it keeps its sockets open: only the lease catches it):
+             the same two figures; bounded by lease_s (+ one heartbeat)
+
+Medians and maxima over the repetitions. Targets: kill agree_s <= 0.5 s (the recovery budget of
+issue 5 is 5 s in total), hang agree_s <= lease_s + heartbeat_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from oobleck_hpc.elastic.events import read_events
+from oobleck_hpc.elastic.local import LocalAgents
+
+
+def wait_view(run_dir: Path, nodes: list[str], timeout: float) -> list[dict]:
+    """The agreement_reached events of every node in `nodes` for the view `nodes`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = read_events(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+        got = {e["source"]: e for e in events
+               if e["kind"] == "agreement_reached" and e["nodes"] == nodes}
+        if all(m in got for m in nodes):
+            gens = {got[m]["gen"] for m in nodes}
+            if len(gens) != 1:
+                raise RuntimeError(f"survivors decided {nodes} as different generations {gens}")
+            return [got[m] for m in nodes]
+        time.sleep(0.02)
+    raise TimeoutError(f"view {nodes} not agreed within {timeout} s (see {run_dir})")
+
+
+def wait_started(agents: LocalAgents, timeout: float) -> None:
+    """Until every agent has started all its workers (their gen-0 exchange is done)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [p for p in (agents.run_dir / "workers").glob("*.jsonl")
+                if '"exchange"' in p.read_text()] if (agents.run_dir / "workers").exists() else []
+        if len(done) == len(agents.names) * agents.workers:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"agents did not start within {timeout} s")
+
+
+def measure(run_dir: Path, lost: str, survivors: list[str], t: float, timeout: float) -> dict:
+    decided = wait_view(run_dir, survivors, timeout)
+    events = read_events(run_dir / "events.jsonl")
+    detect = min(e["t"] for e in events if e["kind"] == "failure_detected" and e["node"] == lost)
+    return {"detect_s": detect - t, "agree_s": max(e["t"] for e in decided) - t}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--lease-s", type=float, default=3.0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    a = ap.parse_args()
+    if a.nodes < 3:
+        ap.error("--nodes must be at least 3 (one killed, one hung, one left)")
+    worker = [sys.executable, "-m", "oobleck_hpc.elastic.echo_worker"]
+    figures: dict[str, list[float]] = {"kill_detect_s": [], "kill_agree_s": [],
+                                       "hang_detect_s": [], "hang_agree_s": []}
+    base = Path(tempfile.mkdtemp(prefix="bench-control-plane-"))
+    try:
+        for rep in range(a.reps):
+            run_dir = base / f"rep{rep}"
+            agents = LocalAgents.start(run_dir, a.nodes, a.workers, command=worker,
+                                       heartbeat_s=a.heartbeat_s, lease_s=a.lease_s)
+            try:
+                wait_started(agents, timeout=120)
+                names = agents.names
+                killed = names[1 + rep % (a.nodes - 1)]
+                survivors = [m for m in names if m != killed]
+                f = measure(run_dir, killed, survivors, agents.kill(killed), timeout=30)
+                figures["kill_detect_s"].append(f["detect_s"])
+                figures["kill_agree_s"].append(f["agree_s"])
+                hung = survivors[-1]
+                survivors = [m for m in survivors if m != hung]
+                f = measure(run_dir, hung, survivors, agents.signal(hung, signal.SIGSTOP),
+                            timeout=a.lease_s * 3 + 10)
+                figures["hang_detect_s"].append(f["detect_s"])
+                figures["hang_agree_s"].append(f["agree_s"])
+            finally:
+                agents.cleanup()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    out = {
+        "nodes": a.nodes, "workers_per_node": a.workers, "reps": a.reps,
+        "heartbeat_s": a.heartbeat_s, "lease_s": a.lease_s,
+        **{k: round(statistics.median(v), 4) for k, v in figures.items()},
+        "max": {k: round(max(v), 4) for k, v in figures.items()},
+        "target_kill_agree_s": 0.5, "target_hang_agree_s": a.lease_s + a.heartbeat_s,
+        "host": platform.node(), "python": platform.python_version(),
+    }
+    out["target_met"] = (out["max"]["kill_agree_s"] <= 0.5
+                         and out["max"]["hang_agree_s"] <= a.lease_s + a.heartbeat_s)
+    if a.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:22s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

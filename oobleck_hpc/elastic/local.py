@@ -1,0 +1,139 @@
+"""Node agents as local processes: N pretend nodes on this machine, each an agent process group.
+
+What the local launcher, the tests and the benchmarks need to run the control plane for real:
+
+    agents = LocalAgents.start(run_dir, nodes=4, workers=2, job="job.yaml")   # worker: train.py
+    agents.kill("node2")                    # a node failure: its agent and workers at once
+    agents.signal("node1", signal.SIGSTOP)  # a hang (returns once the agent is really stopped)
+    codes = agents.wait(timeout=600)        # node -> exit code
+    agents.cleanup()                        # kill whatever is left (idempotent)
+
+Each agent runs `python -m oobleck_hpc.agent` in its own session (process group), so a node
+failure is one `killpg`: the agent and its workers vanish together, as when a machine dies. The
+roster (nodes on 127.0.0.1, free ports, generation 0's store port) is written to
+RUN_DIR/roster.json; agent output goes to RUN_DIR/logs/agent-<node>.log; events to
+RUN_DIR/events.jsonl.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Sequence
+
+from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port
+
+
+@dataclass
+class LocalAgents:
+    run_dir: Path
+    roster: Roster
+    workers: int
+    """Worker processes per node."""
+    procs: dict[str, subprocess.Popen[bytes]]
+    logs: list[IO[str]] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, run_dir: str | Path, nodes: int | Sequence[str], workers: int = 1, *,
+              command: Sequence[str] | None = None, job: str | Path | None = None,
+              heartbeat_s: float | None = None, lease_s: float | None = None,
+              quorum: str = "majority", startup_s: float = 60.0, kill_grace_s: float = 2.0,
+              extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> LocalAgents:
+        """Start one agent per node. `command` is the worker command (default, with `job`:
+        python -m oobleck_hpc.train). Timing flags left None come from the job file (or the
+        agent's defaults)."""
+        run_dir = Path(run_dir)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
+        roster = Roster(tuple(NodeAddress(m, "127.0.0.1", free_port()) for m in names), free_port())
+        roster.write(run_dir / "roster.json")
+        argv = [sys.executable, "-m", "oobleck_hpc.agent", "--roster", str(run_dir / "roster.json"),
+                "--run-dir", str(run_dir), "--workers", str(workers), "--quorum", quorum,
+                "--startup-s", str(startup_s), "--kill-grace-s", str(kill_grace_s)]
+        if job is not None:
+            argv += ["--job", str(job)]
+        if heartbeat_s is not None:
+            argv += ["--heartbeat-s", str(heartbeat_s)]
+        if lease_s is not None:
+            argv += ["--lease-s", str(lease_s)]
+        argv += list(extra_args)
+        tail = ["--", *command] if command else []
+        agents = cls(run_dir, roster, workers, {})
+        try:
+            for m in names:
+                log = open(run_dir / "logs" / f"agent-{m}.log", "w")
+                agents.logs.append(log)
+                agents.procs[m] = subprocess.Popen(
+                    [*argv, "--node", m, *tail], stdout=log, stderr=subprocess.STDOUT,
+                    env={**os.environ, **(env or {})}, start_new_session=True)
+        except BaseException:
+            agents.cleanup()
+            raise
+        return agents
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.roster.names)
+
+    def signal(self, node: str, sig: int) -> float:
+        """Send `sig` to the node's whole process group; returns the time.time() it was sent.
+        For SIGSTOP, returns only once the agent is really stopped (kill() does not wait)."""
+        t = time.time()
+        pid = self.procs[node].pid
+        os.killpg(pid, sig)
+        if sig == signal.SIGSTOP:
+            deadline = time.monotonic() + 5
+            while _state(pid) not in ("T", "t") and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return t
+
+    def kill(self, node: str) -> float:
+        """A node failure: SIGKILL to its agent and workers at once."""
+        return self.signal(node, signal.SIGKILL)
+
+    def poll(self) -> dict[str, int | None]:
+        return {m: p.poll() for m, p in self.procs.items()}
+
+    def wait(self, timeout: float, nodes: Sequence[str] | None = None) -> dict[str, int]:
+        """Exit codes of `nodes` (default all); raises TimeoutError naming those still running."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for m in nodes or self.names:
+            try:
+                codes[m] = self.procs[m].wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                running = [n for n in (nodes or self.names) if self.procs[n].poll() is None]
+                raise TimeoutError(f"agents {running} still run after {timeout} s "
+                                   f"(logs: {self.run_dir / 'logs'})") from None
+        return codes
+
+    def cleanup(self) -> None:
+        """Kill every agent group still running (resuming stopped ones first); close logs."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        for log in self.logs:
+            log.close()
+        self.logs.clear()
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (R, S, T, Z, ...); '' if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
