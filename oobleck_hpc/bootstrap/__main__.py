@@ -2,12 +2,13 @@
 
     discover --run-dir DIR        one task per node, under `srun --mpi=pmix`: agree on the roster
                                   and write DIR/roster.json + DIR/discovery.json (discovery.py)
-    probe --run-dir DIR [--job F] [--seconds S]
+    probe --run-dir DIR [--job F] [--seconds S] [--first-run-exit CODE]
                                   a small real per-node program standing in for the agent in
                                   launch tests: reads the discovery of this job run, binds its
                                   published port, records its NodeEnvironment in
                                   DIR/probe/NODE.json, then beats (DIR/probe/NODE.beats, one line
-                                  every 0.2 s) for S seconds, noting any SIGUSR2/SIGTERM it gets
+                                  every 0.2 s) for S seconds, noting any SIGUSR2/SIGTERM it gets;
+                                  exits CODE on a job's first run (restart 0), else 0
     run-dir JOB.yaml              print the job's run directory (for slurm/train.sbatch)
 """
 
@@ -48,6 +49,7 @@ def _probe(args: argparse.Namespace) -> int:
     found = wait_for_discovery(args.run_dir, env.job_id, env.restart_count)
     me = found.roster.address(env.node)
     with socket.socket() as listener:  # the published port must be ours to bind
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((me.host, me.port))
         listener.listen()
         out = Path(args.run_dir) / "probe"
@@ -68,8 +70,9 @@ def _probe(args: argparse.Namespace) -> int:
         record["finished"] = time.time()
         record["signals"] = signals
         (out / f"{env.node}.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"probe {env.node}: done (restart {env.restart_count})", flush=True)
-    return 0
+    code = args.first_run_exit if env.restart_count == 0 else 0
+    print(f"probe {env.node}: done (restart {env.restart_count}), exit {code}", flush=True)
+    return code
 
 
 def _run_dir(args: argparse.Namespace) -> int:
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--job", default=None, help="a job YAML to load first (as the agent does)")
     p.add_argument("--seconds", type=float, default=0.0)
+    p.add_argument("--first-run-exit", type=int, default=0,
+                   help="exit code on the job's first run (75: ask for a requeue)")
     p.set_defaults(func=_probe)
     p = sub.add_parser("run-dir", help="print a job's run directory")
     p.add_argument("job")

@@ -26,11 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from oobleck_hpc.bootstrap.environment import NodeEnvironment, current_job_nodes, detect, free_port
+from oobleck_hpc.bootstrap.environment import NodeEnvironment, current_job_nodes, detect
 from oobleck_hpc.elastic.wire import NodeAddress, Roster
 
 ROSTER_FILE = "roster.json"
@@ -109,18 +110,23 @@ def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discove
 
     env = env or detect()
     comm = MPI.COMM_WORLD
+    # Hold the picked ports bound until everyone has agreed: otherwise two tasks on one host (the
+    # local cluster's fake nodes) could be handed the same just-released port.
+    held = [_reserve(env.address)]
     try:
-        mine = NodeRecord(env.node, env.address, free_port(env.address), env.device_count)
+        mine = NodeRecord(env.node, env.address, held[0].getsockname()[1], env.device_count)
         records = tuple(NodeRecord(**r) for r in comm.allgather(asdict(mine)))
         names = [r.node for r in records]
         if len(set(names)) != len(names):
             raise RuntimeError(f"discovery needs exactly one task per node, got nodes {names}; "
                                "launch it with --ntasks-per-node=1")
+        endpoints = [(r.address, r.port) for r in records]
+        if len(set(endpoints)) != len(endpoints):
+            raise RuntimeError(f"two nodes published the same address and port: {endpoints}; "
+                               "set OOBLECK_NODE_ADDR to each node's own address")
         if comm.rank == 0:
-            taken = {r.port for r in records if r.address == mine.address}
-            store_port = free_port(env.address)
-            while store_port in taken:
-                store_port = free_port(env.address)
+            held.append(_reserve(env.address))
+            store_port = held[-1].getsockname()[1]
             controller = tuple(current_job_nodes(env.job_id)) if env.source == "slurm" else ()
             head = (store_port, controller)
         else:
@@ -135,7 +141,17 @@ def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discove
         comm.Barrier()  # nobody leaves before the files exist
         return found
     finally:
+        for sock in held:
+            sock.close()
         MPI.Finalize()
+
+
+def _reserve(address: str) -> socket.socket:
+    """A socket bound to a free port (SO_REUSEADDR, so that the agent can bind it right after)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, 0))
+    return sock
 
 
 def wait_for_discovery(run_dir: str | Path, job_id: str, restart_count: int,

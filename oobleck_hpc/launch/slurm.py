@@ -8,8 +8,9 @@ The only module that imports submitit. The shape of a submitted job:
               a short MPI step: the nodes agree on RUN_DIR/roster.json, then MPI is finalized
         2. srun --no-kill --kill-on-bad-exit=0 -N N --ntasks-per-node=1 AGENT_COMMAND
               one agent per node, no MPI; per-node logs RUN_DIR/logs/agent-JOB-rR-TASK.out (task t = roster node t)
-        3. the agents' exit: 0 -> done (the submitit result); 75 -> `scontrol requeue` (the job
-           comes back, same job id, and resumes from its checkpoint); anything else -> error
+              (each agent wrapped by oobleck_hpc.launch.slurm_task, which records its exit code)
+        3. verdict over the nodes still in the job: 0 -> done (the submitit result); 75 ->
+           `scontrol requeue` (same job id comes back and resumes from its checkpoint); else error
 
 Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py):
 - `--no-kill`: without it Slurm ends the whole job when one node fails; with it the job stays
@@ -17,8 +18,11 @@ Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py)
 - `srun --no-kill --kill-on-bad-exit=0` for the agents: a multi-node step otherwise has its
   surviving tasks killed when a node is declared DOWN or one task exits non-zero.
 - MPI only in step 1: Slurm's PMIx plugin kills a step whose MPI task dies without finalizing.
-- `--requeue`: losing the batch node ends the job; Slurm then requeues it (same job id) and the
-  agents resume from the last checkpoint. SLURM_RESTART_COUNT tells a requeued run from the first.
+- `--requeue`: lets `scontrol requeue` (the agents' exit 75: checkpoint on disk, guarantee
+  exceeded or pre-timeout signal) bring the same job id back; SLURM_RESTART_COUNT tells the runs
+  apart. Losing the batch node does NOT end a --no-kill job (measured): the agents elsewhere go on
+  and the last one to exit takes the verdict and ends the job (slurm_task.finish_without_driver);
+  submitit then has no result (the job shows CANCELLED) and RUN_DIR/launch-JOB-rK.json holds it.
 - `--signal=USR2@90` (slurm.signal / slurm.signal_delay_s): sent to every agent before the time
   limit so that they checkpoint and ask to be requeued (exit 75); not to the batch script.
 - submitit's SlurmExecutor is chosen explicitly: once slurm-wlm is installed `srun` is on PATH
@@ -46,34 +50,12 @@ import submitit
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
+from oobleck_hpc.launch.slurm_task import read_codes, verdict
 
 DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}"
 """The per-node command (the elastic agent). Override per job with `slurm.agent_command`."""
 
 DISCOVERY_TIMEOUT_S = 300
-
-EXIT_WRAPPER = 'dir=$1; shift; "$@"; rc=$?; echo $rc > "$dir/$SLURMD_NODENAME"; exit $rc'
-"""Runs each agent and records its exit code in EXIT_DIR/NODE: srun reports only the highest code
-of a step, and a node that Slurm fenced (killed after dropping it from the job) must not count."""
-
-
-def verdict(roster: list[str], lost: list[str], codes: dict[str, int]) -> int:
-    """The job's outcome from its agents' exit codes, counting only nodes still in the job.
-
-    Nodes the controller dropped (dead or hung, then fenced by Slurm) are ignored: the survivors
-    carried on without them. Any survivor asking for a requeue (75) -> 75; all survivors 0 -> 0;
-    a survivor with no recorded code, or any other code -> that failure (1 if unknown).
-    """
-    survivors = [n for n in roster if n not in lost]
-    if not survivors:
-        return 1
-    mine = [codes.get(n) for n in survivors]
-    if EXIT_REQUEUE in mine:
-        return EXIT_REQUEUE
-    if all(c == EXIT_OK for c in mine):
-        return EXIT_OK
-    return next((c for c in mine if c not in (None, EXIT_OK)), 1)
-
 
 class SlurmUnavailable(OobleckError):
     """No Slurm controller answers (`scontrol ping`)."""
@@ -147,17 +129,18 @@ class SlurmDriver:
         events.append(f"discovery {discovery_s:.2f} s: {roster}, digest {found.digest}")
 
         t1 = time.monotonic()
-        exits = run_dir / "exit" / tag  # one file per node: its agent's exit code
+        exits = run_dir / "exit" / tag  # one file per node: its agent's exit code (slurm_task)
         exits.mkdir(parents=True, exist_ok=True)
         agents = ["srun", "--no-kill", "--kill-on-bad-exit=0", f"--nodes={len(roster)}",
                   f"--ntasks={len(roster)}", "--ntasks-per-node=1", f"--nodelist={','.join(roster)}",
-                  f"--output={logs}/agent-{tag}-%t.out", "bash", "-c", EXIT_WRAPPER, "agent",
-                  str(exits), *self.agent]
+                  f"--output={logs}/agent-{tag}-%t.out", self.python, "-m",
+                  "oobleck_hpc.launch.slurm_task", "--run-dir", str(run_dir), "--tag", tag, "--",
+                  *self.agent]
         step_rc = subprocess.run(agents).returncode
         run_s = time.monotonic() - t1
         survivors = set(current_job_nodes(env.job_id))
         lost = [n for n in roster if n not in survivors]
-        codes = {p.name: int(p.read_text().strip() or 1) for p in exits.iterdir()}
+        codes = read_codes(exits)
         rc = verdict(roster, lost, codes)
         events.append(f"agents step exited {step_rc} after {run_s:.1f} s; lost nodes {lost}; "
                       f"exit codes {codes}; verdict {rc}")

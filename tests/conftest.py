@@ -1,0 +1,33 @@
+"""Shared fixtures. The local Slurm cluster (slurm/dev-cluster.sh) is brought up by
+scripts/test.sh before pytest and torn down after; tests that need it take `slurm_cluster`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV_CLUSTER = ROOT / "slurm" / "dev-cluster.sh"
+
+
+@pytest.fixture
+def slurm_cluster() -> Path:
+    """The local Slurm cluster with its 4 nodes idle (revives a node an earlier test killed).
+
+    Skips when the cluster is not up, unless OOBLECK_REQUIRE_SLURM=1 (set by scripts/test.sh,
+    so CI fails instead of skipping). Returns the dev-cluster script; SLURM_CONF is exported."""
+    conf = subprocess.run([str(DEV_CLUSTER), "env"], capture_output=True, text=True,
+                          check=True).stdout.strip().removeprefix("export SLURM_CONF=")
+    os.environ["SLURM_CONF"] = conf
+    up = Path(conf).exists() and subprocess.run(
+        ["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP") > 0
+    if not up:
+        if os.environ.get("OOBLECK_REQUIRE_SLURM") == "1":
+            pytest.fail("the local Slurm cluster is not up (slurm/dev-cluster.sh up)")
+        pytest.skip("local Slurm cluster not up: run slurm/dev-cluster.sh up")
+    # Idempotent: restarts a slurmd that a test killed and waits for all nodes to be usable.
+    subprocess.run([str(DEV_CLUSTER), "up"], check=True, timeout=120, capture_output=True)
+    return DEV_CLUSTER
