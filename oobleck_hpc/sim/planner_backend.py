@@ -131,7 +131,7 @@ class PlannerModel:
         outbound: dict[int, int] = {}
         local: dict[int, int] = {}
         for tr in transfer_plan(old, new, self.profile):
-            src_node = old.ranks[tr.src_rank].node
+            src_node = new.ranks[tr.src_rank].node  # both ranks are numbered in `new`
             dst_node = new.ranks[tr.dst_rank].node
             if src_node == dst_node:
                 local[tr.dst_rank] = local.get(tr.dst_rank, 0) + tr.nbytes
@@ -286,24 +286,46 @@ class RedundantBackend:
         return self.m.params.restart_base_s + 2 * self.m.state_bytes / self.m.params.storage_bw
 
 
-def checkpoint_settings(model: PlannerModel, policy: str, mtbf_s: float,
-                        initial: RunConfig | None) -> dict:
-    """Policy keyword arguments for checkpointing (see the module docstring)."""
+def recovery_window_s(model: PlannerModel) -> float:
+    """A typical in-place reconfiguration: the initial plan losing its first node."""
+    plan = model.initial_plan
+    probe = OobleckBackend(model)
+    probe.committed = plan
+    try:
+        return probe.reconfigure((plan.nodes[0],), tuple(plan.nodes[1:]))[1]
+    except (GuaranteeExceeded, PlanningError):
+        return model.detect_s + model.params.regroup_s
+
+
+def checkpoint_settings(model: PlannerModel, policy: str, mtbf_s: float) -> dict:
+    """Policy keyword arguments for checkpointing.
+
+    The job's checkpoint.every_steps / every_minutes win when set. Otherwise Young/Daly:
+    tau = sqrt(2 * C * M) with C the blocking cost of one checkpoint and M the mean time between
+    the failures that need it. restart needs it on every failure (M = the trace's MTBF). oobleck
+    and redundant need it only beyond their guarantee: f + 1 failures within one recovery
+    window w (f = 1 for redundancy), whose mean interval is M_fb = M^(f+1) / w^f for Poisson
+    failures. C: restart and redundant block for the write of one copy of the state;
+    oobleck's checkpoints are asynchronous and block only for the snapshot to host memory.
+    """
     job = model.job
     write = model.checkpoint_write_s()
     if policy == "oobleck":
-        blocking = model.snapshot_s(model.initial_plan)
+        blocking, f = model.snapshot_s(model.initial_plan), job.fault_tolerance.f
+        window = recovery_window_s(model)
     elif policy == "redundant":
-        blocking = 2 * write
+        blocking, f = write, 1
+        window = model.detect_s + model.params.restart_base_s
     else:
-        blocking = write
+        blocking, f, window = write, 0, 1.0
     if job.checkpoint.every_steps:
         return {"checkpoint_s": blocking, "checkpoint_every_steps": job.checkpoint.every_steps}
     if job.checkpoint.every_minutes:
         return {"checkpoint_s": blocking, "checkpoint_interval_s": 60 * job.checkpoint.every_minutes}
     if not math.isfinite(mtbf_s):
         return {"checkpoint_s": blocking}
-    tau = math.sqrt(2 * max(write, 1e-3) * mtbf_s)
+    m_fb = mtbf_s * (mtbf_s / max(window, 1e-3)) ** f
+    tau = math.sqrt(2 * max(blocking, 1e-3) * m_fb)
     return {"checkpoint_s": blocking, "checkpoint_interval_s": tau}
 
 
@@ -314,5 +336,5 @@ def planner_backends(job: JobConfig, profile: ModelProfile, params: CostParams, 
     model = PlannerModel(job, profile, params)
     make = {"oobleck": OobleckBackend, "restart": HomogeneousBackend,
             "redundant": RedundantBackend}
-    return {name: (make[name](model), checkpoint_settings(model, name, mtbf_s, None))
+    return {name: (make[name](model), checkpoint_settings(model, name, mtbf_s))
             for name in policies}
