@@ -365,3 +365,17 @@ def test_unexplained_comm_error_probes_peers_and_catches_a_hang_before_the_lease
     c.signal("node2", signal.SIGCONT)
     assert c.wait_exit("node2") == 3
     check_consistent(c)
+
+
+@pytest.mark.timeout(60)
+def test_quorum_none_lets_a_minority_go_on(cluster_factory):
+    """--quorum none: 2 of 3 nodes die at once and the last one continues alone (with the
+    default majority it would stop: see the test above)."""
+    c = cluster_factory(3, workers=1, quorum="none")
+    c.wait_workers(c.names, 0, timeout=30)
+    t = kill_at_once(c, ["node1", "node2"])
+    f = latency(c, t, ["node1", "node2"], ["node0"])
+    check_same_decision(c, f["gen"], ["node0"])
+    assert not c.events("fenced")
+    check_consistent(c)
+    assert c.stop_all() == {"node0": 0, "node1": -9, "node2": -9}
