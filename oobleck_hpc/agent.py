@@ -224,6 +224,7 @@ class Agent:
             parts = self._exchange_parts.setdefault((gen, key), {})
             parts[w.local_rank] = msg["value"]
             if len(parts) == len(self.workers):
+                del self._exchange_parts[(gen, key)]  # from here on the core owns it
                 self.cp.exchange(key, {str(lr): v for lr, v in parts.items()})
 
     def _on_worker_exit(self, w: _Worker, code: int) -> int | None:
@@ -275,6 +276,12 @@ class Agent:
         elif kind == "round_started":
             self._broadcast({"type": "round", "gen": fields["gen"],
                              "suspects": fields["suspects"]})
+            # Exchanges still collecting local values never reached the control plane: fail
+            # them here (those that did are failed by the core).
+            for (gen, key) in list(self._exchange_parts):
+                self._broadcast({"type": "exchange_failed", "gen": gen, "key": key,
+                                 "reason": "membership round open"})
+            self._exchange_parts.clear()
         elif kind == "exchange_done":
             values: dict[str, list[Any]] = {}
             for node, per_rank in fields["values"].items():
