@@ -108,9 +108,27 @@ def _knapsack(sizes: np.ndarray, caps: np.ndarray, M: int, C: int, capped: bool
     return best, choice, prevc
 
 
+_CACHE: dict[tuple, tuple] = {}
+
+
 def _best_multiset(templates: Mapping[int, Template], profile: ModelProfile, M: int, B: int,
-                   min_pipes: int) -> tuple[float, list[int]] | None:
-    """(Z*, sizes of the pipelines) for P >= max(min_pipes, 2), or None."""
+                   min_pipes: int) -> tuple[float, tuple[int, ...]] | None:
+    """(Z*, sizes of the pipelines) for P >= max(min_pipes, 2), or None. The answer depends on
+    the node count only, so it is memoised per (templates, profile) object (reconfiguration and
+    the survivability table ask for the same counts again and again)."""
+    key = (id(templates), id(profile), M, B, min_pipes)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is templates and hit[1] is profile:
+        return hit[2]
+    out = _best_multiset_uncached(templates, profile, M, B, min_pipes)
+    if len(_CACHE) > 256:
+        _CACHE.clear()
+    _CACHE[key] = (templates, profile, out)
+    return out
+
+
+def _best_multiset_uncached(templates: Mapping[int, Template], profile: ModelProfile, M: int,
+                            B: int, min_pipes: int) -> tuple[float, tuple[int, ...]] | None:
     sizes = sorted(s for s in templates if s <= M)
     if not sizes:
         return None
@@ -148,13 +166,14 @@ def _best_multiset(templates: Mapping[int, Template], profile: ModelProfile, M: 
             hi = mid
     Z = float(cands[lo])
     _, choice, prevc, c = solve(Z)
-    out, m_left = [], M
+    out: list[int] = []
+    m_left = M
     while m_left > 0:
         i = int(choice[m_left, c])
         out.append(sizes[i])
         c = int(prevc[m_left, c])
         m_left -= sizes[i]
-    return Z, out
+    return Z, tuple(out)
 
 
 def build_plan(templates: Mapping[int, Template], pipeline_sizes: Sequence[int],
@@ -187,9 +206,9 @@ def instantiate(templates: Mapping[int, Template], nodes: Sequence[str], global_
         raise PlanningError("node names must be distinct")
     if not templates:
         raise PlanningError("no pipeline templates to instantiate")
-    options: list[tuple[float, list[int]]] = []
+    options: list[tuple[float, tuple[int, ...]]] = []
     if f == 0 and M in templates and B >= 1:
-        options.append((cost.pipeline_iteration_ms(templates[M], B), [M]))
+        options.append((cost.pipeline_iteration_ms(templates[M], B), (M,)))
     found = _best_multiset(templates, profile, M, B, f + 1)
     if found is not None:
         options.append(found)

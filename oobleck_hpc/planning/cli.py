@@ -1,0 +1,178 @@
+"""`oobleck-hpc plan JOB.yaml [--nodes N] [--json]`: what the planner would run, and what it
+would do after failures.
+
+Prints the templates (nodes, stages, predicted 1F1B time, peak memory per GPU), the plan
+(pipelines, microbatches each, predicted step time, samples/s) and a survivability table: for
+k = 0..f lost nodes, the slowest plan reconfiguration reaches over the loss patterns tried
+(k nodes of the smallest pipeline, of the largest pipeline, one node from each of the k
+smallest / largest pipelines, the first k nodes of the job) and its throughput relative to
+k = 0. With --json: one object with keys templates, plan, survivability, planning_seconds.
+
+The profile comes from `oobleck_hpc.profiling.resolve_profile(job)` (explicit path, library,
+or analytic when the job sets profile.analytic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="print the pipeline templates, the plan and its survivability")
+    p.add_argument("job", help="YAML job file")
+    p.add_argument("--nodes", type=int, default=None, help="plan for this many nodes (default: cluster.nodes)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.set_defaults(func=run)
+
+
+def _layout(template) -> str:
+    """Stages as runs: '3x[2L/1g]' = three consecutive stages of 2 layers on 1 GPU."""
+    runs: list[list] = []
+    for s in template.stages:
+        key = (s.layer_end - s.layer_start, len(s.gpus))
+        if runs and runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1])
+    return " ".join(f"{n}x[{l}L/{g}g]" if n > 1 else f"[{l}L/{g}g]" for (l, g), n in runs)
+
+
+def _loss_patterns(plan, k: int) -> list[tuple[str, tuple[str, ...]]]:
+    if k == 0:
+        return [("none", ())]
+    pipes = sorted(range(len(plan.pipelines)), key=lambda i: (len(plan.pipelines[i].nodes), i))
+    out = []
+    small, large = plan.pipelines[pipes[0]], plan.pipelines[pipes[-1]]
+    if len(small.nodes) >= k:
+        out.append((f"{k} of the smallest pipeline", small.nodes[:k]))
+    if len(large.nodes) >= k:
+        out.append((f"{k} of the largest pipeline", large.nodes[:k]))
+    if len(pipes) >= k:
+        out.append((f"1 from each of the {k} smallest pipelines",
+                    tuple(plan.pipelines[i].nodes[0] for i in pipes[:k])))
+        out.append((f"1 from each of the {k} largest pipelines",
+                    tuple(plan.pipelines[i].nodes[-1] for i in pipes[-k:])))
+    out.append((f"the first {k} nodes", plan.nodes[:k]))
+    seen, uniq = set(), []
+    for name, lost in out:
+        if frozenset(lost) not in seen:
+            seen.add(frozenset(lost))
+            uniq.append((name, lost))
+    return uniq
+
+
+def survivability(plan, templates, profile, f: int, microbatch_size: int) -> list[dict]:
+    from oobleck_hpc.errors import GuaranteeExceeded
+    from oobleck_hpc.planning.cost import samples_per_second
+    from oobleck_hpc.planning.reconfigure import moved_bytes, reconfigure
+
+    base = plan.predicted_iteration_ms
+    rows = []
+    for k in range(0, f + 1):
+        worst = None
+        for name, lost in _loss_patterns(plan, k):
+            try:
+                new = plan if k == 0 else reconfigure(plan, lost, templates, profile, f)
+            except GuaranteeExceeded as e:
+                worst = {"lost": k, "pattern": name, "error": str(e)}
+                break
+            if worst is None or new.predicted_iteration_ms > worst["iteration_ms"]:
+                worst = {"lost": k, "pattern": name, "iteration_ms": new.predicted_iteration_ms,
+                         "samples_per_s": samples_per_second(new, microbatch_size,
+                                                             new.predicted_iteration_ms),
+                         "relative_throughput": base / new.predicted_iteration_ms,
+                         "pipelines": [p.template.num_nodes for p in new.pipelines],
+                         "moved_bytes": 0 if k == 0 else moved_bytes(plan, new, profile)}
+        rows.append(worst)
+    return rows
+
+
+def plan_report(job, profile, num_nodes: int) -> dict:
+    from oobleck_hpc.planning import plan_job
+    from oobleck_hpc.planning.cost import pipeline_iteration_ms, samples_per_second
+
+    t0 = time.perf_counter()
+    nodes = tuple(f"node{i}" for i in range(num_nodes))
+    spec, templates, plan = plan_job(job, profile, nodes)
+    seconds = time.perf_counter() - t0
+    mbs = job.train.microbatch_size
+    tmpl = [{"nodes": n, "stages": t.num_stages, "layout": _layout(t),
+             "stage_layers": [[s.layer_start, s.layer_end] for s in t.stages],
+             "stage_gpus": [len(s.gpus) for s in t.stages],
+             "microbatches": t.microbatches,
+             "iteration_ms": pipeline_iteration_ms(t, t.microbatches),
+             "peak_memory_bytes": max(t.peak_memory_bytes)}
+            for n, t in sorted(templates.items())]
+    plan_d = {"nodes": len(plan.nodes), "gpus_per_node": plan.gpus_per_node,
+              "n0": spec.n0, "f": spec.f, "global_microbatches": plan.global_microbatches,
+              "iteration_ms": plan.predicted_iteration_ms,
+              "samples_per_s": samples_per_second(plan, mbs, plan.predicted_iteration_ms),
+              "digest": plan.digest(),
+              "pipelines": [{"template_nodes": p.template.num_nodes, "microbatches": p.microbatches,
+                             "nodes": [p.nodes[0], p.nodes[-1]]} for p in plan.pipelines]}
+    surv = survivability(plan, templates, profile, job.fault_tolerance.f, mbs)
+    return {"job": job.name, "model": job.model.name,
+            "profile": {"source": profile.fingerprint.source, "device": profile.machine.device_name,
+                        "layers": profile.num_layers},
+            "templates": tmpl, "plan": plan_d, "survivability": surv,
+            "planning_seconds": seconds}
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def _print(rep: dict) -> None:
+    p = rep["plan"]
+    print(f"job {rep['job']}: model {rep['model']} ({rep['profile']['layers']} layers, "
+          f"{rep['profile']['source']} profile, {rep['profile']['device']}), {p['nodes']} nodes x "
+          f"{p['gpus_per_node']} GPUs, n0 = {p['n0']}, f = {p['f']}")
+    print(f"\ntemplates ({len(rep['templates'])}, 1F1B time for m microbatches):")
+    print(f"{'nodes':>5} {'stages':>6} {'m':>4} {'time ms':>10} {'peak/GPU':>10}  layout [layers/GPUs]")
+    for t in rep["templates"]:
+        lay = t["layout"] if len(t["layout"]) <= 70 else t["layout"][:67] + "..."
+        print(f"{t['nodes']:>5} {t['stages']:>6} {t['microbatches']:>4} {t['iteration_ms']:>10.2f} "
+              f"{_gb(t['peak_memory_bytes']):>10}  {lay}")
+    groups: dict[tuple[int, int], int] = {}
+    for x in p["pipelines"]:
+        key = (x["template_nodes"], x["microbatches"])
+        groups[key] = groups.get(key, 0) + 1
+    print(f"\nplan {p['digest']}: {len(p['pipelines'])} pipelines, {p['global_microbatches']} "
+          f"microbatches, predicted step {p['iteration_ms']:.2f} ms, {p['samples_per_s']:.2f} samples/s")
+    for (n, m), c in sorted(groups.items(), key=lambda kv: (-kv[0][0], -kv[0][1])):
+        print(f"  {c:>4} x pipeline of {n:>4} nodes, {m:>5} microbatches each")
+    print("\nsurvivability (worst over the loss patterns tried):")
+    print(f"{'lost':>4} {'step ms':>10} {'samples/s':>10} {'relative':>9} {'moved':>10}  pattern")
+    for r in rep["survivability"]:
+        if "error" in r:
+            print(f"{r['lost']:>4} {'beyond guarantee':>42}  {r['pattern']}: {r['error']}")
+            continue
+        print(f"{r['lost']:>4} {r['iteration_ms']:>10.2f} {r['samples_per_s']:>10.2f} "
+              f"{r['relative_throughput']:>9.3f} {_gb(r['moved_bytes']):>10}  {r['pattern']}")
+    print(f"\nplanning took {rep['planning_seconds']:.2f} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.errors import ConfigError
+
+    overrides = {}
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise ConfigError("--nodes", "--nodes", f"value {args.nodes} must be at least 1",
+                              "pass a positive node count")
+        overrides["cluster.nodes"] = args.nodes
+    job = load_job(args.job, overrides)
+    from oobleck_hpc.profiling import resolve_profile
+
+    profile = resolve_profile(job)
+    rep = plan_report(job, profile, job.cluster.nodes)
+    if args.json:
+        json.dump(rep, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _print(rep)
+    return 0
