@@ -133,6 +133,21 @@ def test_engine_equals_single_process_reference(pool, references, name: str, flo
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_two_phase_step_rollback_leaves_no_trace(pool, references) -> None:
+    """step(commit=False) + rollback() changes nothing: doing it before every real step still
+    gives exactly the reference's trajectory (fp64)."""
+    job, data, refs = references
+    ref = refs[True]
+    results = [r for r in pool.run("engine", job, PLANS["two_nodes"], STEPS, data, float64=True,
+                                   two_phase=True) if r is not None]
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=TOL)
+        for key, value in r["params"].items():
+            assert rel(value, ref["params"][key]) <= 1e-9, key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("phase", ["forward", "gradient_sync"])
 def test_a_vanished_rank_is_reported_as_a_value(pool, references, phase: str) -> None:
     """Rank 3 (second GPU of the 2-GPU first stage of pipeline 1) leaves without a word during

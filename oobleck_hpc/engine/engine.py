@@ -21,7 +21,8 @@ Step (`Engine.step()`), for the global batch at `state.cursor`:
 3. Global statistics: one all-reduce over the world of [loss sum, sum of ||g_l||^2 over the
    segments this rank is the lowest holder of] -- every layer counted exactly once.
 4. Clip with the global norm, set the LR of this step, AdamW. Only then the state (step,
-   cursor) advances: the step is committed.
+   cursor) advances: the step is committed. `step(commit=False)` stops before the update and
+   leaves `commit()` / `rollback()` to the caller (a two-phase step for the elastic layer).
 
 Failures are values: any exception in 1-3 (a peer died, a collective timed out) is caught and
 returned as `StepResult(ok=False, error, phase, peer)`; weights, optimizer state and training
@@ -121,6 +122,7 @@ class Engine:
         self.device = torch.device(device)
         self.state = state or TrainState()
         self.on_phase = on_phase
+        self._pending: StepResult | None = None
         self.train = job.train
         self.bf16 = job.model.dtype == "bfloat16"
         self.sampler = GlobalSampler(dataset, job.train.microbatch_size,
@@ -220,7 +222,14 @@ class Engine:
         if self.on_phase is not None:
             self.on_phase(phase, self.state.step)
 
-    def step(self) -> StepResult:
+    def step(self, commit: bool = True) -> StepResult:
+        """Run one training step on the global batch at `state.cursor`.
+
+        commit=True (default): apply the update and advance the state when the step succeeded.
+        commit=False: stop after the global statistics, with the reduced (and clipped) gradients
+        ready; the caller then calls `commit()` or `rollback()` -- e.g. after the elastic layer
+        confirmed out of band that every rank got this far, which makes the step transactional
+        even when a rank dies inside the last all-reduce (some peers may have finished it)."""
         step = self.state.step
         t0 = time.perf_counter()
         lr = lr_at(step, self.train)
@@ -228,7 +237,6 @@ class Engine:
             loss_sum = self._pipeline(step)
             self._phase("gradient_sync")
             total = self._sync(loss_sum)
-            self._phase("optimizer")
         except _Failure as f:
             self._abandon()
             return StepResult(step, False, lr=lr, seconds=time.perf_counter() - t0,
@@ -239,12 +247,30 @@ class Engine:
         if coef != 1.0:
             for seg in self.segments:
                 seg.flat.mul_(coef)
-        set_lr(self.optimizer, lr)
+        self._pending = StepResult(step, True, loss=loss, grad_norm=norm, lr=lr,
+                                   samples=self.sampler.global_batch)
+        if not commit:
+            self._pending.seconds = time.perf_counter() - t0
+            return self._pending
+        result = self.commit()
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def commit(self) -> StepResult:
+        """Apply the prepared step: AdamW with this step's LR; the state advances."""
+        result, self._pending = self._pending, None
+        if result is None:
+            raise RuntimeError("commit() without a prepared step (call step(commit=False) first)")
+        self._phase("optimizer")
+        set_lr(self.optimizer, result.lr)
         self.optimizer.step()
         self.state.step += 1
         self.state.cursor += self.sampler.global_batch
-        return StepResult(step, True, loss=loss, grad_norm=norm, lr=lr,
-                          samples=self.sampler.global_batch, seconds=time.perf_counter() - t0)
+        return result
+
+    def rollback(self) -> None:
+        """Drop a prepared step: weights, optimizer and state stay as before it."""
+        self._pending = None
 
     def _abandon(self) -> None:
         """Forget everything of a failed step (pending work is owned by the dead groups)."""

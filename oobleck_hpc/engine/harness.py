@@ -37,6 +37,8 @@ class Task:
     return_params: bool = True
     float64: bool = False
     fault: tuple[int, int, str] | None = None
+    two_phase: bool = False
+    """Every step: step(commit=False), rollback(), then step(commit=False), commit()."""
     """(rank, step, phase): that rank leaves the world abruptly (destroys its process groups
     without a word) when the step enters the phase; the others must report the failure."""
     """Build the model in float64 (default dtype) for this task: exactness checks."""
@@ -122,7 +124,13 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
         for _ in range(task.steps):
             t0 = time.perf_counter()
             try:
-                r = engine.step()
+                if task.two_phase:
+                    engine.step(commit=False)
+                    engine.rollback()
+                    r = engine.step(commit=False)
+                    r = engine.commit() if r.ok else r
+                else:
+                    r = engine.step()
             except _Injected:
                 return {"rank": rank, "injected": True, "state": (engine.state.step, engine.state.cursor)}
             if not r.ok:
@@ -240,11 +248,12 @@ class WorkerPool:
 
     def run(self, kind: str, job: JobConfig, plan: Plan | None, steps: int, dataset: Any,
             timeout_s: float = 120.0, return_params: bool = True, float64: bool = False,
-            fault: tuple[int, int, str] | None = None) -> list[dict | None]:
+            fault: tuple[int, int, str] | None = None, two_phase: bool = False
+            ) -> list[dict | None]:
         """Run one task in every worker; results indexed by worker."""
         self.generation += 1
         task = Task(kind, job, plan, steps, self.generation, dataset, return_params, float64,
-                    fault)
+                    fault, two_phase)
         for c in self.conns:
             c.send(task)
         out, errors = [], []
