@@ -106,7 +106,7 @@ def main() -> int:
         try:
             from oobleck_hpc.planning import plan_job
 
-            plans = {"planner": plan_job(job, profile, nodes), **plans}
+            plans = {"planner": plan_job(job, profile, nodes)[2], **plans}
         except ImportError:
             pass
         ref = pool.run("reference", job, None, steps, data, timeout_s=600, return_params=False)

@@ -120,7 +120,7 @@ def main() -> int:
 
     # Profile and plan: every rank computes the same plan from the same inputs.
     profile = resolve_profile(job)
-    plan = plan_job(job, profile, list(env.nodes))
+    _, _, plan = plan_job(job, profile, list(env.nodes))
     rank = plan.rank_of(env.node, env.local_rank)
     if rank == 0:
         print(describe_plan(plan), flush=True)
