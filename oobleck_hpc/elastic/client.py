@@ -45,6 +45,21 @@ node. Restarting a single worker in place is not attempted (its GPU state is gon
 process would pay the start-up cost the design avoids; treating the node as lost reuses the one
 recovery path that is tested).
 
+A worker's life with this link (the shape train.py / the reconfigure driver follows):
+
+    client = AgentClient.from_env(on_notice=abort_collectives_on_round)
+    m = client.wait_membership(timeout=300)                    # generation 0 (the roster)
+    store = TCPStore(m.store_host, m.store_port, is_master=client.hosts_store(m))
+    plan = plan_job(job, profile, list(m.nodes)); build groups (key prefix m.store_prefix)
+    loop over steps:
+        a step returns a failure value -> client.report_failure("comm_error", str(err), suspects)
+        m = client.wait_membership(after_gen=m.gen, timeout=...)   # the agreed survivors
+        destroy the old groups; new store per `m`; new plan from the planner's reconfiguration
+        client.exchange(f"plan-{m.gen}", plan.digest(), timeout)   # all equal, or stop
+        Superseded (another failure meanwhile) -> back to wait_membership
+        Fenced -> exit 3 at once (the agent kills what is left after its grace period)
+    client.done(code); exit(code)
+
 If the agent itself vanishes (the link reaches end of file), the worker exits at once with code
 3 (an orphaned worker must not keep talking to the survivors' process groups); pass
 `exit_on_agent_loss=False` to get a `Fenced` error from the next call instead.
