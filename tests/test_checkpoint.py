@@ -522,3 +522,15 @@ def test_manifest_is_plain_json(tmp_path):
     assert set(m["files"]) == {"layer-00000.bin", "train.bin"}
     got = open_checkpoint(tmp_path, 1).layer(0)
     assert torch.equal(got["param/w"], torch.arange(3.0)) and got["optim/w/step"].shape == ()
+
+
+def test_shard_files_keep_every_dtype_and_shape(tmp_path):
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.tensor([True, False, True]),
+               "c": torch.arange(7, dtype=torch.int64).reshape(7, 1), "d": torch.empty(0, 4),
+               "e": torch.tensor(3.5, dtype=torch.float64), "f": torch.randn(4, 6).t(),  # not contiguous
+               "g": torch.randn(2, 3, dtype=torch.float16)}
+    cp = Checkpointer(tmp_path, rank=0, num_layers=1)
+    cp.save_sync(1, {0: tensors}, _ts(1))
+    got = open_checkpoint(tmp_path, 1).layer(0)
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
