@@ -122,16 +122,17 @@ def test_shard_owners_balance_bytes_across_nodes():
 # ----------------------------------------------------------------------------- layer state
 
 
-def test_layer_state_round_trip_with_adamw():
+@pytest.mark.parametrize("fused", [False, True])  # the engine uses the fused AdamW where it can
+def test_layer_state_round_trip_with_adamw(fused):
     layers = small_layers(2)
-    opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], lr=1e-2)
+    opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], lr=1e-2, fused=fused)
     step_once(layers, opt)
     state = layer_state(layers[1], opt)
     assert {"param/0.weight", "optim/0.weight/exp_avg", "optim/0.weight/exp_avg_sq",
             "optim/0.weight/step", "param/1.bias"} <= set(state)
 
     fresh = small_layers(2, seed=5)
-    opt2 = torch.optim.AdamW([p for m in fresh for p in m.parameters()], lr=1e-2)
+    opt2 = torch.optim.AdamW([p for m in fresh for p in m.parameters()], lr=1e-2, fused=fused)
     for i in range(2):
         load_layer_state(fresh[i], opt2, layer_state(layers[i], opt), layer=i)
     step_once(layers, opt, seed=2)
