@@ -61,9 +61,19 @@ Loading
 `find_latest(root)` walks the published checkpoints newest first and returns the first whose files
 all match the manifest (size and sha256); a partial or corrupt one is refused with a message naming
 the file and what is wrong, and the previous one is used (the reasons are kept in `.skipped`).
-Every rank must restore the SAME step: verify on one rank and broadcast the step, or let every rank
-run `find_latest` (it is deterministic for the same files). `Checkpoint.layer(i)` verifies the
-checksum of what it reads again.
+A refused checkpoint is renamed `step-<N>.refused-<time>` (kept for a person to look at), so the
+resumed run's own checkpoints become the newest again. The directory scan, not `latest`, decides:
+`latest` is for people and tools, and lags by one checkpoint only if a crash fell between the
+rename and its update (the next publish repairs it). Every rank must restore the SAME step: verify
+on one rank and broadcast the step (then `open_checkpoint(root, step, verify=False)` elsewhere), or
+let every rank run `find_latest` (deterministic for the same files, but every rank then reads every
+file). `Checkpoint.layer(i)` verifies the checksum of what it reads in any case.
+
+Leaving for a requeue (GuaranteeExceeded, USR2 before the time limit, SIGTERM on preemption):
+`StopSignals.install()` makes the signals set a flag read at step boundaries, and
+`checkpoint_and_requeue(...)` saves, waits until the checkpoint is published, asks Slurm to requeue
+(`scontrol requeue`) and returns errors.EXIT_REQUEUE (75) for `sys.exit`; see the section near the
+end of this file.
 
 Periodic saving (`Checkpointer.due`) is by steps and/or minutes (`CheckpointConfig`). All ranks
 must save the same steps: the step rule is identical everywhere; the minutes rule reads a local
