@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: environment, local Slurm cluster, pytest.
 # Usage: bash scripts/test.sh [pytest args]
+# OOBLECK_SLURM_TESTS=0 skips the cluster (tests/test_slurm_*.py then skip themselves).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source scripts/env.sh
+if [ "${OOBLECK_SLURM_TESTS:-1}" = 1 ]; then
+    # A real Slurm controller + 4 slurmd on this machine (installs slurm-wlm once, ~15 s; then
+    # ~2 s), torn down on exit whatever pytest's outcome.
+    trap 'slurm/dev-cluster.sh down' EXIT
+    slurm/dev-cluster.sh up
+    eval "$(slurm/dev-cluster.sh env)"
+    export OOBLECK_REQUIRE_SLURM=1   # a cluster that did not come up fails the Slurm tests
+fi
 python -m pytest -q -ra "$@"

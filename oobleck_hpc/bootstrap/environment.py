@@ -179,9 +179,10 @@ def expand_hostlist(hostlist: str) -> list[str]:
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True,
                              text=True, timeout=30, check=True).stdout
-        return out.split()
     except (OSError, subprocess.SubprocessError):
-        return _expand_hostlist_py(hostlist)
+        out = ""
+    # scontrol prints nothing for forms it does not parse (e.g. a suffix after the brackets)
+    return out.split() or _expand_hostlist_py(hostlist)
 
 
 def _expand_hostlist_py(hostlist: str) -> list[str]:

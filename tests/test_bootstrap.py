@@ -1,0 +1,162 @@
+"""Bootstrap and launch pieces that need no cluster: environment detection, hostlists, the
+discovery record, the verdict over agents' exit codes, sbatch parameters and config errors.
+(The same code against a real Slurm controller: tests/test_slurm_launch.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from oobleck_hpc.bootstrap import environment as envmod
+from oobleck_hpc.bootstrap.discovery import Discovery, NodeRecord, wait_for_discovery
+from oobleck_hpc.bootstrap.environment import (
+    LocalEnvironment,
+    NodeEnvironment,
+    SlurmEnvironment,
+    detect,
+)
+from oobleck_hpc.config import job_from_dict
+from oobleck_hpc.elastic.wire import Roster
+from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.launch.slurm_task import verdict
+
+SLURM_ENV = {
+    "SLURM_JOB_ID": "42", "SLURMD_NODENAME": "gpu07", "SLURM_JOB_NODELIST": "gpu[05-08]",
+    "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_RESTART_COUNT": "1",
+    "SLURM_STEP_ID": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "OOBLECK_NODE_ADDR": "10.0.0.7",
+}
+
+
+@pytest.mark.parametrize("hostlist, names", [
+    ("n1", ["n1"]),
+    ("n[1-4]", ["n1", "n2", "n3", "n4"]),
+    ("n[1,3-4]", ["n1", "n3", "n4"]),
+    ("gpu[05-07],cpu1", ["gpu05", "gpu06", "gpu07", "cpu1"]),
+    ("a[8-10]x", ["a8x", "a9x", "a10x"]),
+])
+def test_hostlist_expansion(hostlist, names):
+    assert envmod._expand_hostlist_py(hostlist) == names
+    if shutil.which("scontrol"):  # the parser agrees with Slurm's own
+        assert envmod.expand_hostlist(hostlist) == names
+
+
+def test_slurm_environment_from_variables():
+    env = SlurmEnvironment.detect(SLURM_ENV)
+    assert env.source == "slurm" and env.job_id == "42" and env.node == "gpu07"
+    assert env.nodes == ["gpu05", "gpu06", "gpu07", "gpu08"] and env.node_rank == 2
+    assert (env.task_rank, env.local_rank, env.num_tasks) == (2, 0, 4)
+    assert (env.restart_count, env.step_id) == (1, "3")
+    assert (env.address, env.device_count) == ("10.0.0.7", 4)
+    # Inside a step, the step's node list wins over the (possibly stale) job list.
+    step = SlurmEnvironment.detect({**SLURM_ENV, "SLURM_STEP_NODELIST": "gpu[05,07]"})
+    assert step.nodes == ["gpu05", "gpu07"] and step.node_rank == 1
+    assert SlurmEnvironment.detect({"PATH": "/bin"}) is None
+
+
+def test_local_environment_round_trips_and_wins_over_slurm():
+    original = NodeEnvironment(source="local", job_id="run-3", node="node1",
+                               nodes=["node0", "node1", "node2"], task_rank=3, local_rank=1,
+                               num_tasks=6, restart_count=2, address="127.0.0.1",
+                               device_count=2, extra={"run_dir": "runs/x"})
+    env = original.to_env()
+    assert env["OOBLECK_RUN_DIR"] == "runs/x"
+    assert LocalEnvironment.detect(env) == original
+    # A worker under Slurm inherits SLURM_* too; the agent's OOBLECK_* describe it better.
+    assert detect({**SLURM_ENV, **env}) == original
+    with pytest.raises(RuntimeError, match="not in OOBLECK_NODES"):
+        LocalEnvironment.detect({"OOBLECK_NODE": "x", "OOBLECK_NODES": "a,b"})
+
+
+def test_plain_process_is_one_local_node():
+    env = detect({"CUDA_VISIBLE_DEVICES": ""})
+    assert env.source == "local" and env.nodes == [env.node] and env.device_count == 0
+
+
+def test_visible_devices():
+    assert envmod.visible_device_count({"CUDA_VISIBLE_DEVICES": "2,3"}) == 2
+    assert envmod.visible_device_count({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}) == 0
+
+
+def test_discovery_record_round_trip_and_roster_format(tmp_path):
+    found = Discovery("42", 1, (NodeRecord("n1", "10.0.0.1", 40001, 8),
+                                NodeRecord("n2", "10.0.0.2", 40002, 8)), 40100, ("n1", "n2"))
+    found.write(tmp_path)
+    assert Discovery.load(tmp_path) == found
+    assert wait_for_discovery(tmp_path, "42", 1, timeout_s=1) == found
+    roster = Roster.load(tmp_path / "roster.json")  # the elastic agents' own reader
+    assert roster.names == ("n1", "n2") and roster.store_port == 40100
+    assert found.store == ("10.0.0.1", 40100)
+    other = Discovery("42", 1, found.records[::-1], 40100)
+    assert other.digest != found.digest  # order is part of what everyone must agree on
+    with pytest.raises(TimeoutError, match="restart 2"):
+        wait_for_discovery(tmp_path, "42", 2, timeout_s=0.3)
+
+
+@pytest.mark.parametrize("lost, codes, expected", [
+    ([], {"a": 0, "b": 0, "c": 0}, 0),
+    (["b"], {"a": 0, "c": 0}, 0),               # b died: its missing code does not count
+    (["b"], {"a": 0, "b": 137, "c": 0}, 0),     # b was fenced (killed by Slurm): ignored
+    ([], {"a": 0, "b": 75, "c": 0}, 75),        # a requeue request wins
+    ([], {"a": 0, "b": 3, "c": 75}, 75),
+    ([], {"a": 0, "b": 2, "c": 0}, 2),
+    ([], {"a": 0, "c": 0}, 1),                  # a survivor that recorded nothing: failure
+    (["a", "b", "c"], {}, 1),
+])
+def test_verdict_counts_only_survivors(lost, codes, expected):
+    assert verdict(["a", "b", "c"], lost, codes) == expected
+
+
+def test_sbatch_parameters_and_agent_command():
+    from oobleck_hpc.launch.slurm import DEFAULT_AGENT_COMMAND, agent_argv, sbatch_parameters
+
+    job = job_from_dict({"name": "t", "cluster": {"nodes": 8}, "slurm": {
+        "partition": "gpu", "time_min": 120, "gpus_per_node": 4, "signal": "SIGUSR1",
+        "signal_delay_s": 300, "extra": {"qos": "high"}, "setup": ["module load cuda"]}})
+    p = sbatch_parameters(job)
+    assert (p["nodes"], p["time"], p["partition"], p["gpus_per_node"]) == (8, 120, "gpu", 4)
+    assert p["use_srun"] is False and p["setup"] == ["module load cuda"]
+    extra = p["additional_parameters"]
+    assert extra["no-kill"] is True and extra["requeue"] is True
+    assert extra["signal"] == "USR1@300" and extra["qos"] == "high"
+    assert agent_argv(None, python="/p y", job_file="/r/job.yaml", run_dir="/r") == [
+        "/p y", "-m", "oobleck_hpc.agent", "--job", "/r/job.yaml", "--run-dir", "/r"]
+    assert "{run_dir}" in DEFAULT_AGENT_COMMAND
+    assert agent_argv("{python} -m x --roster {roster}", python="py", job_file="j",
+                      run_dir="/r") == ["py", "-m", "x", "--roster", "/r/roster.json"]
+
+
+@pytest.mark.parametrize("slurm, key", [
+    ({"signal": "USR9"}, "slurm.signal"),
+    ({"signal_delay_s": 7200, "time_min": 60}, "slurm.signal_delay_s"),
+    ({"agent_command": "{python} -m x {nodes}"}, "slurm.agent_command"),
+    ({"extra": {"no_kill": "1"}}, "slurm.extra.no_kill"),
+    ({"time_min": 0}, "slurm.time_min"),
+])
+def test_bad_slurm_section_names_key_and_fix(slurm, key):
+    with pytest.raises(ConfigError) as err:
+        job_from_dict({"slurm": slurm}, source="job.yaml")
+    assert err.value.key == key and "Fix:" in str(err.value)
+
+
+def test_submit_without_controller_says_how_to_start_one(tmp_path, monkeypatch):
+    from oobleck_hpc.launch.slurm import SlurmUnavailable, submit
+
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol at all
+    with pytest.raises(SlurmUnavailable, match="dev-cluster.sh up"):
+        submit(job_from_dict({"run_dir": str(tmp_path / "run")}))
+
+
+def test_submit_dry_run_prints_flags(tmp_path):
+    job = tmp_path / "j.yaml"
+    job.write_text("name: dry\ncluster: {nodes: 3}\n")
+    out = subprocess.run([sys.executable, "-m", "oobleck_hpc", "submit", str(job), "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["sbatch"]["nodes"] == 3 and shown["sbatch"]["additional_parameters"]["no-kill"]
+    assert shown["agent"][1:3] == ["-m", "oobleck_hpc.agent"]
