@@ -216,9 +216,15 @@ def _check_step(args: argparse.Namespace) -> int:
     m = args.microbatches or job.train.global_microbatches
     profile = resolve_profile(job)
     predicted = predicted_single_gpu_step_ms(profile, m)
-    measured, spread = measure_step_ms(job, m, repeats=args.repeats)
+    t = measure_step_ms(job, m, repeats=args.repeats)
     print(f"{job.model.name}, {m} microbatches of {job.train.microbatch_size}, one process:")
-    print(f"  predicted by the planner from the profile: {predicted:.2f} ms")
-    print(f"  measured training step (AdamW):            {measured:.2f} ms (IQR {spread:.2f})")
-    print(f"  prediction error: {100 * (predicted - measured) / measured:+.1f} %")
+    print(f"  predicted by the planner from the profile:  {predicted:.2f} ms")
+    print(f"  measured training step (AdamW), wall clock: {t.wall_ms:.2f} ms (IQR {t.wall_iqr_ms:.2f}), "
+          f"prediction error {100 * (predicted - t.wall_ms) / t.wall_ms:+.1f} %")
+    if t.cpu_ms:
+        print(f"  measured training step, process CPU time:  {t.cpu_ms:.2f} ms, "
+              f"prediction error {100 * (predicted - t.cpu_ms) / t.cpu_ms:+.1f} %")
+        if t.wall_ms > 1.2 * t.cpu_ms:
+            print("  (wall clock well above CPU time: other processes compete for the cores, so the "
+                  "wall-clock figure measures the machine's load; compare with the CPU time)")
     return 0

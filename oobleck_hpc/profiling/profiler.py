@@ -461,12 +461,22 @@ def profile_and_save(job: JobConfig, out_dir: str | Path | None = None, overwrit
 # ----------------------------------------------------------------------------- acceptance check
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    wall_ms: float
+    """Median wall-clock time of a step."""
+    wall_iqr_ms: float
+    cpu_ms: float
+    """Median CPU time the process used per step (CPU device only; 0 on GPU). On a machine
+    shared with other busy processes a step of many milliseconds is preempted, so its wall time
+    measures the machine's load; with one torch thread its CPU time is the step's own cost."""
+
+
 def measure_step_ms(job: JobConfig, microbatches: int, warmup: int = 3, repeats: int = 10,
-                    cpu_threads: int = ProfilerOptions.cpu_threads) -> tuple[float, float]:
+                    cpu_threads: int = ProfilerOptions.cpu_threads) -> StepTiming:
     """A real single-process training step of the whole model: `microbatches` forward/backward
-    passes with gradient accumulation, gradient clipping as the job sets it, one AdamW step.
-    Returns (median, interquartile range) in ms -- the figure a 1-node, 1-stage, 1-GPU plan
-    predicts from the profile."""
+    passes with gradient accumulation, gradient clipping as the job sets it, one AdamW step --
+    the run a 1-node, 1-stage, 1-GPU plan predicts from the profile."""
     device = job_device(job)
     model = build_model(job.model, job.source)
     layers = nn.ModuleList(model.build_layer(i, device) for i in range(model.num_layers))
@@ -491,18 +501,20 @@ def measure_step_ms(job: JobConfig, microbatches: int, warmup: int = 3, repeats:
             torch.nn.utils.clip_grad_norm_(layers.parameters(), t.grad_clip)
         opt.step()
 
-    times = []
+    times, cpu = [], []
     with _cpu_threads(device, cpu_threads):
         for rep in range(warmup + repeats):
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if rep >= warmup:
                 times.append(1000 * (time.perf_counter() - t0))
-    return _median_iqr(times)
+                cpu.append(1000 * (time.process_time() - c0))
+    wall, iqr = _median_iqr(times)
+    return StepTiming(wall, iqr, statistics.median(cpu) if device.type == "cpu" else 0.0)
 
 
 def predicted_single_gpu_step_ms(profile: ModelProfile, microbatches: int) -> float:
