@@ -405,15 +405,15 @@ class ImportReport:
         return out
 
 
-def _copy_durably(src: Path, dest: Path, overwrite: bool) -> tuple[bool, Path]:
-    """Copy src to dest through a verified, fsync'ed temporary file. Returns (published, tmp)."""
+def _copy_durably(src: Path, dest: Path, overwrite: bool) -> bool:
+    """Copy src to dest through a verified, fsync'ed temporary file. False: dest existed."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_path(dest)
     try:
         shutil.copyfile(src, tmp)
         _fsync_file(tmp)
         load_profile(tmp)  # the copy itself is complete and valid before it gets its name
-        return _publish(tmp, dest, overwrite), tmp
+        return _publish(tmp, dest, overwrite)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -437,7 +437,7 @@ def import_profiles(src: str | Path, dst: str | Path,
         checksum = profile_checksum(profile)
         dest = library_path(dst, profile.fingerprint)
         for _ in range(3):  # an existing file may vanish between the link attempt and the compare
-            published, _tmp = _copy_durably(s, dest, overwrite=False)
+            published = _copy_durably(s, dest, overwrite=False)
             if published:
                 report.imported.append((s, dest))
                 break
@@ -451,7 +451,7 @@ def import_profiles(src: str | Path, dst: str | Path,
                 report.identical.append((s, dest))
             elif on_conflict == "keep-both":
                 alt = dest.with_name(f"{dest.stem}.{checksum[:12]}{SUFFIX}")
-                published, _tmp = _copy_durably(s, alt, overwrite=False)
+                published = _copy_durably(s, alt, overwrite=False)
                 if published:
                     report.kept_both.append((s, alt))
                 else:
