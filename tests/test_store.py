@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
-import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import h5py
 import pytest
