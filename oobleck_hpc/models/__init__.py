@@ -1,6 +1,21 @@
-"""Layer-list models: the GPT family and the interface a user's own model implements."""
+"""Layer-list models: the GPT family and the interface a user's own model implements.
 
-from oobleck_hpc.models.base import LayerModel, build_model, layer_generator
+`configs` is pure data and imports no torch (the planner, analytic profiles and the simulator
+read it); the torch-backed names (`LayerModel`, `build_model`, `layer_generator`) are imported
+on first use.
+"""
+
 from oobleck_hpc.models.configs import GPT_CONFIGS, GPTConfig, gpt_config
+
+_LAZY = {"LayerModel", "build_model", "layer_generator"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from oobleck_hpc.models import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'oobleck_hpc.models' has no attribute {name!r}")
+
 
 __all__ = ["GPT_CONFIGS", "GPTConfig", "LayerModel", "build_model", "gpt_config", "layer_generator"]

@@ -1,0 +1,65 @@
+"""`oobleck-hpc plan`: tables, --json with the documented keys, on the 1,024-node example and
+the local example; errors exit 2 with the file and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from oobleck_hpc.cli import main
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def test_plan_json_on_the_1024_node_example(capsys):
+    assert main(["plan", str(EXAMPLES / "gpt3-175b-1024.yaml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"templates", "plan", "survivability", "planning_seconds"} <= set(out)
+    plan = out["plan"]
+    assert plan["nodes"] == 1024 and plan["f"] == 3
+    assert sum(p["template_nodes"] for p in plan["pipelines"]) == 1024
+    assert sum(p["microbatches"] for p in plan["pipelines"]) == 1536
+    assert len(plan["pipelines"]) >= 4
+    sizes = [t["nodes"] for t in out["templates"]]
+    assert sizes == list(range(plan["n0"], max(sizes) + 1))
+    surv = out["survivability"]
+    assert [r["lost"] for r in surv] == [0, 1, 2, 3]
+    assert surv[0]["relative_throughput"] == 1.0
+    assert all(0 < r["relative_throughput"] <= 1.0 + 1e-12 for r in surv)
+    assert out["planning_seconds"] < 60
+
+
+def test_plan_table_with_node_override(capsys, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text((EXAMPLES / "gpt3-175b-1024.yaml").read_text().replace("f: 3", "f: 1"))
+    assert main(["plan", str(job), "--nodes", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "64 nodes x 8 GPUs" in text and "templates (" in text and "survivability" in text
+    assert "samples/s" in text
+
+
+def test_too_few_nodes_exits_2_with_the_numbers(capsys):
+    code = main(["plan", str(EXAMPLES / "gpt3-175b-1024.yaml"), "--nodes", "20"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cannot hold f + 1 = 4 replicas" in err and "n0 =" in err
+
+
+def test_bad_yaml_exits_2(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster:\n  nodez: 3\n")
+    assert main(["plan", str(bad)]) == 2
+    assert "cluster.nodez" in capsys.readouterr().err
+
+
+def test_planning_imports_nothing_heavy():
+    import subprocess
+    import sys
+
+    code = ("import sys, oobleck_hpc.planning, oobleck_hpc.planning.cli, oobleck_hpc.planning.reconfigure,"
+            " oobleck_hpc.profiling.analytic;"
+            "heavy = [m for m in ('torch', 'h5py', 'mpi4py', 'submitit') if m in sys.modules];"
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60).stdout.strip()
+    assert out == "[]"
