@@ -289,3 +289,18 @@ def test_planner_driven_run_on_a_small_analytic_case():
     assert ob.timeline[0][2] == pytest.approx(32 / it_s)
     # and fewer nodes after failures never train faster than the full cluster
     assert max(rate for _, _, rate in ob.timeline) == pytest.approx(32 / it_s)
+
+
+def test_replacements_keep_the_cluster_size_and_cost_no_extra_restarts():
+    nodes = node_names(6)
+    trace = fixed_interval(nodes, 600.0, 6000.0, seed=2, replace_after_s=300.0)
+    kinds = [e.kind for e in trace.events]
+    assert kinds.count("fail") == 9 and kinds.count("add") == 9
+    s = _scenario(6)
+    res = run_policies(scenario_backends(s), trace, 6000.0)
+    _check_accounting(res, 6000.0)
+    # restart takes a joining node only at its next restart: one restart per failure
+    assert res["restart"].seconds["restart"] == pytest.approx(9 * 30.0)
+    # oobleck absorbs each failure and each arrival in place: 18 reconfigurations of 2 s
+    assert res["oobleck"].seconds["reconfiguration"] == pytest.approx(18 * 2.0)
+    assert res["oobleck"].seconds["idle"] == pytest.approx(0.0)

@@ -98,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
     if args.trace:
         trace = load_trace(args.trace, nodes, time_unit=args.time_unit)
     elif args.every:
-        trace = fixed_interval(nodes, 60.0 * args.every, duration_s, args.seed)
+        trace = fixed_interval(nodes, 60.0 * args.every, duration_s, args.seed, replace)
     elif args.mtbf:
         trace = exponential(nodes, 3600.0 * args.mtbf, duration_s, args.seed, args.per, replace)
     elif scenario is not None and scenario.every_minutes:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from oobleck_hpc.config import JobConfig
@@ -88,22 +88,28 @@ def redundant_profile(profile: ModelProfile) -> ModelProfile:
     return dataclasses.replace(profile, layers=layers)
 
 
-@dataclass
 class PlannerModel:
     """Everything the three planner backends share: job, profile, templates, costs."""
 
-    job: JobConfig
-    profile: ModelProfile
-    params: CostParams = field(default_factory=CostParams)
+    def __init__(self, job: JobConfig, profile: ModelProfile, params: CostParams | None = None,
+                 initial_plan: bool = True):
+        from oobleck_hpc.planning import template_microbatches
+        from oobleck_hpc.planning.spec import node_specification
+        from oobleck_hpc.planning.templates import build_templates
 
-    def __post_init__(self):
-        from oobleck_hpc.planning import plan_job
-
-        nodes = tuple(f"node{i}" for i in range(self.job.cluster.nodes))
-        self.spec, self.templates, self.initial_plan = plan_job(self.job, self.profile, nodes)
-        self.state_bytes = sum(l.state_bytes for l in self.profile.layers)
+        self.job, self.profile = job, profile
+        self.params = params or CostParams()
+        n, f = job.cluster.nodes, job.fault_tolerance.f
+        self.spec = node_specification(profile, n, f)
+        m = template_microbatches(job.train.global_microbatches, n, self.spec.n0, f)
+        self.templates = build_templates(profile, self.spec.template_sizes, m)
+        if not self.templates:
+            raise PlanningError(f"{job.source}: no pipeline template fits {profile.fingerprint.model_name}")
+        self.nodes = tuple(f"node{i}" for i in range(n))
+        self.initial_plan = self.instantiate(self.nodes) if initial_plan else None
+        self.state_bytes = sum(l.state_bytes for l in profile.layers)
         self.detect_s = (self.params.detect_s if self.params.detect_s is not None
-                         else self.job.fault_tolerance.lease_s)
+                         else job.fault_tolerance.lease_s)
         self._homog = lru_cache(maxsize=None)(self._homogeneous)
 
     @property
@@ -164,6 +170,7 @@ class PlannerModel:
     # ------------------------------------------------------------------ plans
 
     def instantiate(self, nodes: tuple[str, ...]) -> Plan | None:
+        """A fresh plan on `nodes` (None when none exists, e.g. fewer than n0 nodes)."""
         from oobleck_hpc.planning.instantiate import instantiate
 
         try:
@@ -199,42 +206,93 @@ class PlannerModel:
 
 
 class OobleckBackend:
+    """In-place reconfiguration by our planner, cached per node count.
+
+    The first time the job goes from n+1 to n nodes, `reconfigure` runs on the plan it had at
+    n+1 with the node that actually failed (for a trace that only loses nodes, this is exactly
+    what the job does). That plan, its throughput and the transition's cost are cached by node
+    count; a later visit to the same counts (after replacements joined) reuses them, with the
+    failed node standing in for the cached plan's node in the same position. So a week at
+    16,384 GPUs costs one planner call per distinct node count, not one per failure.
+    """
+
     def __init__(self, model: PlannerModel):
         self.m = model
-        self.committed: Plan | None = None
-        self.tentative: Plan | None = None
+        self.plans: dict[int, Plan] = {}
+        self.runs: dict[int, RunConfig] = {}
+        self.steps: dict[tuple[int, int], tuple[int, float] | None] = {}
+        if model.initial_plan is not None:
+            self.plans[len(model.nodes)] = model.initial_plan
+        self.committed_n = len(model.nodes)
+        self.tentative_n = self.committed_n
+
+    def _plan_for(self, nodes: tuple[str, ...]) -> Plan | None:
+        n = len(nodes)
+        if n not in self.plans:
+            plan = self.m.instantiate(nodes)
+            if plan is None:
+                return None
+            self.plans[n] = plan
+        return self.plans[n]
+
+    def _run(self, n: int) -> RunConfig:
+        if n not in self.runs:
+            self.runs[n] = self.m.run_of(self.plans[n])
+        return self.runs[n]
 
     def plan(self, nodes: tuple[str, ...]) -> RunConfig | None:
-        plan = self.m.instantiate(nodes)
-        self.tentative = plan
-        return None if plan is None else self.m.run_of(plan)
+        return None if self._plan_for(nodes) is None else self._run(len(nodes))
 
     def reset(self, nodes: tuple[str, ...]) -> None:
-        self.committed = self.m.instantiate(nodes)
-        self.tentative = self.committed
+        if self._plan_for(nodes) is not None:
+            self.committed_n = self.tentative_n = len(nodes)
 
     def commit(self) -> None:
-        self.committed = self.tentative
+        self.committed_n = self.tentative_n
 
     def reconfigure(self, lost: tuple[str, ...], alive: tuple[str, ...]) -> tuple[RunConfig, float]:
         from oobleck_hpc.planning.reconfigure import reconfigure
 
-        if self.committed is None:
-            raise GuaranteeExceeded("no running plan to reconfigure.")
-        new = reconfigure(self.committed, lost, self.m.templates, self.m.profile,
-                          self.m.job.fault_tolerance.f)
-        self.tentative = new
-        cost = self.m.detect_s + self.m.params.regroup_s + self.m.transfer_s(self.committed, new)
-        return self.m.run_of(new), cost
+        n_before, k = self.committed_n, len(lost)
+        key = (n_before, k)
+        if key not in self.steps:
+            base = self.plans[n_before]
+            victims: list[str] = []
+            for i, name in enumerate(lost):
+                if name in base.nodes and name not in victims:
+                    victims.append(name)
+                else:  # a stand-in at a position derived from the name, reproducibly
+                    free = [x for x in base.nodes if x not in victims]
+                    victims.append(free[sum(map(ord, name)) % len(free)])
+            try:
+                new = reconfigure(base, victims, self.m.templates, self.m.profile,
+                                  self.m.job.fault_tolerance.f)
+            except (GuaranteeExceeded, PlanningError):
+                self.steps[key] = None
+            else:
+                n_after = len(new.nodes)
+                cost = self.m.detect_s + self.m.params.regroup_s + self.m.transfer_s(base, new)
+                self.plans.setdefault(n_after, new)
+                self.steps[key] = (n_after, cost)
+        step = self.steps[key]
+        if step is None:
+            raise GuaranteeExceeded(f"losing {k} node(s) of the {n_before}-node plan exceeds "
+                                    f"the guarantee (f={self.m.job.fault_tolerance.f}).")
+        self.tentative_n = step[0]
+        return self._run(step[0]), step[1]
 
     def grow(self, alive: tuple[str, ...]) -> tuple[RunConfig, float]:
-        old = self.committed
-        new = self.m.instantiate(alive)
-        if new is None:
-            raise GuaranteeExceeded("no plan on the grown node set.")
-        self.tentative = new
-        cost = self.m.params.regroup_s + (self.m.transfer_s(old, new) if old is not None else 0.0)
-        return self.m.run_of(new), cost
+        """Nodes joined: the plan for the new count; each new node receives its layers."""
+        plan = self._plan_for(alive)
+        if plan is None:
+            raise GuaranteeExceeded(f"no plan on {len(alive)} nodes.")
+        self.committed_n = self.tentative_n = len(alive)  # a planned transition: commit now
+        worst = 0
+        for pipe in plan.pipelines:
+            for stage in pipe.template.stages:
+                worst = max(worst, sum(self.m.profile.layers[i].state_bytes for i in stage.layers))
+        cost = self.m.params.regroup_s + self.m.profile.machine.p2p_inter.time_ms(worst) / 1000.0
+        return self._run(len(alive)), cost
 
     def restart_s(self, nodes: int) -> float:
         return self.m.restart_s()
@@ -254,11 +312,10 @@ class HomogeneousBackend:
 class RedundantBackend:
     def __init__(self, model: PlannerModel):
         self.m = model
-        job = dataclasses.replace(model.job, fault_tolerance=dataclasses.replace(
-            model.job.fault_tolerance, f=0))
+        job = model.job
         try:
             self.rm: PlannerModel | None = PlannerModel(job, redundant_profile(model.profile),
-                                                        model.params)
+                                                        model.params, initial_plan=False)
         except PlanningError:  # the doubled state fits no node count of this job
             self.rm = None
         self._cache: dict[int, RunConfig | None] = {}
@@ -286,18 +343,20 @@ class RedundantBackend:
         return self.m.params.restart_base_s + 2 * self.m.state_bytes / self.m.params.storage_bw
 
 
-def recovery_window_s(model: PlannerModel) -> float:
-    """A typical in-place reconfiguration: the initial plan losing its first node."""
-    plan = model.initial_plan
-    probe = OobleckBackend(model)
-    probe.committed = plan
+def recovery_window_s(backend: OobleckBackend) -> float:
+    """A typical in-place reconfiguration: the initial plan losing one node (the result is
+    cached in `backend`, so the first real failure reuses it)."""
+    nodes = backend.m.nodes
     try:
-        return probe.reconfigure((plan.nodes[0],), tuple(plan.nodes[1:]))[1]
-    except (GuaranteeExceeded, PlanningError):
-        return model.detect_s + model.params.regroup_s
+        _, cost = backend.reconfigure((nodes[0],), nodes[1:])
+    except GuaranteeExceeded:
+        return backend.m.detect_s + backend.m.params.regroup_s
+    backend.tentative_n = backend.committed_n
+    return cost
 
 
-def checkpoint_settings(model: PlannerModel, policy: str, mtbf_s: float) -> dict:
+def checkpoint_settings(model: PlannerModel, policy: str, mtbf_s: float,
+                        window_s: float | None = None) -> dict:
     """Policy keyword arguments for checkpointing.
 
     The job's checkpoint.every_steps / every_minutes win when set. Otherwise Young/Daly:
@@ -312,7 +371,7 @@ def checkpoint_settings(model: PlannerModel, policy: str, mtbf_s: float) -> dict
     write = model.checkpoint_write_s()
     if policy == "oobleck":
         blocking, f = model.snapshot_s(model.initial_plan), job.fault_tolerance.f
-        window = recovery_window_s(model)
+        window = window_s if window_s is not None else model.detect_s + model.params.regroup_s
     elif policy == "redundant":
         blocking, f = write, 1
         window = model.detect_s + model.params.restart_base_s
@@ -334,7 +393,14 @@ def planner_backends(job: JobConfig, profile: ModelProfile, params: CostParams, 
                      ) -> dict[str, tuple[object, dict]]:
     """Per requested policy: its backend and checkpoint settings (Policy keyword arguments)."""
     model = PlannerModel(job, profile, params)
-    make = {"oobleck": OobleckBackend, "restart": HomogeneousBackend,
-            "redundant": RedundantBackend}
-    return {name: (make[name](model), checkpoint_settings(model, name, mtbf_s))
-            for name in policies}
+    out: dict[str, tuple[object, dict]] = {}
+    for name in policies:
+        if name == "oobleck":
+            backend = OobleckBackend(model)
+            out[name] = (backend, checkpoint_settings(model, name, mtbf_s,
+                                                      recovery_window_s(backend)))
+        elif name == "restart":
+            out[name] = (HomogeneousBackend(model), checkpoint_settings(model, name, mtbf_s))
+        else:
+            out[name] = (RedundantBackend(model), checkpoint_settings(model, name, mtbf_s))
+    return out

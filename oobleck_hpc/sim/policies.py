@@ -19,16 +19,17 @@ restart (checkpoint-restart, Varuna-like)
     since the last completed checkpoint is lost (an interrupted checkpoint is worthless), the job
     restarts (`restart_s`: process start, rendezvous, reload) on the surviving nodes with the best
     homogeneous plan (nodes that do not fill a whole pipeline idle). A failure during a restart
-    starts it over. A joining node is taken at the next restart: the job checkpoints and
-    restarts on the larger node set (no work lost).
+    starts it over. A joining node idles until the next restart takes it (a restart costs
+    minutes; Slurm's requeue picks up whatever nodes are there).
 
 redundant (redundant computation, Bamboo-like)
     Every step carries redundant computation (each node also runs its successor's stage), so only
     a `useful` fraction of a step advances training. A single failure is absorbed: the
     predecessor fails over with the redundant copy (the step in flight is kept) and the pipelines
     are rebalanced on the remaining nodes (`reconfiguration_s`, booked as reconfiguration). A
-    second failure while rebalancing (consecutive failures: the redundancy is already spent) is
-    fatal: the job falls back to its last checkpoint and restarts (`restart_s`).
+    second failure while rebalancing after a failure (consecutive failures: the redundancy is
+    already spent) is fatal: the job falls back to its last checkpoint and restarts
+    (`restart_s`). A joining node idles until the next rebalancing takes it.
 """
 
 from __future__ import annotations
@@ -167,19 +168,14 @@ class RestartPolicy(Policy):
 
     def on_add(self, node: str) -> None:
         self.alive.append(node)
-        if self.phase == "train":
-            self.lose_partial()  # the step in flight is cut short by the checkpoint
-            self.checkpoint_now(then="grow")
-        elif self.phase == "checkpoint":
-            self.after_phase = "grow"
-        else:  # restarting or stopped: the restart takes the new node
+        if self.phase == "recover":  # the restart in progress takes the node
+            self.switch(self.backend.plan(tuple(self.alive)))
+        elif self.phase == "stopped":
             self._restart()
+        # while training, the node idles until the next restart (a restart costs minutes)
 
     def on_recovered(self, kind: str) -> None:
-        if kind == "grow":
-            self._restart()
-        else:
-            self.train()
+        self.train()
 
 
 class RedundantPolicy(Policy):
@@ -188,6 +184,7 @@ class RedundantPolicy(Policy):
     def __init__(self, backend: RebalanceBackend, **checkpointing):
         super().__init__(**checkpointing)
         self.backend = backend
+        self.exposed = False
 
     def start(self, nodes: tuple[str, ...]) -> None:
         self.alive = list(nodes)
@@ -205,10 +202,11 @@ class RedundantPolicy(Policy):
         self.alive.remove(node)
         if self.phase == "stopped":
             return
-        if self.phase == "recover":
+        if self.phase == "recover" and (self.phase_kind == "restart" or self.exposed):
             if self.phase_kind == "reconfiguration":  # consecutive failure: redundancy spent
                 self.lose_since_checkpoint()
                 self.notes.append(f"t={self.t:.0f}s: consecutive failures, fallback to checkpoint")
+            self.exposed = False
             self._restart()
             return
         run = self.backend.plan(tuple(self.alive))
@@ -218,6 +216,7 @@ class RedundantPolicy(Policy):
             self.phase = "stopped"
             return
         self.switch(run)
+        self.exposed = True  # until the rebalancing ends, another failure is fatal
         self.recover("reconfiguration", self.backend.reconfiguration_s(len(self.alive)),
                      keep_step=True)
 
@@ -225,13 +224,13 @@ class RedundantPolicy(Policy):
         self.alive.append(node)
         if self.phase == "stopped":
             self._restart()
-            return
-        if self.phase == "recover" and self.phase_kind == "restart":
+        elif self.phase == "recover":  # the recovery in progress takes the node
             self.switch(self.backend.plan(tuple(self.alive)))
-            return
-        self.switch(self.backend.plan(tuple(self.alive)))
-        self.recover("reconfiguration", self.backend.reconfiguration_s(len(self.alive)),
-                     keep_step=True)
+        # while training, the node idles until the next rebalancing (it costs minutes)
+
+    def on_recovered(self, kind: str) -> None:
+        self.exposed = False
+        self.train()
 
 
 POLICIES = {"oobleck": OobleckPolicy, "restart": RestartPolicy, "redundant": RedundantPolicy}

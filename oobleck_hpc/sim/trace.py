@@ -8,7 +8,7 @@ Sources:
 
 - `fixed_interval(nodes, every_s, duration_s, seed)`: one failure every `every_s` seconds
   (the paper's "one failure every 10 minutes"); the victim is drawn uniformly from the nodes
-  still alive (seeded).
+  still alive (seeded). `replace_after_s` as below.
 - `exponential(nodes, mtbf_s, duration_s, seed, per="node"|"cluster")`: memoryless failures.
   `per="node"`: each node fails after an Exp(1/mtbf) lifetime, so the cluster's failure rate is
   alive/mtbf and falls as nodes die; `per="cluster"`: the cluster as a whole fails at rate
@@ -77,19 +77,34 @@ def node_names(count: int) -> tuple[str, ...]:
 
 
 def fixed_interval(nodes: tuple[str, ...], every_s: float, duration_s: float,
-                   seed: int = 0) -> Trace:
-    """A failure at every_s, 2*every_s, ... (< duration_s), victims drawn from alive nodes."""
+                   seed: int = 0, replace_after_s: float | None = None) -> Trace:
+    """A failure at every_s, 2*every_s, ... (< duration_s), victims drawn from alive nodes;
+    with `replace_after_s`, a fresh node joins that long after each failure."""
     if every_s <= 0:
         raise ValueError(f"failure interval must be positive, got {every_s} s")
     rng = random.Random(seed)
     alive = list(nodes)
     events = []
+    pending: list[tuple[float, str]] = []
     k = 1
-    while k * every_s < duration_s and alive:
-        victim = alive.pop(rng.randrange(len(alive)))
-        events.append(TraceEvent(k * every_s, "fail", victim))
+    while k * every_s < duration_s:
+        t = k * every_s
+        while pending and pending[0][0] <= t:
+            ta, name = heapq.heappop(pending)
+            events.append(TraceEvent(ta, "add", name))
+            alive.append(name)
+        if alive:
+            victim = alive.pop(rng.randrange(len(alive)))
+            events.append(TraceEvent(t, "fail", victim))
+            if replace_after_s is not None:
+                heapq.heappush(pending, (t + replace_after_s, f"spare{k}"))
         k += 1
-    return Trace(tuple(nodes), tuple(events), f"one failure every {every_s / 60:g} min")
+    events += [TraceEvent(ta, "add", name) for ta, name in sorted(pending) if ta < duration_s]
+    events.sort(key=lambda e: e.time_s)
+    desc = f"one failure every {every_s / 60:g} min"
+    if replace_after_s is not None:
+        desc += f", replaced after {replace_after_s / 60:g} min"
+    return Trace(tuple(nodes), tuple(events), desc)
 
 
 def exponential(nodes: tuple[str, ...], mtbf_s: float, duration_s: float, seed: int = 0,
