@@ -304,3 +304,28 @@ def test_replacements_keep_the_cluster_size_and_cost_no_extra_restarts():
     # oobleck absorbs each failure and each arrival in place: 18 reconfigurations of 2 s
     assert res["oobleck"].seconds["reconfiguration"] == pytest.approx(18 * 2.0)
     assert res["oobleck"].seconds["idle"] == pytest.approx(0.0)
+
+
+def test_example_traces_replay():
+    s = load_scenario(PAPER)
+    replay = load_trace(ROOT / "examples" / "traces" / "every-10min-30nodes.csv")
+    generated = fixed_interval(node_names(30), 600.0, 9000.0, seed=0)
+    assert replay.nodes == generated.nodes and replay.events == generated.events
+    jl = load_trace(ROOT / "examples" / "traces" / "mtbf-1h-128nodes-replaced.jsonl",
+                    nodes=node_names(128))
+    assert jl.failures > 10 and any(e.kind == "add" for e in jl.events)
+    res = run_policies(scenario_backends(s), replay, 9000.0)
+    assert res["oobleck"].failures == 14
+
+
+def test_simulator_imports_nothing_heavy():
+    import subprocess
+    import sys
+
+    code = ("import sys, oobleck_hpc.sim, oobleck_hpc.sim.cli, oobleck_hpc.sim.planner_backend, "
+            "oobleck_hpc.sim.scenario, oobleck_hpc.sim.report; "
+            "print([m for m in ('torch', 'h5py', 'mpi4py', 'submitit', 'matplotlib') "
+            "if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip()
+    assert out == "[]"
