@@ -10,6 +10,7 @@ import pytest
 
 from oobleck_hpc.engine.schedule import (
     Action,
+    check_batched,
     ScheduleError,
     grid,
     max_in_flight,
@@ -160,3 +161,21 @@ def test_plan_schedule_for_heterogeneous_pipelines() -> None:
     assert text.splitlines()[0].startswith("rank   0 | F0")
     assert len(text.splitlines()) == 6
     print(text)
+
+
+def test_nccl_batch_model_catches_what_gloo_order_allows() -> None:
+    # Both ranks send first and receive later, in separate batches: fine with gloo's buffered
+    # sends, a deadlock with NCCL's in-order streams.
+    sched = {
+        0: [Action("F", 0, (0, 1)), Action("SEND_ACT", 0, (0, 1), 1),
+            Action("F", 1, (0, 1)), Action("RECV_ACT", 0, (0, 1), 1)],
+        1: [Action("F", 0, (0, 1)), Action("SEND_ACT", 0, (0, 1), 0),
+            Action("F", 1, (0, 1)), Action("RECV_ACT", 0, (0, 1), 0)],
+    }
+    simulate(sched)
+    with pytest.raises(ScheduleError, match="NCCL"):
+        check_batched(sched)
+    # The same transfers posted in one batch each are fine.
+    for r in sched:
+        sched[r] = [sched[r][0], sched[r][1], sched[r][3], sched[r][2]]
+    check_batched(sched)

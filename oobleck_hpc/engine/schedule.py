@@ -24,7 +24,9 @@ overlap (`RECV_ACT`/`SEND_ACT` with the rows), and the gradient travels back the
 Execution semantics (what the validator simulates and the engine does): a send is posted
 without blocking (isend) and completes when matched; a receive blocks until the matching send
 is posted. Messages between one ordered pair of ranks are matched in posting order, so the
-validator also checks that both sides post them in the same order (kind, microbatch, rows).
+validator also checks that both sides post them in the same order (kind, microbatch, rows),
+and -- for NCCL, which runs a pair's transfers on one stream in posting order -- that the
+batches of transfers the engine posts together (`transfer_batches`) correspond pairwise.
 """
 
 from __future__ import annotations
@@ -216,6 +218,67 @@ def validate(schedule: dict[int, list[Action]]) -> None:
         if seen_f != seen_b:
             raise ScheduleError(f"rank {r}: microbatches {sorted(seen_f - seen_b)} have no backward")
     simulate(schedule)
+    check_batched(schedule)
+
+
+def transfer_batches(actions: list[Action]) -> list[list[Action]]:
+    """The runs of consecutive transfers between two compute actions: the engine posts each run
+    together (on NCCL as one `batch_isend_irecv`, i.e. one NCCL group)."""
+    out: list[list[Action]] = []
+    run: list[Action] = []
+    for a in actions:
+        if a.kind in COMPUTE:
+            if run:
+                out.append(run)
+            run = []
+        else:
+            run.append(a)
+    if run:
+        out.append(run)
+    return out
+
+
+def check_batched(schedule: dict[int, list[Action]]) -> None:
+    """Stricter than `simulate`, and what NCCL needs. NCCL runs a rank's transfers in posting
+    order, except that the operations of one group (`batch_isend_irecv`) progress together; the
+    engine posts each run of consecutive transfers (`transfer_batches`) as one group. Model: a
+    rank blocks on its current batch until every operation in it is matched by its counterpart
+    (the same-numbered transfer in the opposite direction of the pair) in the peer's current
+    batch or an earlier one; compute never blocks. Raises ScheduleError on a deadlock. (1F1B
+    posts "send activation k" and "receive gradient j" in one batch: without the batch, NCCL
+    could deadlock where gloo, which only needs `simulate`'s per-direction order, does not.)"""
+    steps = {r: transfer_batches(acts) for r, acts in schedule.items()}
+    # Number every transfer within its direction: (src, dst, n) identifies a message.
+    keyed: dict[int, list[list[tuple[int, int, int]]]] = {}
+    for r, batches in steps.items():
+        count: dict[tuple[int, int], int] = defaultdict(int)
+        keyed[r] = []
+        for batch in batches:
+            ks = []
+            for a in batch:
+                src, dst = (r, a.peer) if a.kind.startswith("SEND") else (a.peer, r)
+                ks.append((src, dst, count[(src, dst)]))
+                count[(src, dst)] += 1
+            keyed[r].append(ks)
+    pos = {r: 0 for r in steps}
+    posted: dict[tuple[int, int, int], set[int]] = defaultdict(set)  # message -> ranks posted
+    for r in steps:
+        if keyed[r]:
+            for k in keyed[r][0]:
+                posted[k].add(r)
+    progress = True
+    while progress:
+        progress = False
+        for r in steps:
+            while pos[r] < len(keyed[r]) and all(len(posted[k]) == 2 for k in keyed[r][pos[r]]):
+                pos[r] += 1
+                progress = True
+                if pos[r] < len(keyed[r]):
+                    for k in keyed[r][pos[r]]:
+                        posted[k].add(r)
+    stuck = {r: [str(a) for a in steps[r][pos[r]]] for r in steps if pos[r] < len(steps[r])}
+    if stuck:
+        raise ScheduleError(f"deadlock under NCCL's in-order groups: ranks blocked at {stuck}")
 
 
 def max_in_flight(actions: list[Action]) -> int:
