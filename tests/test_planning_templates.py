@@ -98,7 +98,7 @@ def _instances(count: int, seed0: int):
         yield seed, rng, G, L, rng.choice([1, 2, 3, 5, 8, 16])
 
 
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", range(8))
 def test_templates_equal_brute_force(block):
     checked = 0
     for seed, rng, G, L, m in _instances(40, 1000 * block):

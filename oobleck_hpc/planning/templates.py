@@ -148,7 +148,10 @@ class _Solver:
         """For q = 0..qmax: S_tau(q) (inf where none), the bottleneck of the chosen plan, and the
         argmin tables for reconstruction. With `minmax`, the same DP in the (max, min) semiring
         (no threshold): the first array is then the least possible bottleneck per node count."""
-        L, G, w = self.ar.L, self.ar.G, self.width
+        L, G = self.ar.L, self.ar.G
+        # stages longer than any stage within tau are never admissible: crop the band
+        within = (self.time[1:] <= tau).any(axis=(0, 1))
+        w = int(np.nonzero(within)[0][-1]) + 1 if within.any() else 1
         # V[q, b, u]: value of state (q, u, a=b); M: the bottleneck along the chosen path.
         V = np.full((self.qmax + 1, L + 2, G + 1), INF)
         M = np.zeros((self.qmax + 1, L + 2, G + 1))
@@ -156,7 +159,7 @@ class _Solver:
         thr: dict[tuple[int, int], np.ndarray] = {}
         stacks: dict[tuple, np.ndarray] = {}
         rows = np.arange(L + 1)
-        bidx = self.bidx
+        bidx = self.bidx[:, :w]
         c_intra = self.c_intra[:, None]
         for q in range(1, self.qmax + 1):
             row_args = [None] * (G + 1)
@@ -175,7 +178,7 @@ class _Solver:
                     for k, x in zip(range(1, u + 1), xs):
                         tm = thr.get((k, x))
                         if tm is None:
-                            base = self.masked(k, x)
+                            base = self.masked(k, x)[:, :w]
                             tm = np.where(base <= tau, base, INF)
                             thr[(k, x)] = tm
                         parts.append(tm)
