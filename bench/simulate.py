@@ -32,16 +32,16 @@ WEEK_H = 168.0
 def paper_case() -> dict:
     from oobleck_hpc.sim.scenario import load_scenario, scenario_backends
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     s = load_scenario(ROOT / "examples" / "bert-large-paper.yaml")
     backends = scenario_backends(s)
     duration = s.duration_hours * 3600
     trace = fixed_interval(node_names(s.nodes), 60 * s.every_minutes, duration)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     res = run_policies(backends, trace, duration)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     return _summary("paper preset (BERT-large, 30 nodes, 1 failure / 10 min, 2.5 h)", res,
-                    trace.failures, t1 - t0, t2 - t1)
+                    trace.failures, t1 - t0, t2 - t1, c1 - c0, c2 - c1)
 
 
 def job_case(label: str, path: str, every_min: float | None, mtbf_h: float | None,
