@@ -122,7 +122,7 @@ def plan_report(job, profile, num_nodes: int) -> dict:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.2f} MB"
 
 
 def _print(rep: dict) -> None:

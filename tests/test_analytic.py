@@ -1,0 +1,61 @@
+"""Analytic profiles: parameter counts equal our models' own layers, FLOPs follow the documented
+equations, the fingerprint says 'analytic', bad inputs are refused clearly."""
+
+from __future__ import annotations
+
+import pytest
+
+from oobleck_hpc.errors import ProfileError
+from oobleck_hpc.models.configs import GPT_CONFIGS
+from oobleck_hpc.profiling.analytic import DEVICES, MATMUL_EFFICIENCY, analytic_profile
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-small", "gpt3-175b"])
+def test_parameter_bytes_match_the_model(name):
+    from oobleck_hpc.models.gpt import GPT
+
+    model = GPT(GPT_CONFIGS[name])
+    prof = analytic_profile(name, "A100-80G", 1, "float32", gpus_per_node=4)
+    for i in (0, 1, model.num_layers - 1):  # embedding, a block, the head
+        numel = sum(p.numel() for p in model.build_layer(i, "meta").parameters())
+        layer = prof.layers[i]
+        assert layer.param_bytes == 4 * numel
+        assert layer.grad_bytes == 4 * numel and layer.optimizer_bytes == 8 * numel
+    assert len(prof.layers) == model.num_layers
+
+
+def test_gpt3_175b_totals_and_flops():
+    prof = analytic_profile("gpt3-175b", "H100-80G", 2, "bfloat16")
+    params = sum(x.param_bytes for x in prof.layers) / 4
+    assert 174e9 < params < 176e9
+    cfg = GPT_CONFIGS["gpt3-175b"]
+    b, s, d = 2, cfg.seq_len, cfg.d_model
+    flops = 2 * b * s * 12 * d * d + 4 * b * s * s * d
+    block = prof.layers[1]
+    compute_ms = 1000 * flops / (DEVICES["H100-80G"].bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+    assert compute_ms < block.forward_ms < 1.2 * compute_ms  # plus activation traffic
+    assert block.backward_ms == pytest.approx(2 * block.forward_ms, rel=0.05)
+    assert block.activation_bytes == 34 * b * s * d  # bf16: 34 b s d bytes (no score storage)
+    assert block.output_bytes == 2 * b * s * d
+    fp = prof.fingerprint
+    assert (fp.source, fp.device_name, fp.microbatch_size, fp.dtype, fp.gpus_per_node) == \
+        ("analytic", "H100-80G", 2, "bfloat16", 8)
+    assert fp.arch_hash == cfg.arch_hash()
+    assert prof.machine.device_memory_bytes == 80 * 10**9
+
+
+def test_faster_device_is_faster_and_llama_like_exists():
+    a40 = analytic_profile("gpt3-1.3b", "A40", 1)
+    h100 = analytic_profile("gpt3-1.3b", "H100-80G", 1)
+    assert h100.layers[1].forward_ms < a40.layers[1].forward_ms
+    assert analytic_profile("llama-7b-like", "A100-80G", 1).num_layers == 34
+
+
+@pytest.mark.parametrize("args, words", [
+    (("gpt-huge", "A100-80G", 1), "no analytic model 'gpt-huge'"),
+    (("gpt-tiny", "TPU", 1), "no analytic device 'TPU'. Fix: use one of A40, A100-80G, H100-80G"),
+    (("gpt-tiny", "A40", 1, "float16"), "dtype 'float16' is not supported"),
+])
+def test_bad_inputs(args, words):
+    with pytest.raises(ProfileError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        analytic_profile(*args)
