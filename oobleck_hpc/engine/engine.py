@@ -49,7 +49,7 @@ from oobleck_hpc.config import JobConfig
 from oobleck_hpc.engine.groups import Comm, PlanGroups
 from oobleck_hpc.engine.optim import clip_coefficient, lr_at, make_optimizer, set_lr
 from oobleck_hpc.engine.sampler import Dataset, GlobalSampler
-from oobleck_hpc.engine.schedule import Action, max_in_flight, plan_schedule, validate
+from oobleck_hpc.engine.schedule import Action, max_in_flight, pipeline_schedule, validate
 from oobleck_hpc.models.base import LayerModel
 from oobleck_hpc.planning.plan import Plan
 
@@ -136,7 +136,12 @@ class Engine:
         self.microbatches = plan.pipelines[info.pipeline].microbatches
         self.mb_offset = sum(p.microbatches for p in plan.pipelines[:info.pipeline])
 
-        schedule = plan_schedule(plan, job.train.microbatch_size)
+        # This rank's pipeline only (pipelines exchange no point-to-point traffic), validated
+        # before anything runs.
+        spec = plan.pipelines[info.pipeline]
+        stage_ranks = [[plan.rank_of(spec.nodes[st.node], g) for g in st.gpus]
+                       for st in spec.template.stages]
+        schedule = pipeline_schedule(stage_ranks, spec.microbatches, job.train.microbatch_size)
         validate(schedule)
         self.actions: list[Action] = schedule[comm.rank]
         fwd = [a for a in self.actions if a.kind == "F"]
