@@ -267,7 +267,9 @@ node_step_pids() {  # pids of every job-step process on node $1, plus their slur
             [ "$(readlink "$fd" 2>/dev/null)" = "socket:[$inode]" ] && { p="${fd#/proc/}"; out+=("${p%%/*}"); }
         done
     done
-    printf '%s\n' "${out[@]}" | sort -un | tr '\n' ' '
+    # Never this script, its caller or init (a guard: these are not step processes anyway).
+    printf '%s\n' "${out[@]}" | sort -un | awk -v me=$$ -v parent=$PPID \
+        '$1 > 1 && $1 != me && $1 != parent' | tr '\n' ' '
 }
 
 check_node() {
@@ -309,5 +311,6 @@ case "${1:-}" in
     kill-node) cmd_kill_node "${2:?usage: $0 kill-node NODE}" ;;
     freeze-node) cmd_freeze_node "${2:?usage: $0 freeze-node NODE}" ;;
     thaw-node) cmd_thaw_node "${2:?usage: $0 thaw-node NODE}" ;;
+    pids) check_node "${2:?usage: $0 pids NODE}"; node_step_pids "$2"; echo ;;
     *) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -102,9 +102,11 @@ def test_discovery_record_round_trip_and_roster_format(tmp_path):
     (["b"], {"a": 0, "b": 137, "c": 0}, 0),     # b was fenced (killed by Slurm): ignored
     ([], {"a": 0, "b": 75, "c": 0}, 75),        # a requeue request wins
     ([], {"a": 0, "b": 3, "c": 75}, 75),
-    ([], {"a": 0, "b": 2, "c": 0}, 2),
-    ([], {"a": 0, "c": 0}, 1),                  # a survivor that recorded nothing: failure
-    (["a", "b", "c"], {}, 1),
+    ([], {"a": 0, "b": 3, "c": 0}, 0),         # b was fenced by the other agents: they finished
+    ([], {"a": 3, "b": 2, "c": 3}, 3),          # nobody finished: the first failure
+    ([], {"a": 1}, 1),
+    ([], {}, 1),                                # nothing recorded: failure
+    (["a", "b", "c"], {"a": 0}, 1),             # every node lost
 ])
 def test_verdict_counts_only_survivors(lost, codes, expected):
     assert verdict(["a", "b", "c"], lost, codes) == expected

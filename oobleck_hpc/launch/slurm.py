@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -156,11 +157,23 @@ class SlurmDriver:
 
     @staticmethod
     def _requeue(job_id: str) -> None:
-        """Ask Slurm to requeue this job, then wait to be ended by it (returning would make
-        submitit publish a result for a job that is coming back)."""
+        """Ask Slurm to requeue this job, then wait until it has (Restarts grows) and leave
+        without a result: returning would make submitit publish a result for a job that is
+        coming back. Leaving by ourselves also matters where Slurm tracks processes by
+        parentage (proctrack/linuxproc): this process outlives the killed batch shell there."""
+        before = _restarts(job_id)
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-        time.sleep(3600)
-        raise RuntimeError(f"job {job_id} was asked to requeue but is still running after 1 h")
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and _restarts(job_id) == before:
+            time.sleep(1)
+        os._exit(EXIT_REQUEUE)
+
+
+def _restarts(job_id: str) -> int:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                         timeout=60).stdout
+    match = re.search(r"Restarts=(\d+)", out)
+    return int(match.group(1)) if match else -1
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -36,18 +36,18 @@ def verdict(roster: list[str], lost: list[str], codes: dict[str, int]) -> int:
     """The job's outcome from its agents' exit codes, counting only nodes still in the job.
 
     Nodes the controller dropped (dead or hung, then fenced by Slurm) are ignored: the survivors
-    carried on without them. Any survivor asking for a requeue (75) -> 75; all survivors 0 -> 0;
-    else the first survivor's failure code (1 when a survivor recorded none).
+    carried on without them. Among the rest: any agent asking for a requeue (75) -> 75; else any
+    agent that finished (0) -> 0, because an elastic job finishes on its final membership and an
+    agent that exited 3 had its node failed or fenced by the others along the way (the agents'
+    exit convention, oobleck_hpc/agent.py); else the first failure (1 when none was recorded).
     """
     survivors = [n for n in roster if n not in lost]
-    if not survivors:
-        return 1
     mine = [codes.get(n) for n in survivors]
     if EXIT_REQUEUE in mine:
         return EXIT_REQUEUE
-    if all(c == EXIT_OK for c in mine):
+    if EXIT_OK in mine:
         return EXIT_OK
-    return next((c for c in mine if c not in (None, EXIT_OK)), 1)
+    return next((c for c in mine if c is not None), 1)
 
 
 def read_codes(exit_dir: Path) -> dict[str, int]:
