@@ -10,12 +10,13 @@ and broadcasts it, and every task checks that all computed the same roster diges
 
 atomically (temporary file + rename), then every task calls MPI_Finalize and exits.
 
-Why a separate step (measured on Slurm 22.05 with Open MPI 5 under `srun --mpi=pmix`): Slurm's
-PMIx plugin kills the whole step when any task that initialised MPI dies without finalizing, so
-a node death during training would take every agent down if the agents were MPI processes. The
+Why a separate step: the long-running agents must survive node deaths, and MPI gives no such
+promise (Open MPI without ULFM aborts on a dead peer; ULFM survives process deaths, not node
+deaths; Slurm's PMIx plugin has been seen ending a step whose MPI task died unfinalized). The
 discovery step is over in ~2 s, before any agent starts; the agents are a second step that never
-touches MPI (its tasks are independent processes under `srun --no-kill --kill-on-bad-exit=0`),
-and agreement on failures after that runs on the elastic control plane (plain TCP).
+touches MPI (independent processes under `srun --no-kill --kill-on-bad-exit=0`), and agreement on
+failures after that runs on the elastic control plane (plain TCP). See the package docstring for
+what was measured.
 
 The free ports are picked in the discovery step and bound by the agents a moment later; if another
 process took one in between, that agent fails to bind and reports it (a rare, visible failure).
