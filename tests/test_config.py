@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from oobleck_hpc.config import JobConfig, load_job
 from oobleck_hpc.errors import ConfigError
@@ -12,6 +13,11 @@ EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.yaml
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_bundled_examples_load(path):
+    if "simulation" in yaml.safe_load(path.read_text()):  # a simulator scenario, not a job
+        from oobleck_hpc.sim.scenario import load_scenario
+
+        assert load_scenario(path).name
+        return
     job = load_job(path)
     assert isinstance(job, JobConfig) and job.source == str(path)
 
