@@ -257,16 +257,20 @@ node_step_pids() {  # pids of every job-step process on node $1, plus their slur
         comm="$(cat "/proc/$ppid/comm" 2>/dev/null)" || continue
         [ "$comm" = slurmstepd ] && out+=("$ppid")
     done
-    # slurmstepds of steps whose tasks already ended: listed by their socket in the node's spool dir
+    # slurmstepds of steps with no task left: the ones holding a socket in the node's spool dir
+    local inodes=" " s inode
     for s in "$D/spool/$n"/*_*.*; do
         [ -S "$s" ] || continue
-        local inode
         inode="$(awk -v path="$s" '$NF == path {print $7}' /proc/net/unix | head -1)"
-        [ -n "$inode" ] || continue
-        for fd in /proc/[0-9]*/fd/*; do
-            [ "$(readlink "$fd" 2>/dev/null)" = "socket:[$inode]" ] && { p="${fd#/proc/}"; out+=("${p%%/*}"); }
-        done
+        [ -n "$inode" ] && inodes+="socket:[$inode] "
     done
+    if [ "$inodes" != " " ]; then
+        for p in $(grep -lx slurmstepd /proc/[0-9]*/comm 2>/dev/null | cut -d/ -f3); do
+            for fd in /proc/"$p"/fd/*; do
+                [[ "$inodes" == *" $(readlink "$fd" 2>/dev/null) "* ]] && { out+=("$p"); break; }
+            done
+        done
+    fi
     # Never this script, its caller or init (a guard: these are not step processes anyway).
     printf '%s\n' "${out[@]}" | sort -un | awk -v me=$$ -v parent=$PPID \
         '$1 > 1 && $1 != me && $1 != parent' | tr '\n' ' '
@@ -283,7 +287,7 @@ cmd_kill_node() {
     local pids; pids="$(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"
     kill -KILL $pids 2>/dev/null || true
     rm -f "$D/run/slurmd-$n.pid"
-    log "killed $n: pids $pids"
+    log "killed $n at $(date +%s.%N): pids $pids"
 }
 
 cmd_freeze_node() {
@@ -291,7 +295,7 @@ cmd_freeze_node() {
     local pids; pids="$(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"
     echo "$pids" >"$D/run/frozen-$n.pids"
     kill -STOP $pids 2>/dev/null || true
-    log "froze $n: pids $pids"
+    log "froze $n at $(date +%s.%N): pids $pids"
 }
 
 cmd_thaw_node() {

@@ -3,8 +3,10 @@ scripts/test.sh before pytest and torn down after; tests that need it take `slur
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,13 @@ DEV_CLUSTER = ROOT / "slurm" / "dev-cluster.sh"
 
 
 @pytest.fixture
-def slurm_cluster() -> Path:
+def slurm_cluster() -> Iterator[Path]:
     """The local Slurm cluster with its 4 nodes idle (revives a node an earlier test killed).
 
     Skips when the cluster is not up, unless OOBLECK_REQUIRE_SLURM=1 (set by scripts/test.sh,
-    so CI fails instead of skipping). Returns the dev-cluster script; SLURM_CONF is exported."""
+    so CI fails instead of skipping). Yields the dev-cluster script; SLURM_CONF is exported.
+    Holds an exclusive lock on the cluster for the test: two pytest runs on one machine would
+    otherwise kill and freeze nodes under each other's jobs."""
     conf = subprocess.run([str(DEV_CLUSTER), "env"], capture_output=True, text=True,
                           check=True).stdout.strip().removeprefix("export SLURM_CONF=")
     os.environ["SLURM_CONF"] = conf
@@ -28,6 +32,9 @@ def slurm_cluster() -> Path:
         if os.environ.get("OOBLECK_REQUIRE_SLURM") == "1":
             pytest.fail("the local Slurm cluster is not up (slurm/dev-cluster.sh up)")
         pytest.skip("local Slurm cluster not up: run slurm/dev-cluster.sh up")
-    # Idempotent: restarts a slurmd that a test killed and waits for all nodes to be usable.
-    subprocess.run([str(DEV_CLUSTER), "up"], check=True, timeout=120, capture_output=True)
-    return DEV_CLUSTER
+    lock_path = Path(conf).parent.parent / "tests.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # Idempotent: restarts a slurmd that a test killed and waits for all nodes to be usable.
+        subprocess.run([str(DEV_CLUSTER), "up"], check=True, timeout=120, capture_output=True)
+        yield DEV_CLUSTER
