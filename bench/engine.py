@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oobleck_hpc.config import load_job  # noqa: E402
 from oobleck_hpc.engine.harness import WorkerPool  # noqa: E402
+from oobleck_hpc.errors import PlanningError  # noqa: E402
 from oobleck_hpc.data import dataset_for  # noqa: E402
 from oobleck_hpc.models.base import build_model  # noqa: E402
 from oobleck_hpc.planning import cost  # noqa: E402
@@ -105,12 +106,12 @@ def main() -> int:
     try:
         nodes = pool.node_names
         plans = hand_plans(job, profile, nodes)
-        try:
-            from oobleck_hpc.planning import plan_job
+        from oobleck_hpc.planning import plan_job
 
+        try:
             plans = {"planner": plan_job(job, profile, nodes)[2], **plans}
-        except ImportError:
-            pass
+        except PlanningError as e:  # e.g. --nodes 1 with f = 1: no plan, the hand-made cases run
+            print(f"no planner case: {e}", file=sys.stderr)
         best: dict[str, float] = {}
 
         def measure(key: str, kind: str, plan: Plan | None) -> float:

@@ -166,7 +166,7 @@ def summary(job, plan, progress: Progress, wall: float, run_dir: Path) -> str:
     return (f"done: {steps} steps of {job.model.name} in {wall:.1f} s; loss {first:.4f} -> "
             f"{last:.4f}; {progress.samples / max(wall, 1e-9):.1f} samples/s; "
             f"plan {plan.digest()} ({len(plan.pipelines)} pipelines, "
-            f"{len({p.template.num_nodes for p in plan.pipelines})} templates, "
+            f"{len({p.template for p in plan.pipelines})} templates, "
             f"{len(plan.nodes)} nodes x {plan.gpus_per_node} GPUs); run dir {run_dir}")
 
 
