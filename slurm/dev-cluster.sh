@@ -40,6 +40,7 @@ SLURMD_PORT0=17001                        # n1 -> 17001 ... n4 -> 17004
 HOST="$(hostname -s)"
 MUNGE_SOCKET="$D/munge/munge.socket.2"
 export SLURM_CONF="$D/etc/slurm.conf"
+export PATH="$PATH:/usr/sbin:/sbin"       # the daemons live there; a non-login shell may lack it
 
 log() { echo "dev-cluster: $*" >&2; }
 die() { log "error: $*"; exit 1; }
