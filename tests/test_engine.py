@@ -133,6 +133,33 @@ def test_engine_equals_single_process_reference(pool, references, name: str, flo
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_state_moves_between_plans_exactly(pool, references) -> None:
+    """K1 steps on one plan, then every layer's state (weights + AdamW state, from any holder)
+    and (step, cursor) handed to a DIFFERENT plan on fewer nodes for the remaining steps: the
+    result equals the reference's uninterrupted run (fp64). This is what a reconfiguration and
+    a checkpoint restore do with `Engine.layer_state` / `Engine(layer_states=, state=)`."""
+    job, data, refs = references
+    ref = refs[True]
+    k1 = 2
+    first = [r for r in pool.run("engine", job, PLANS["hetero"], k1, data, float64=True)
+             if r is not None]
+    states = {}
+    for r in first:
+        states.update(r["layer_states"])
+    assert sorted(states) == list(range(6))
+    assert any(k.startswith("optim/") for k in states[0]), "optimizer state must travel too"
+    (step, cursor), = {r["state"] for r in first}
+    assert (step, cursor) == (k1, k1 * 32)
+    second = [r for r in pool.run("engine", job, PLANS["two_nodes"], STEPS - k1, data,
+                                  float64=True, resume=(states, (step, cursor))) if r is not None]
+    for r in second:
+        np.testing.assert_allclose(r["losses"], ref["losses"][k1:], rtol=TOL)
+        for key, value in r["params"].items():
+            assert rel(value, ref["params"][key]) <= 1e-9, key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_two_phase_step_rollback_leaves_no_trace(pool, references) -> None:
     """step(commit=False) + rollback() changes nothing: doing it before every real step still
     gives exactly the reference's trajectory (fp64)."""

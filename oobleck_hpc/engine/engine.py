@@ -217,8 +217,10 @@ class Engine:
             prefix = f"optim/{name}/"
             optim = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             if optim:
-                self.optimizer.state[p] = {k: v.detach().clone().to(
-                    self.device if k != "step" or v.device.type != "cpu" else v.device)
+                # The fused AdamW keeps `step` on the parameter's device, the others on the CPU.
+                fused = bool(self.optimizer.defaults.get("fused"))
+                self.optimizer.state[p] = {
+                    k: v.detach().clone().to(p.device if k != "step" or fused else "cpu")
                     for k, v in optim.items()}
 
     # ------------------------------------------------------------------ the step

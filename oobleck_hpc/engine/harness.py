@@ -39,6 +39,9 @@ class Task:
     fault: tuple[int, int, str] | None = None
     two_phase: bool = False
     """Every step: step(commit=False), rollback(), then step(commit=False), commit()."""
+    resume: tuple[dict, tuple[int, int]] | None = None
+    """(layer -> layer_state as numpy, (step, cursor)): start the engine from this state
+    instead of fresh layers (what a reconfiguration or a checkpoint restore does)."""
     """(rank, step, phase): that rank leaves the world abruptly (destroys its process groups
     without a word) when the step enters the phase; the others must report the failure."""
     """Build the model in float64 (default dtype) for this task: exactness checks."""
@@ -83,7 +86,7 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from oobleck_hpc.engine.engine import Engine, Reference
+    from oobleck_hpc.engine.engine import Engine, Reference, TrainState
     from oobleck_hpc.engine.groups import Comm, PlanGroups
     from oobleck_hpc.models.base import build_model
 
@@ -118,8 +121,15 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
                 if (step, phase) == tuple(task.fault[1:]):
                     dist.destroy_process_group()
                     raise _Injected()
+        layer_states, state = None, None
+        if task.resume is not None:
+            states, (step, cursor) = task.resume
+            layer_states = {layer: {k: torch.from_numpy(v) for k, v in states[layer].items()}
+                            for layer in range(plan.ranks[rank].layer_start,
+                                               plan.ranks[rank].layer_end)}
+            state = TrainState(step, cursor)
         engine = Engine(job, model, plan, comm, groups, task.dataset, torch.device("cpu"),
-                        on_phase=on_phase)
+                        state=state, layer_states=layer_states, on_phase=on_phase)
         losses, times, norms = [], [], []
         for _ in range(task.steps):
             t0 = time.perf_counter()
@@ -144,7 +154,11 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
             norms.append(r.grad_norm)
             times.append(r.seconds)
         params = _params_numpy(engine.layers) if task.return_params else {}
-        return {"rank": rank, "losses": losses, "norms": norms, "times": times, "params": params}
+        states = ({layer: {k: v.detach().cpu().numpy().copy()
+                           for k, v in engine.layer_state(layer).items()}
+                   for layer in engine.layers} if task.return_params else {})
+        return {"rank": rank, "losses": losses, "norms": norms, "times": times, "params": params,
+                "layer_states": states, "state": (engine.state.step, engine.state.cursor)}
     finally:
         comm.destroy()
 
@@ -248,12 +262,12 @@ class WorkerPool:
 
     def run(self, kind: str, job: JobConfig, plan: Plan | None, steps: int, dataset: Any,
             timeout_s: float = 120.0, return_params: bool = True, float64: bool = False,
-            fault: tuple[int, int, str] | None = None, two_phase: bool = False
-            ) -> list[dict | None]:
+            fault: tuple[int, int, str] | None = None, two_phase: bool = False,
+            resume: tuple[dict, tuple[int, int]] | None = None) -> list[dict | None]:
         """Run one task in every worker; results indexed by worker."""
         self.generation += 1
         task = Task(kind, job, plan, steps, self.generation, dataset, return_params, float64,
-                    fault, two_phase)
+                    fault, two_phase, resume)
         for c in self.conns:
             c.send(task)
         out, errors = [], []
