@@ -4,7 +4,7 @@
 #   slurm/dev-cluster.sh up            install (apt, once) and start: munged, mariadb, slurmdbd,
 #                                      slurmctld and four slurmd (nodes n1..n4); idempotent: starts
 #                                      only what is not running (so `up` also revives a killed node)
-#   slurm/dev-cluster.sh down          stop every daemon this script started (by pid file)
+#   slurm/dev-cluster.sh down          cancel all jobs, stop every daemon this script started (pid files)
 #   slurm/dev-cluster.sh status        daemons, nodes (sinfo) and jobs (squeue)
 #   slurm/dev-cluster.sh env           print `export SLURM_CONF=...` (use: eval "$(... env)")
 #   slurm/dev-cluster.sh kill-node N   simulate the death of node N: SIGKILL its slurmd and every
@@ -223,6 +223,11 @@ stop_pidfile() {  # stop_pidfile NAME: SIGTERM, wait up to 10 s, then SIGKILL
 
 cmd_down() {
     [ -d "$D" ] || return 0
+    # Cancel every job first: a --requeue job recovered by the next `up` would run again.
+    if alive "$D/run/slurmctld.pid"; then
+        local jobs; jobs="$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')"
+        [ -z "${jobs// /}" ] || scancel $jobs 2>/dev/null || true
+    fi
     # Job steps first (their tasks are not daemons and hold no pid file), then the daemons.
     for n in "${NODES[@]}"; do
         if alive "$D/run/slurmd-$n.pid"; then
