@@ -10,6 +10,7 @@
 #   slurm/dev-cluster.sh kill-node N   simulate the death of node N: SIGKILL its slurmd and every
 #                                      process of the job steps running on it
 #   slurm/dev-cluster.sh freeze-node N SIGSTOP the same set (a hung node); thaw-node N: SIGCONT
+#   slurm/dev-cluster.sh pids N        the pids kill-node/freeze-node would signal
 #
 # Everything lives under one directory, $OOBLECK_SLURM_DIR (default slurm/.cluster, git-ignored):
 # configuration, munge key and socket, database, spool, state, logs and pid files. Nothing is
@@ -322,5 +323,5 @@ case "${1:-}" in
     freeze-node) cmd_freeze_node "${2:?usage: $0 freeze-node NODE}" ;;
     thaw-node) cmd_thaw_node "${2:?usage: $0 thaw-node NODE}" ;;
     pids) check_node "${2:?usage: $0 pids NODE}"; node_step_pids "$2"; echo ;;
-    *) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
