@@ -60,6 +60,18 @@ soon as it drains, and the step ends with the slowest::
 
 The link of the cross-pipeline reduction is `allreduce_inter` of the machine (its replicas live
 on different nodes).
+
+What the engine executes (engine/engine.py; noted by the engine's author, for the planner to
+keep or revise). Stage compute, the row split of a k-GPU stage, point-to-point transfers and
+1F1B are as above. Gradient synchronisation differs in two ways: (1) there is no separate
+in-stage all-reduce: the layers of a stage are grouped into segments with the same holder set
+(`plan.layer_owners`: every replica of the layer in every pipeline, in-node GPUs included) and
+each segment is reduced by ONE ring all-reduce over all its holders, started during the last
+microbatch's backward. For a single-pipeline plan that ring is y_i (once a step); with several
+pipelines its cost is within w_t's per-layer bound, so charging y_i as well over-estimates by
+y_i. (2) The latency is paid once per segment, not once per layer. Not modelled at all: the
+optimizer step, one world all-reduce of two numbers (loss, squared norm) per step, and -- on a
+CPU machine running more ranks than cores -- the ranks' compute sharing the cores.
 """
 
 from __future__ import annotations
