@@ -81,15 +81,29 @@ def describe_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def pick_device(job, local_rank: int):
+def pick_device(job, env):
+    """This worker's device. Pretend nodes of a local launch share the machine's GPUs, so a
+    worker takes GPU (node index x gpus_per_node + local rank); NCCL needs one GPU per rank, so
+    `device: auto` falls back to the CPU when there are fewer GPUs than local workers."""
     import torch
 
+    from oobleck_hpc.errors import ConfigError
+
+    g = job.cluster.gpus_per_node
+    index = env.local_rank
+    if env.source == "local" and len(env.nodes) > 1:
+        index = env.nodes.index(env.node) * g + env.local_rank
     kind = job.cluster.device
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        kind = "cuda" if have > index and (env.source != "local" or have >= len(env.nodes) * g) else "cpu"
     if kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        if index >= have:
+            raise ConfigError(job.source, "cluster.device", f"value 'cuda' needs GPU {index} on "
+                              f"{env.node} but {have} are visible",
+                              "use device: cpu, or fewer nodes/gpus_per_node on this machine")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     return torch.device("cpu")
 
@@ -115,7 +129,7 @@ def main() -> int:
     env = detect()
     job = load_job(env.extra["job"])
     run_dir = Path(env.extra.get("run_dir") or job.resolved_run_dir)
-    device = pick_device(job, env.local_rank)
+    device = pick_device(job, env)
     model = build_model(job.model, job.source)
 
     # Profile and plan: every rank computes the same plan from the same inputs.
