@@ -152,7 +152,8 @@ class Engine:
         for layer in range(info.layer_start, info.layer_end):
             module = model.build_layer(layer, self.device)
             self.layers[layer] = module
-        self.dtype = next(self.layers[info.layer_start].parameters()).dtype
+        self.dtype = next((p.dtype for m in self.layers.values() for p in m.parameters()),
+                          torch.float32)
         self.optimizer = make_optimizer(self.layers.values(), job.train, self.device)
         for layer, st in (layer_states or {}).items():
             self.load_layer_state(layer, st)

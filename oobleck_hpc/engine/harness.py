@@ -52,14 +52,15 @@ def node_name(i: int) -> str:
 
 
 def _worker(worker: int, gpus_per_node: int, store_port: int, conn) -> None:
+    import datetime
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
-
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                          timeout=__import__("datetime").timedelta(seconds=60))
+                          timeout=datetime.timedelta(seconds=60))
     node, gpu = node_name(worker // gpus_per_node), worker % gpus_per_node
     conn.send("ready")
     while True:
