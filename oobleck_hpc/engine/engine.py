@@ -113,6 +113,15 @@ class _Failure(Exception):
 
 
 class Engine:
+    """One rank's share of `plan` in the world `comm` (rank = comm.rank).
+
+    groups: the plan's groups (`PlanGroups.build(plan, comm)`); dataset: any object with
+    `__len__` and `sample(i) -> (x, y)`; state: where training stands (default: step 0, cursor
+    0); layer_states: per owned layer, `layer_state()` of a holder of the same layer (weights and
+    AdamW state; what a reconfiguration copies or a checkpoint restores), else layers are built
+    fresh from (seed, index); on_phase: fault-injection hook (see module docstring).
+    """
+
     def __init__(self, job: JobConfig, model: LayerModel, plan: Plan, comm: Comm,
                  groups: PlanGroups, dataset: Dataset, device: torch.device | str = "cpu",
                  state: TrainState | None = None,
