@@ -291,18 +291,20 @@ check_node() {
 
 cmd_kill_node() {
     local n=$1; check_node "$n"
-    local pids; pids="$(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"
+    local pids t; pids="$(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"
+    t="$(date +%s.%N)"
     kill -KILL $pids 2>/dev/null || true
     rm -f "$D/run/slurmd-$n.pid"
-    log "killed $n at $(date +%s.%N): pids $pids"
+    log "killed $n at $t: pids $pids"
 }
 
 cmd_freeze_node() {
     local n=$1; check_node "$n"
-    local pids; pids="$(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"
+    local pids t; pids="$(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"
     echo "$pids" >"$D/run/frozen-$n.pids"
+    t="$(date +%s.%N)"
     kill -STOP $pids 2>/dev/null || true
-    log "froze $n at $(date +%s.%N): pids $pids"
+    log "froze $n at $t: pids $pids"
 }
 
 cmd_thaw_node() {
