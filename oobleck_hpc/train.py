@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oobleck_hpc.errors import EXIT_OK, EXIT_UNRECOVERABLE, OobleckError
+from oobleck_hpc.errors import EXIT_OK, EXIT_UNRECOVERABLE, GuaranteeExceeded, OobleckError
 
 
 @dataclass
@@ -124,6 +124,7 @@ def main() -> int:
     from oobleck_hpc.models.base import build_model
     from oobleck_hpc.planning import plan_job
     from oobleck_hpc.profiling import resolve_profile
+    from oobleck_hpc.resume import Resume
 
     # Who am I, and what is the job.
     env = detect()
@@ -146,7 +147,10 @@ def main() -> int:
     try:
         groups = PlanGroups.build(plan, comm)
         dataset = dataset_for(job.data, model.seq_len)
-        engine = Engine(job, model, plan, comm, groups, dataset, device)
+        # Restore the latest checkpoint (if any) onto this run's plan (oobleck_hpc/resume.py).
+        ckpt = Resume.start(job, plan, rank, comm, device, run_dir, profile)
+        engine = Engine(job, model, plan, comm, groups, dataset, device, state=ckpt.state,
+                        layer_states=ckpt.layer_states)
 
         # The run loop: a step either commits or comes back as a failure value.
         metrics = Path(env.extra["metrics"]) if env.extra.get("metrics") and rank == 0 else None
@@ -164,11 +168,17 @@ def main() -> int:
                 return EXIT_UNRECOVERABLE
             if progress is not None:
                 progress.step(result)
+            # Periodic checkpoint, heartbeat; a stop signal saves and leaves for a requeue (75).
+            if (code := ckpt.after_step(engine)) is not None:
+                return code
+        ckpt.finish(engine)
         wall = time.perf_counter() - t0
         if progress is not None:
             progress.close()
             print(summary(job, plan, progress, wall, run_dir), flush=True)
         return EXIT_OK
+    except GuaranteeExceeded as e:  # beyond in-place recovery: resume from the latest checkpoint
+        return ckpt.fallback(e)
     finally:
         comm.destroy()
 
