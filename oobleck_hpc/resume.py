@@ -59,7 +59,7 @@ requeue role restarts the job on the nodes it has.
 Watchdog: rank 0 beats RUN_DIR/heartbeat (launch/watch.py) at most once a second and at the end.
 
 Test-only fault: OOBLECK_TEST_EXCEED_GUARANTEE="STEP:NODE[,NODE...]" makes the first attempt
-(OOBLECK_RESTART_COUNT unset or 0) behave, after step STEP commits, as if recovery had raised
+(`restart_count()` 0) behave, after step STEP commits, as if recovery had raised
 GuaranteeExceeded for those nodes; it exercises the fallback until real multi-node faults drive it.
 """
 
@@ -94,12 +94,12 @@ def _log(msg: str) -> None:
 
 
 def restart_count() -> int:
-    """Which run of the job this is: 0 first, then 1, 2, ... (local requeue, watchdog or Slurm)."""
-    for key in ("OOBLECK_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    """Which run of the job this is: 0 first, then 1, 2, ... The largest of SLURM_RESTART_COUNT
+    (Slurm requeues), OOBLECK_REQUEUE_COUNT (the local requeue role, launch/requeue.py) and
+    OOBLECK_RESTART_COUNT (the node environment; a watchdog restart)."""
+    values = [os.environ.get(k, "") for k in
+              ("SLURM_RESTART_COUNT", "OOBLECK_REQUEUE_COUNT", "OOBLECK_RESTART_COUNT")]
+    return max([int(v) for v in values if v.isdigit()], default=0)
 
 
 @dataclass
@@ -187,6 +187,7 @@ class Resume:
         returns EXIT_REQUEUE when the job must leave (a stop signal: checkpoint written), else
         None."""
         step = engine.state.step
+        self.rank = engine.comm.rank  # a reconfiguration may have renumbered the ranks
         if self.rank == 0:
             self._beat(step, final=step >= self.job.train.steps)
         if self._exceed_at is not None and step == self._exceed_at[0] and restart_count() == 0:

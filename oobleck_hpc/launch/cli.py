@@ -1,8 +1,15 @@
-"""`oobleck-hpc run JOB.yaml [--metrics FILE]`: train a job with its launcher.
+"""`oobleck-hpc run JOB.yaml [--metrics FILE]`: train a job with its launcher;
+`oobleck-hpc kill-node RUN_DIR NODE`: kill a node of a running local job from another shell.
 
 `launch: local` starts the job's nodes as local process groups (launch/local.py) and trains;
 rank 0 prints the plan, progress and a summary. `launch: slurm` jobs are submitted with
 `oobleck-hpc submit` instead. Nothing heavy is imported until the command runs.
+
+The command is the job's main process for the watchdog (`oobleck-hpc watch RUN_DIR`,
+launch/watch.py): it takes RUN_DIR/job.lock first (a second copy of the job refuses to start),
+records how to start it again (RUN_DIR/run.json), and how it ended (RUN_DIR/exit.json). A job
+that exits 75 (guarantee exceeded, or SIGTERM/SIGUSR2: checkpoint on disk) is started again and
+resumes from its checkpoint, at most --max-requeues times (launch/requeue.py).
 """
 
 from __future__ import annotations
@@ -20,19 +27,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", default=None, help="override the job's run_dir")
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
     p.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
+    p.add_argument("--max-requeues", type=int, default=3, metavar="N",
+                   help="start the job again at most N times when it exits 75 (default 3)")
     p.set_defaults(func=_run)
+
+    k = sub.add_parser("kill-node", help="kill one node (agent + workers) of a running local job",
+                       description="Kill one node of a running `oobleck-hpc run` job from another "
+                       "shell: SIGKILL (or --signal STOP: a hang) to the node's agent process "
+                       "group, as when a machine dies. The survivors recover in place.")
+    k.add_argument("run_dir", help="the job's run directory (holds agents.json)")
+    k.add_argument("node", help="node name, e.g. node1")
+    k.add_argument("--signal", default="KILL", choices=["KILL", "STOP", "TERM"],
+                   help="KILL: a crash (default); STOP: a hang; TERM: ask the node to stop")
+    k.set_defaults(func=_kill_node)
+
+
+def _kill_node(args: argparse.Namespace) -> int:
+    import signal
+
+    from oobleck_hpc.launch.local import kill_node
+
+    try:
+        kill_node(args.run_dir, args.node, getattr(signal, f"SIG{args.signal}"))
+    except (FileNotFoundError, KeyError, ProcessLookupError) as e:
+        print(f"oobleck-hpc kill-node: error: {e}")
+        return 2
+    print(f"sent SIG{args.signal} to {args.node} of {args.run_dir}")
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    import json
-    import tempfile
-    from pathlib import Path
-
-    import yaml
+    import os
+    import sys
 
     from oobleck_hpc.config import load_job
-    from oobleck_hpc.errors import ConfigError
-    from oobleck_hpc.launch.local import launch_local
+    from oobleck_hpc.errors import EXIT_UNRECOVERABLE, ConfigError
+    from oobleck_hpc.launch.watch import JobLock, record_exit, write_run_record
 
     overrides = {}
     if args.steps is not None:
@@ -46,13 +76,53 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(job.source, "cluster.launch", f"value {job.cluster.launch!r} is not "
                           "run on this machine", "use `oobleck-hpc submit` for Slurm jobs, or "
                           "set cluster.launch: local")
+    if args.max_requeues < 0:
+        raise ConfigError("<command line>", "--max-requeues", f"value {args.max_requeues} is "
+                          "negative", "use 0 to never requeue")
     run_dir = job.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    job_path = Path(args.job)
-    if overrides:  # the workers read the job with the overrides applied
-        fd, name = tempfile.mkstemp(prefix="job-", suffix=".yaml", dir=run_dir)
-        with open(fd, "w") as f:
-            yaml.safe_dump(json.loads(json.dumps(job.to_dict())), f, sort_keys=False)
-        job_path = Path(name)
-    metrics = args.metrics or run_dir / "metrics.jsonl"
-    return launch_local(job, job_path, metrics=metrics, run_dir=run_dir)
+    with JobLock(run_dir):
+        write_run_record(run_dir, [sys.executable, "-m", "oobleck_hpc", *sys.argv[1:]],
+                         cwd=os.getcwd(), checkpoint_dir=job.checkpoint.dir)
+        code = EXIT_UNRECOVERABLE
+        try:
+            code = _launch_with_requeue(args, job, overrides, run_dir)
+        finally:
+            record_exit(run_dir, code, _EXIT_REASONS.get(code, f"exit {code}"))
+        return code
+
+
+_EXIT_REASONS = {0: "finished", 2: "bad input: not requeued", 3: "unrecoverable error",
+                 75: "requeues exhausted; resume from the latest checkpoint"}
+
+
+def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.launch.local import launch_local
+    from oobleck_hpc.launch.requeue import run_with_requeue
+
+    metrics = Path(args.metrics or run_dir / "metrics.jsonl")
+
+    def launch(attempt) -> int:
+        this, ov = job, dict(overrides)
+        if attempt.index > 0:
+            # Requeued: on the nodes that are left; injected `faults:` belong to the first run.
+            ov["cluster.nodes"], ov["faults"] = attempt.nodes, []
+            this = load_job(args.job, ov)
+        job_path = Path(args.job)
+        if ov:  # the workers read the job with the overrides applied
+            fd, name = tempfile.mkstemp(prefix="job-", suffix=".yaml", dir=run_dir)
+            with open(fd, "w") as f:
+                yaml.safe_dump(json.loads(json.dumps(this.to_dict())), f, sort_keys=False)
+            job_path = Path(name)
+        return launch_local(this, job_path, metrics=metrics, run_dir=run_dir)
+
+    code, _ = run_with_requeue(launch, nodes=job.cluster.nodes, run_dir=run_dir,
+                               max_requeues=args.max_requeues, metrics=metrics)
+    return code

@@ -1,0 +1,140 @@
+"""The local launcher's requeue role: start the job again when it exits 75, a bounded number of times.
+
+Under Slurm a job that exits with errors.EXIT_REQUEUE (75: the guarantee was exceeded, or a
+pre-timeout / preemption signal arrived, and a checkpoint is on disk) is requeued by the launch
+driver (`scontrol requeue`, launch/slurm.py) and comes back with the nodes Slurm gives it. On one
+machine `oobleck-hpc run` plays that role with `run_with_requeue`:
+
+    code = run_with_requeue(lambda attempt, nodes: launch(...), nodes=job.cluster.nodes,
+                            run_dir=run_dir, max_requeues=3)
+
+- attempt k runs with OOBLECK_REQUEUE_COUNT = base + k (the analogue of SLURM_RESTART_COUNT; base
+  is the OOBLECK_RESTART_COUNT a watchdog restart set, else 0) and OOBLECK_ATTEMPT = "<base attempt>.r<k>", which
+  names the attempt's temporary checkpoint directories (checkpoint.py) so that leftovers of an
+  attempt never mix into the next one's checkpoints;
+- exit 75: the job's rank 0 left RUN_DIR/requeue.json (resume.py) naming the nodes still alive
+  when it knew them (the guarantee was exceeded because nodes died); the next attempt starts on
+  that many nodes -- "the nodes it has" -- and otherwise on as many as before. It plans for them
+  and resumes from the latest checkpoint (resume.py), so the restart is as on Slurm;
+- any other code ends the loop (0 done, 2 bad input, 3 unrecoverable: never requeued);
+- after `max_requeues` requeues the loop gives up and returns 75 (the watchdog, if one watches,
+  may still restart the job from its checkpoint).
+
+Metrics: the launcher starts each attempt's metrics file afresh; `MetricsHistory` puts the
+earlier attempts' lines back in front once an attempt ends, so the file holds every step of
+every attempt (a step replayed after a fallback appears once per attempt that ran it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from oobleck_hpc.errors import EXIT_REQUEUE
+
+REQUEUE_RECORD = "requeue.json"  # oobleck_hpc.resume.REQUEUE_RECORD (kept torch-free here)
+
+
+def _log(msg: str) -> None:
+    print(f"[requeue] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Attempt:
+    index: int
+    """0 for the first run of this launch, then 1, 2, ..."""
+    nodes: int
+    """Nodes to start this attempt on."""
+    code: int | None = None
+    seconds: float = 0.0
+    reason: str = ""
+
+
+@dataclass
+class MetricsHistory:
+    """Keeps the lines of earlier attempts in the metrics file across relaunches."""
+
+    path: Path | None
+    lines: list[str] = field(default_factory=list)
+
+    def before(self, attempt: int) -> None:
+        if self.path is None or attempt == 0:
+            return
+        try:
+            self.lines = self.path.read_text().splitlines(keepends=True)
+        except FileNotFoundError:
+            pass
+
+    def after(self, attempt: int) -> None:
+        if self.path is None or attempt == 0 or not self.lines:
+            return
+        try:
+            current = self.path.read_text()
+        except FileNotFoundError:
+            current = ""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(self.lines) + current)
+        os.replace(tmp, self.path)
+
+
+def _read_record(run_dir: Path) -> dict | None:
+    import json
+
+    try:
+        return json.loads((run_dir / REQUEUE_RECORD).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: str | Path,
+                     max_requeues: int = 3, metrics: str | Path | None = None,
+                     log: Callable[[str], None] = _log) -> tuple[int, list[Attempt]]:
+    """Run `launch(attempt)` until it returns something other than 75, at most
+    `max_requeues` + 1 times. Returns (the last exit code, the attempts)."""
+    if max_requeues < 0:
+        raise ValueError(f"max_requeues={max_requeues}: use 0 to never requeue")
+    run_dir = Path(run_dir)
+    base_attempt = os.environ.get("OOBLECK_ATTEMPT") or f"local{os.getpid()}"
+    base_restarts = int(os.environ.get("OOBLECK_RESTART_COUNT", "0") or 0)
+    history = MetricsHistory(Path(metrics) if metrics else None)
+    attempts: list[Attempt] = []
+    saved = {k: os.environ.get(k) for k in ("OOBLECK_ATTEMPT", "OOBLECK_REQUEUE_COUNT")}
+    try:
+        for index in range(max_requeues + 1):
+            attempt = Attempt(index, nodes)
+            attempts.append(attempt)
+            os.environ["OOBLECK_ATTEMPT"] = f"{base_attempt}.r{index}"
+            os.environ["OOBLECK_REQUEUE_COUNT"] = str(base_restarts + index)
+            (run_dir / REQUEUE_RECORD).unlink(missing_ok=True)
+            history.before(index)
+            t0 = time.monotonic()
+            try:
+                attempt.code = launch(attempt)
+            finally:
+                attempt.seconds = time.monotonic() - t0
+                history.after(index)
+            if attempt.code != EXIT_REQUEUE:
+                return attempt.code, attempts
+            record = _read_record(run_dir) or {}
+            attempt.reason = str(record.get("reason") or "exit 75")
+            alive = record.get("nodes")
+            if alive:
+                nodes = len(alive)
+            if index == max_requeues:
+                break
+            log(f"attempt {index} exited 75 after {attempt.seconds:.1f} s ({attempt.reason}); "
+                f"requeue {index + 1}/{max_requeues} on {nodes} nodes"
+                + (f" (alive: {', '.join(alive)})" if alive else ""))
+        log(f"giving up after {max_requeues} requeues (last: {attempts[-1].reason}); the latest "
+            f"checkpoint stays on disk -- run the job again to resume from it")
+        return EXIT_REQUEUE, attempts
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
