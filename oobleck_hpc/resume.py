@@ -59,7 +59,7 @@ requeue role restarts the job on the nodes it has.
 Watchdog: rank 0 beats RUN_DIR/heartbeat (launch/watch.py) at most once a second and at the end.
 
 Test-only fault: OOBLECK_TEST_EXCEED_GUARANTEE="STEP:NODE[,NODE...]" makes the first attempt
-(`restart_count()` 0) behave, after step STEP commits, as if recovery had raised
+(`restart_count()` 0) behave, once STEP steps have committed, as if recovery had raised
 GuaranteeExceeded for those nodes; it exercises the fallback until real multi-node faults drive it.
 """
 

@@ -1,0 +1,267 @@
+"""Checkpoint fallback and exact resume through `oobleck-hpc run` (real launcher, real workers).
+
+- The guarantee is exceeded after step 5 of a 4-node run (test fault: node3 "lost" with f=1):
+  every rank leaves with 75 and the job resumes from the checkpoint of step 4; the local requeue
+  role starts it again on the 3 nodes it has, which gives a different plan (other templates,
+  rank count and batch split); every loss equals the single-process reference within 1e-5.
+- SIGUSR2 reaches ONE worker (Slurm's pre-timeout signal): all ranks agree to stop at the same step
+  boundary, save that step, exit 75; the requeued job resumes from exactly that step.
+- The watchdog's contract holds for a real run: run.json, job.lock, heartbeat, exit.json, and
+  `oobleck-hpc watch RUN_DIR --once` sees the job finished.
+- The requeue loop itself (no processes): bounded, node counts from requeue.json, metrics kept.
+
+Two multi-process runs (each two launches of 4 and 3 workers), ~20-30 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oobleck_hpc.errors import EXIT_REQUEUE
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 10
+
+
+def write_job(tmp_path: Path, name: str, every_steps: int, steps: int = STEPS) -> Path:
+    """gpt-tiny, 4 nodes x 1 worker; the analytic A40 profile makes the planner pick two 2-node
+    pipelines on 4 nodes and a 2-node + a 1-node pipeline on 3 (different templates)."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name,
+        "run_dir": str(tmp_path / name),
+        "model": {"name": "gpt-tiny", "seed": 0},
+        "data": {"cache_dir": str(ROOT / ".cache" / "oobleck_hpc")},
+        "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": 8, "lr": 1e-3,
+                  "warmup_steps": 2},
+        "cluster": {"launch": "local", "nodes": 4, "gpus_per_node": 1, "device": "cpu"},
+        "fault_tolerance": {"f": 1, "collective_timeout_s": 20},
+        "profile": {"library": str(tmp_path / "no-profiles"), "analytic": True, "device": "A40"},
+        "checkpoint": {"dir": str(tmp_path / name / "ckpt"), "every_steps": every_steps},
+    }))
+    return path
+
+
+def reference(job_file: Path, steps: int) -> list[float]:
+    """The uninterrupted run: the engine's single-process reference over the same batches."""
+    import torch
+
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.data import dataset_for
+    from oobleck_hpc.engine import Reference
+    from oobleck_hpc.models.base import build_model
+
+    job = load_job(job_file)
+    torch.set_num_threads(1)
+    model = build_model(job.model)
+    ref = Reference(job, model, dataset_for(job.data, model.seq_len))
+    return [ref.step() for _ in range(steps)]
+
+
+def start_run(job: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "oobleck_hpc", "run", str(job)], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and everything it started
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not finish in {timeout} s\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def losses_by_step(metrics: Path) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], []).append(row["loss"])
+    return out
+
+
+def assert_close(got: float, want: float, what: str) -> None:
+    assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), f"{what}: {got} != {want}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_guarantee_exceeded_falls_back_requeues_on_fewer_nodes_and_resumes_exactly(tmp_path):
+    job = write_job(tmp_path, "exceed", every_steps=2)
+    reference_losses = reference(job, STEPS)
+    run_dir = tmp_path / "exceed"
+    proc = start_run(job, {"OOBLECK_TEST_EXCEED_GUARANTEE": "5:node3"})
+    code, out, err = finish(proc, 130)
+    assert code == 0, out + err
+
+    # Attempt 0 left with 75 once 5 steps had committed; it resumed from the checkpoint after 4.
+    assert "attempt 0 exited 75" in err and "on 3 nodes (alive: node0, node1, node2)" in err, err
+    assert "restored step 4 (cursor 64)" in err, err
+    assert out.count("pipelines on 4 nodes") == 1 and out.count("pipelines on 3 nodes") == 1, out
+    plans = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        plans.setdefault(row["plan"], []).append(row["step"])
+    assert list(plans.values()) == [list(range(5)), list(range(4, STEPS))], plans
+
+    # Every loss, including the replayed steps 4 and 5 on the new plan, equals the reference.
+    for step, losses in losses_by_step(run_dir / "metrics.jsonl").items():
+        for loss in losses:
+            assert_close(loss, reference_losses[step], f"step {step}")
+
+    # The checkpoints of the second attempt were published next to the first one's.
+    from oobleck_hpc.checkpoint import find_latest
+
+    latest = find_latest(run_dir / "ckpt", quarantine=False).checkpoint
+    assert latest is not None and latest.step == 8 and latest.train_state().samples_seen == 8 * 16
+
+    # The watchdog's view of the run: it finished, nothing to restart.
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["argv"][-2:] == ["run", str(job)] and record["checkpoint_dir"]
+    assert json.loads((run_dir / "exit.json").read_text())["code"] == 0
+    assert json.loads((run_dir / "heartbeat").read_text())["step"] == STEPS
+    watch = subprocess.run([sys.executable, "-m", "oobleck_hpc", "watch", str(run_dir), "--once"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert watch.returncode == 0 and "finished" in watch.stderr, watch.stderr
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    found = []
+    for p in _descendants(pid):
+        try:
+            if b"oobleck_hpc.train" in Path(f"/proc/{p}/cmdline").read_bytes():
+                found.append(p)
+        except OSError:
+            pass
+    return sorted(found)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_usr2_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(tmp_path):
+    # No periodic checkpoints: the only one is the one the signal asks for. The signal goes out
+    # once the third step is logged; 150 steps (~50 ms each) leave it time to arrive mid-run.
+    steps = 150
+    job = write_job(tmp_path, "usr2", every_steps=0, steps=steps)
+    run_dir = tmp_path / "usr2"
+    proc = start_run(job)
+    try:
+        def logged() -> int:
+            try:
+                return len((run_dir / "metrics.jsonl").read_text().splitlines())
+            except OSError:
+                return 0
+
+        deadline = time.monotonic() + 90
+        while logged() < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        workers = _workers(proc.pid)
+        assert workers, "no worker processes found"
+        os.kill(workers[-1], signal.SIGUSR2)  # one rank only; the others learn it from the vote
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    code, out, err = finish(proc, 130)
+    assert code == 0, out + err
+    assert "received SIGUSR2" in err and "attempt 0 exited 75" in err, err
+    stopped = [int(line.split("stopping at step ")[1].split()[0]) for line in err.splitlines()
+               if "stopping at step " in line]
+    assert len(stopped) == 4 and len(set(stopped)) == 1, stopped  # every rank, the same step
+    step = stopped[0]
+    assert f"restored step {step} (cursor {step * 16})" in err, err
+    assert 0 < step < steps, step
+    # Nothing replayed, nothing skipped: the requeued job goes on with the exact next batch.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert rows[step - 1]["plan"] == rows[step]["plan"]  # requeued on all 4 nodes again
+    want = reference(job, step + 2)
+    for s, loss in enumerate(want):
+        assert_close(rows[s]["loss"], loss, f"step {s}")
+
+
+# ----------------------------------------------------------------------------- the requeue loop
+
+
+def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_path, monkeypatch):
+    from oobleck_hpc.launch.requeue import run_with_requeue
+    from oobleck_hpc.resume import restart_count
+
+    monkeypatch.delenv("OOBLECK_ATTEMPT", raising=False)
+    monkeypatch.delenv("OOBLECK_RESTART_COUNT", raising=False)
+    metrics = tmp_path / "metrics.jsonl"
+    seen = []
+
+    def launch(attempt):
+        seen.append((attempt.index, attempt.nodes, os.environ["OOBLECK_ATTEMPT"], restart_count()))
+        metrics.write_text(f"attempt {attempt.index}\n")  # as the launcher does: a fresh file
+        if attempt.index == 0:
+            (tmp_path / "requeue.json").write_text(json.dumps({"reason": "r", "nodes": ["a", "b"]}))
+            return EXIT_REQUEUE
+        return EXIT_REQUEUE if attempt.index == 1 else 0
+
+    code, attempts = run_with_requeue(launch, nodes=4, run_dir=tmp_path, max_requeues=3,
+                                      metrics=metrics, log=lambda m: None)
+    assert code == 0 and [a.code for a in attempts] == [75, 75, 0]
+    assert [s[1] for s in seen] == [4, 2, 2]  # attempt 1 left no record: same nodes again
+    assert [s[3] for s in seen] == [0, 1, 2]
+    assert [s[2].rsplit(".", 1)[1] for s in seen] == ["r0", "r1", "r2"]
+    assert len({s[2].rsplit(".", 1)[0] for s in seen}) == 1
+    assert metrics.read_text() == "attempt 0\nattempt 1\nattempt 2\n"
+    assert "OOBLECK_ATTEMPT" not in os.environ  # restored after the loop
+
+    code, attempts = run_with_requeue(lambda a: EXIT_REQUEUE, nodes=2, run_dir=tmp_path,
+                                      max_requeues=1, log=lambda m: None)
+    assert code == EXIT_REQUEUE and len(attempts) == 2  # gave up after one requeue
+    for bad_input in (0, 2, 3):
+        code, attempts = run_with_requeue(lambda a, c=bad_input: c, nodes=2, run_dir=tmp_path,
+                                          log=lambda m: None)
+        assert code == bad_input and len(attempts) == 1  # never requeued
+    with pytest.raises(ValueError):
+        run_with_requeue(lambda a: 0, nodes=1, run_dir=tmp_path, max_requeues=-1)
+
+
+def test_restart_count_takes_the_largest_source(monkeypatch):
+    from oobleck_hpc.resume import _parse_test_exceed, restart_count
+
+    for key in ("SLURM_RESTART_COUNT", "OOBLECK_REQUEUE_COUNT", "OOBLECK_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    assert restart_count() == 0
+    monkeypatch.setenv("OOBLECK_RESTART_COUNT", "0")  # what the node environment always sets
+    monkeypatch.setenv("OOBLECK_REQUEUE_COUNT", "2")
+    assert restart_count() == 2
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    assert restart_count() == 3
+    assert _parse_test_exceed("5:node3,node1") == (5, ["node3", "node1"])
+    assert _parse_test_exceed(None) is None
+    with pytest.raises(ValueError, match="STEP:NODE"):
+        _parse_test_exceed("x:node1")
