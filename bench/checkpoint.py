@@ -22,6 +22,19 @@ each owning an equal share of the layers, one of them the training state), as ra
                  GPU the copy engine does the snapshot)
     target       blocking_s <= 10 % of write_s (target_met_deferred: with defer_copy)
 
+`engine` (per model): the same through the real training path -- a one-rank Engine (gloo world of
+one, the whole model on one stage) whose loop calls oobleck_hpc.resume exactly as train.py does:
+`Resume.start` (restore) before the engine, `after_step` after each committed step, with a
+checkpoint every 4 steps (defer_copy; the engine fences before its optimizer step):
+
+    step_s              a training step without checkpoints (median)
+    overhead_per_save_s (time of the steps with checkpoints - as many plain steps) / saves: what a
+                        save really costs the loop, writer thread's competition for the cores included
+    blocking_s          SaveStats.blocking_s: save() + the fence wait before optimizer.step()
+    write_s             background time of one save (snapshot, files, fsyncs, publish)
+    restore_s           Resume.start on a fresh process state: verify + read this rank's layers
+    exact               the restored engine's first loss equals the uninterrupted one
+
 Medians over the saves. The directory defaults to a fresh one under the system temp dir
 (`--dir` to measure the filesystem that checkpoints will use).
 """
@@ -160,6 +173,95 @@ def bench_model(name: str, root: Path, ranks: int, saves: int) -> dict:
             "target_met_deferred": statistics.median(deferred[1:] or deferred) <= 0.10 * w}
 
 
+def bench_engine(name: str, root: Path, saves: int) -> dict:
+    """The training path: Engine + oobleck_hpc.resume, one rank (see the module docstring)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from oobleck_hpc.config import job_from_dict
+    from oobleck_hpc.engine import Comm, Engine, PlanGroups
+    from oobleck_hpc.engine.sampler import SyntheticTokens
+    from oobleck_hpc.models.base import build_model
+    from oobleck_hpc.planning import plan_job
+    from oobleck_hpc.profiling import resolve_profile
+    from oobleck_hpc.resume import Resume
+
+    every = 4
+    warm, plain_steps = 3, 3 + 2 * saves
+    steps = plain_steps + every * saves + 1
+    job = job_from_dict({
+        "name": f"bench-{name}", "model": {"name": name},
+        "train": {"steps": steps + 1, "microbatch_size": 2, "global_microbatches": 2},
+        "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "cpu"},
+        "fault_tolerance": {"f": 0},
+        "profile": {"library": str(root / "no-profiles"), "analytic": True, "device": "A40"},
+        "checkpoint": {"dir": str(root / "ckpt"), "every_steps": every, "keep": 2},
+        "run_dir": str(root / "run")})
+    model = build_model(job.model)
+    profile = resolve_profile(job)
+    _, _, plan = plan_job(job, profile, ["node0"])
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    dataset = SyntheticTokens(model.cfg.vocab_size, model.cfg.seq_len)
+
+    def engine_from(ckpt: Resume, generation: int) -> tuple[Comm, Engine]:
+        comm = Comm.init(store, 0, 1, generation, "gloo", 60.0)
+        return comm, Engine(job, model, plan, comm, PlanGroups.build(plan, comm), dataset,
+                            "cpu", state=ckpt.state, layer_states=ckpt.layer_states)
+
+    comm = Comm.init(store, 0, 1, 0, "gloo", 60.0)
+    ckpt = Resume.start(job, plan, 0, comm, "cpu", root / "run", profile)
+    comm.destroy()
+    comm, engine = engine_from(ckpt, 1)
+    plain, losses = [], {}
+    try:
+        for _ in range(plain_steps):  # no checkpoints: the step alone
+            t0 = time.perf_counter()
+            r = engine.step()
+            assert r.ok, r.error
+            plain.append(time.perf_counter() - t0)
+            losses[r.step] = r.loss
+        while engine.state.step % every:
+            losses[engine.state.step] = engine.step().loss
+        t0 = time.perf_counter()
+        for _ in range(every * saves):  # the loop of train.py: a save every `every` steps
+            r = engine.step()
+            assert r.ok, r.error
+            losses[r.step] = r.loss
+            ckpt.after_step(engine)
+        ckpt.checkpointer.wait()
+        with_saves = time.perf_counter() - t0
+        last = ckpt.checkpointer.history[-1].step
+        losses[engine.state.step] = engine.step().loss  # the step a restore continues with
+        ckpt.finish(engine)
+    finally:
+        comm.destroy()
+    history = ckpt.checkpointer.history
+    step_s = statistics.median(plain[warm:])
+    # Restore onto a fresh engine, as a requeued job does, and check the next step is exact.
+    comm = Comm.init(store, 0, 1, 2, "gloo", 60.0)
+    t0 = time.perf_counter()
+    again = Resume.start(job, plan, 0, comm, "cpu", root / "run", profile)
+    restore_s = time.perf_counter() - t0
+    comm.destroy()
+    comm, engine = engine_from(again, 3)
+    try:
+        exact = engine.state.step == last and engine.step().loss == losses.get(last)
+    finally:
+        comm.destroy()
+    size = sum(f["size"] for f in find_latest(root / "ckpt", quarantine=False)
+               .checkpoint.manifest["files"].values())
+    block = statistics.median(s.blocking_s for s in history[1:] or history)
+    write = statistics.median(s.write_s for s in history[1:] or history)
+    return {"model": name, "size_bytes": size, "saves": len(history),
+            "step_s": round(step_s, 4),
+            "overhead_per_save_s": round((with_saves - every * saves * step_s) / saves, 4),
+            "blocking_s": round(block, 5), "write_s": round(write, 4),
+            "blocking_fraction": round(block / write, 4), "restore_s": round(restore_s, 4),
+            "exact": bool(exact), "target_blocking_le_10pct": block <= 0.10 * write}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-mini"], choices=list(GPT_CONFIGS))
@@ -175,6 +277,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
         try:
             results.append(bench_model(name, root, args.ranks, args.saves))
+            results[-1]["engine"] = bench_engine(name, root / "engine", args.saves)
         finally:
             if args.dir is None:
                 shutil.rmtree(root.parent, ignore_errors=True)
@@ -188,6 +291,11 @@ def main() -> int:
                   f"  write {r['write_s'] * 1e3:8.1f} ms ({r['blocking_fraction']:.1%}; deferred "
                   f"{r['deferred_blocking_s'] * 1e3:.1f} ms, {r['deferred_blocking_fraction']:.1%})"
                   f"  restore {r['restore_s'] * 1e3:8.1f} ms")
+            e = r["engine"]
+            print(f"{'':>10}  engine path: step {e['step_s'] * 1e3:.1f} ms, overhead per save "
+                  f"{e['overhead_per_save_s'] * 1e3:.1f} ms; blocking {e['blocking_s'] * 1e3:.2f} ms "
+                  f"of write {e['write_s'] * 1e3:.1f} ms ({e['blocking_fraction']:.1%}); "
+                  f"restore {e['restore_s'] * 1e3:.1f} ms; exact {e['exact']}")
     return 0
 
 

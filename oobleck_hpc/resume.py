@@ -280,6 +280,7 @@ class Resume:
         now = time.monotonic()
         if final or now - self._last_beat >= BEAT_EVERY_S:
             try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
                 beat(self.run_dir, step)
             except OSError as e:
                 self.log(f"cannot write the heartbeat in {self.run_dir}: {e}")
