@@ -1,18 +1,22 @@
 """A training worker, top to bottom: config -> bootstrap -> profile -> plan -> run loop.
 
-One process per GPU (on CPU: per pretend GPU), started by a launcher (launch/local.py) or a node
-agent with the OOBLECK_* environment (bootstrap/environment.py): this node's name, the job's
-nodes, the local rank, and in `extra` the job file (OOBLECK_JOB), the run directory
-(OOBLECK_RUN_DIR), the rendezvous store (OOBLECK_STORE=host:port) and the metrics file
-(OOBLECK_METRICS, optional). Every rank computes the same plan from the same profile and node
-list; its rank is derived from the plan (node order, GPU index).
+One process per GPU (on CPU: per pretend GPU), started by its node agent (`python -m
+oobleck_hpc.agent`; the local launcher and Slurm both run one per node) with the OOBLECK_*
+environment (bootstrap/environment.py, elastic/client.py): this node's name, local rank, the link
+to the agent, and in `extra` the job file (OOBLECK_JOB), the run directory (OOBLECK_RUN_DIR) and
+the metrics file (OOBLECK_METRICS, optional). The membership the agent sends names the nodes and
+who hosts the rendezvous store. Every rank computes the same plan from the same profile and node
+list; its rank is derived from the plan (node order, GPU index). A lost node is recovered in
+place by the elastic driver (elastic/driver.py) inside `driver.step()`; beyond the guarantee the
+checkpoint fallback takes over (resume.py). For tests and benchmarks: OOBLECK_FINAL_STATE=DIR
+makes the final parameters land in DIR (one file per layer), OOBLECK_DEFAULT_DTYPE=float64 builds
+the model in fp64 -- for exact comparisons with a reference.
 
     python -m oobleck_hpc.train        # with the environment above; `oobleck-hpc run` sets it
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
@@ -21,26 +25,32 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oobleck_hpc.errors import EXIT_OK, EXIT_UNRECOVERABLE, GuaranteeExceeded, OobleckError
+from oobleck_hpc.errors import EXIT_OK, GuaranteeExceeded, OobleckError
+
+_client = None
+"""This worker's AgentClient, once connected (entry() tells the agent about intended exits)."""
 
 
 @dataclass
 class Progress:
-    """Rank 0's view of the run: a tqdm bar on a TTY, a log line every `log_every` steps
-    otherwise, and one JSON line per step in the metrics file."""
+    """The run as rank 0 reports it: a tqdm bar on a TTY, a log line every `log_every` steps
+    otherwise, and one JSON line per step in the metrics file. Every rank keeps the losses (the
+    same value everywhere); only the current plan's rank 0 (`active`: it changes when a node is
+    lost) writes and prints."""
 
     total: int
     log_every: int
     metrics: Path | None
     plan_id: str
     generation: int
+    active: bool = True
     bar: object = None
     losses: list[float] = field(default_factory=list)
     samples: int = 0
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        if sys.stdout.isatty():
+        if self.active and sys.stdout.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True)
@@ -51,6 +61,8 @@ class Progress:
         self.losses.append(r.loss)
         self.samples += r.samples
         self.seconds += r.seconds
+        if not self.active:
+            return
         if self.metrics is not None:
             with open(self.metrics, "a") as f:
                 f.write(json.dumps({"step": r.step, "loss": r.loss, "samples": r.samples,
@@ -108,82 +120,105 @@ def pick_device(job, env):
     return torch.device("cpu")
 
 
-def connect_store(address: str, timeout_s: float = 120.0):
-    import torch.distributed as dist
-
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
-
-
 def main() -> int:
     from oobleck_hpc.bootstrap import detect
     from oobleck_hpc.config import load_job
     from oobleck_hpc.data import dataset_for
-    from oobleck_hpc.engine import Comm, Engine, PlanGroups, default_backend
+    from oobleck_hpc.elastic.client import AgentClient
+    from oobleck_hpc.elastic.driver import ElasticDriver
+    from oobleck_hpc.elastic.events import EventLog
+    from oobleck_hpc.elastic.faults import FaultInjector
     from oobleck_hpc.models.base import build_model
-    from oobleck_hpc.planning import plan_job
     from oobleck_hpc.profiling import resolve_profile
     from oobleck_hpc.resume import Resume
 
-    # Who am I, and what is the job.
+    # Who am I, and what is the job. The node agent started this process and owns its link.
     env = detect()
     job = load_job(env.extra["job"])
     run_dir = Path(env.extra.get("run_dir") or job.resolved_run_dir)
     device = pick_device(job, env)
+    if os.environ.get("OOBLECK_DEFAULT_DTYPE") == "float64":  # tests: exact comparisons
+        import torch
+
+        torch.set_default_dtype(torch.float64)
     model = build_model(job.model, job.source)
+    global _client
+    client = _client = AgentClient.from_env()
+    events = EventLog(run_dir / "events.jsonl", source=f"{env.node}/{env.local_rank}")
+    faults = FaultInjector.for_node(job.faults, int(os.environ.get("OOBLECK_NODE_INDEX", "-1")),
+                                    env.node, env.local_rank, events, client)
+    dataset = dataset_for(job.data, model.seq_len)
 
-    # Profile and plan: every rank computes the same plan from the same inputs.
+    # Profile, plan, rendezvous (generation 0: every rank computes the same plan from the same
+    # inputs; the store is hosted by the node the membership names).
     profile = resolve_profile(job)
-    _, _, plan = plan_job(job, profile, list(env.nodes))
-    rank = plan.rank_of(env.node, env.local_rank)
-    if rank == 0:
+    driver = ElasticDriver(job, model, profile, dataset, device, client, events, faults)
+    client._on_notice = driver.on_notice
+    plan, comm = driver.start()
+    if comm.rank == 0:
         print(describe_plan(plan), flush=True)
-
-    # Rendezvous and process groups (generation 0).
-    store = connect_store(env.extra["store"])
-    comm = Comm.init(store, rank, plan.world_size, plan.generation,
-                     default_backend(device.type), job.fault_tolerance.collective_timeout_s)
+    code = EXIT_OK
     try:
-        groups = PlanGroups.build(plan, comm)
-        dataset = dataset_for(job.data, model.seq_len)
         # Restore the latest checkpoint (if any) onto this run's plan (oobleck_hpc/resume.py).
-        ckpt = Resume.start(job, plan, rank, comm, device, run_dir, profile)
-        engine = Engine(job, model, plan, comm, groups, dataset, device, state=ckpt.state,
-                        layer_states=ckpt.layer_states)
+        ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile)
+        driver.build_engine(state=ckpt.state, layer_states=ckpt.layer_states)
 
-        # The run loop: a step either commits or comes back as a failure value.
-        metrics = Path(env.extra["metrics"]) if env.extra.get("metrics") and rank == 0 else None
+        # The run loop: each step commits; a lost node is recovered in place inside
+        # driver.step() (oobleck_hpc/elastic/driver.py).
+        metrics = Path(env.extra["metrics"]) if env.extra.get("metrics") else None
         progress = Progress(job.train.steps, job.train.log_every, metrics, plan.digest(),
-                            plan.generation) if rank == 0 else None
+                            plan.generation, active=comm.rank == 0)
         t0 = time.perf_counter()
-        while engine.state.step < job.train.steps:
-            result = engine.step()
-            if not result.ok:
-                # In-place recovery belongs to the elastic layer (oobleck_hpc/elastic); without
-                # it a failed step ends the run.
-                print(f"rank {rank}: step {result.step} failed in {result.phase} "
-                      f"(peer {result.peer}, group {result.group}): {result.error!r}",
-                      file=sys.stderr, flush=True)
-                return EXIT_UNRECOVERABLE
-            if progress is not None:
-                progress.step(result)
+        while driver.engine.state.step < job.train.steps:
+            result = driver.step()
+            progress.plan_id, progress.generation = driver.plan.digest(), driver.gen
+            progress.active = driver.rank == 0
+            progress.step(result)
             # Periodic checkpoint, heartbeat; a stop signal saves and leaves for a requeue (75).
-            if (code := ckpt.after_step(engine)) is not None:
+            if (code := ckpt.after_step(driver.engine)) is not None:
                 return code
-        ckpt.finish(engine)
+        code = EXIT_OK
+        ckpt.finish(driver.engine)
         wall = time.perf_counter() - t0
-        if progress is not None:
-            progress.close()
-            print(summary(job, plan, progress, wall, run_dir), flush=True)
+        save_final_state(driver)
+        progress.close()
+        if driver.rank == 0:
+            print(summary(job, driver.plan, progress, wall, run_dir, driver.recoveries),
+                  flush=True)
         return EXIT_OK
     except GuaranteeExceeded as e:  # beyond in-place recovery: resume from the latest checkpoint
-        return ckpt.fallback(e)
+        code = ckpt.fallback(e)
+        return code
+    except BaseException:
+        code = None  # entry() reports an intended exit; anything else is a crash of the node
+        raise
     finally:
-        comm.destroy()
+        driver.close()
+        if code is not None:
+            client.done(code)
 
 
-def summary(job, plan, progress: Progress, wall: float, run_dir: Path) -> str:
+def save_final_state(driver) -> None:
+    """With OOBLECK_FINAL_STATE=DIR (tests, benchmarks): the lowest holder of each layer writes
+    its final parameters to DIR/layer-<i>.pt, to compare with a failure-free reference."""
+    out = os.environ.get("OOBLECK_FINAL_STATE")
+    if not out:
+        return
+    import torch
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    engine, plan, rank = driver.engine, driver.plan, driver.rank
+    for layer, module in engine.layers.items():
+        if plan.layer_owners(layer)[0] == rank:
+            state = {n: p.detach().cpu() for n, p in module.named_parameters()}
+            tmp = Path(out) / f".layer-{layer}.pt.{rank}"
+            torch.save(state, tmp)
+            os.replace(tmp, Path(out) / f"layer-{layer}.pt")
+
+
+def summary(job, plan, progress: Progress, wall: float, run_dir: Path, recoveries=()) -> str:
+    from oobleck_hpc.elastic.driver import describe_recoveries
+
     steps = len(progress.losses)
     first = progress.losses[0] if steps else math.nan
     last = progress.losses[-1] if steps else math.nan
@@ -191,7 +226,8 @@ def summary(job, plan, progress: Progress, wall: float, run_dir: Path) -> str:
             f"{last:.4f}; {progress.samples / max(wall, 1e-9):.1f} samples/s; "
             f"plan {plan.digest()} ({len(plan.pipelines)} pipelines, "
             f"{len({p.template for p in plan.pipelines})} templates, "
-            f"{len(plan.nodes)} nodes x {plan.gpus_per_node} GPUs); run dir {run_dir}")
+            f"{len(plan.nodes)} nodes x {plan.gpus_per_node} GPUs); run dir {run_dir}"
+            + (f"\nrecoveries: {describe_recoveries(list(recoveries))}" if recoveries else ""))
 
 
 def entry() -> int:
@@ -199,6 +235,11 @@ def entry() -> int:
         return main()
     except OobleckError as e:
         print(f"oobleck-hpc worker: error: {e}", file=sys.stderr, flush=True)
+        if _client is not None:
+            try:
+                _client.done(e.exit_code)
+            except OobleckError:
+                pass
         return e.exit_code
 
 

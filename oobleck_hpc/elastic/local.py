@@ -43,10 +43,12 @@ class LocalAgents:
               command: Sequence[str] | None = None, job: str | Path | None = None,
               heartbeat_s: float | None = None, lease_s: float | None = None,
               quorum: str = "majority", startup_s: float = 60.0, kill_grace_s: float = 2.0,
-              extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> LocalAgents:
+              extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+              console: bool = False) -> LocalAgents:
         """Start one agent per node. `command` is the worker command (default, with `job`:
         python -m oobleck_hpc.train). Timing flags left None come from the job file (or the
-        agent's defaults)."""
+        agent's defaults). console=True: the agents' (and so the workers') stdout stays this
+        process's stdout (rank 0's plan, progress and summary); stderr still goes to the logs."""
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
@@ -69,7 +71,8 @@ class LocalAgents:
                 log = open(run_dir / "logs" / f"agent-{m}.log", "w")
                 agents.logs.append(log)
                 agents.procs[m] = subprocess.Popen(
-                    [*argv, "--node", m, *tail], stdout=log, stderr=subprocess.STDOUT,
+                    [*argv, "--node", m, *tail], stdout=None if console else log,
+                    stderr=log if console else subprocess.STDOUT,
                     env={**os.environ, **(env or {})}, start_new_session=True)
         except BaseException:
             agents.cleanup()

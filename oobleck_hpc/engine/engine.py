@@ -29,6 +29,12 @@ returned as `StepResult(ok=False, error, phase, peer)`; weights, optimizer state
 state are untouched (the optimizer has not run), so the step can be replayed on a new plan.
 The engine never exits and never decides what to do about a failure.
 
+`abort()` (optional) is polled while the rank waits for communication (not in the final global
+all-reduce, the step's commit point): when it turns true the
+wait is given up and the step returns as failed (error `Aborted`); the elastic layer sets it when
+its agents opened a membership round, so that no survivor waits out the collective timeout on a
+peer that already left the step.
+
 `on_phase(phase, step)` (optional) is called when the step enters forward, backward,
 gradient_sync and optimizer: the elastic layer injects faults there. What it raises is not a
 communication failure and propagates out of `step()` unchanged.
@@ -37,6 +43,7 @@ communication failure and propagates out of `step()` unchanged.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +111,10 @@ class Segment:
         return x
 
 
+class Aborted(RuntimeError):
+    """The `abort` callback asked the step to stop waiting (returned as a failed step)."""
+
+
 @dataclass
 class _Failure(Exception):
     phase: str
@@ -126,11 +137,13 @@ class Engine:
                  groups: PlanGroups, dataset: Dataset, device: torch.device | str = "cpu",
                  state: TrainState | None = None,
                  layer_states: dict[int, dict[str, torch.Tensor]] | None = None,
-                 on_phase: Callable[[str, int], None] | None = None):
+                 on_phase: Callable[[str, int], None] | None = None,
+                 abort: Callable[[], bool] | None = None):
         self.job, self.model, self.plan, self.comm, self.groups = job, model, plan, comm, groups
         self.device = torch.device(device)
         self.state = state or TrainState()
         self.on_phase = on_phase
+        self.abort = abort
         self._pending: StepResult | None = None
         self.train = job.train
         self.bf16 = job.model.dtype == "bfloat16"
@@ -317,7 +330,7 @@ class Engine:
         def wait(works: list[tuple[dist.Work, int]]) -> None:
             for work, peer in works:
                 try:
-                    work.wait(self.comm.timeout)
+                    self._wait(work)
                 except Exception as e:
                     raise _Failure(phase, peer, None, e) from e
 
@@ -409,6 +422,34 @@ class Engine:
         if not self.first:
             self._outputs[("SEND_GRAD", k)] = grad
 
+    def _wait(self, work: dist.Work, abortable: bool = True) -> None:
+        """Wait for `work`, bounded by the collective timeout. With `abort` given, the blocking
+        wait runs on a helper thread while this one polls abort() (gloo's p2p works never report
+        is_completed() and a gloo wait cannot be interrupted): when abort() turns true the step
+        gives up at once instead of waiting out the timeout for a peer that already left the
+        step. The abandoned wait ends by itself at the timeout; its groups are dropped by the
+        caller (groups.Comm.abandon)."""
+        if self.abort is None:
+            work.wait(self.comm.timeout)
+            return
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                work.wait(self.comm.timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True, name="engine-wait").start()
+        while not done.wait(0.002):
+            if abortable and self.abort():
+                raise Aborted("the elastic layer aborted the step (a membership round opened)")
+        if errors:
+            raise errors[0]
+
     def _start_sync(self, seg: Segment) -> None:
         if seg.group is not None:
             seg.work = dist.all_reduce(seg.flat, op=dist.ReduceOp.SUM, group=seg.group,
@@ -422,7 +463,7 @@ class Engine:
         for seg in self.segments:
             if seg.work is not None:
                 try:
-                    seg.work.wait(self.comm.timeout)
+                    self._wait(seg.work)
                 except Exception as e:
                     raise _Failure("gradient_sync", None, seg.owners, e) from e
                 seg.work = None
@@ -430,7 +471,11 @@ class Engine:
                 sq += seg.flat.double().square().sum()
         stats = torch.stack([loss_sum.double(), sq])
         try:
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+            # Not abortable: once any rank completes this all-reduce it commits the step, so
+            # every rank that can complete it must (a rank that gave up here while its peers
+            # finished would leave the survivors on different steps).
+            self._wait(dist.all_reduce(stats, op=dist.ReduceOp.SUM, async_op=True),
+                       abortable=False)
         except Exception as e:
             raise _Failure("gradient_sync", None, tuple(range(self.comm.world_size)), e) from e
         return stats.cpu()

@@ -64,6 +64,32 @@ class Comm:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def abandon(self) -> None:
+        """Drop this generation's groups at once, even with collectives in flight.
+
+        `destroy()` waits for pending work (gloo: up to the collective timeout; measured here:
+        9 s left of a 10 s timeout), and a gloo wait cannot be aborted. After a failure the
+        elastic layer instead unregisters every group from torch.distributed (as destroy does)
+        WITHOUT shutting them down, and keeps the objects referenced in `_ABANDONED` so that no
+        destructor blocks either: their pending work fails at its own timeout, in the
+        background, and nobody waits for it. The next generation's `init` then starts clean.
+        Uses torch.distributed's private registry (`distributed_c10d._world`)."""
+        if not dist.is_initialized():
+            return
+        c10d = dist.distributed_c10d
+        world = c10d._world
+        _ABANDONED.extend(world.pg_names.keys())
+        c10d._update_default_pg(None)
+        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                      world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
+            table.clear()
+        c10d._unregister_all_process_groups()
+        world.group_count = 0
+
+
+_ABANDONED: list[dist.ProcessGroup] = []
+"""Groups dropped by `Comm.abandon` (kept alive on purpose: see there)."""
+
 
 @dataclass
 class PlanGroups:

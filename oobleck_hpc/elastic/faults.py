@@ -1,0 +1,87 @@
+"""Fault injection: the job file's `faults:` entries, fired from inside the workers.
+
+    faults:
+      - {node: 1, step: 3, phase: backward, kind: kill}
+      - {node: 2, step: 3, phase: reconfiguration, kind: kill}
+
+`node` is the index in the job's initial node order (the roster: node0, node1, ...), `step` the
+training step (0-based, `engine.state.step`) during which the fault fires, `phase` where:
+forward, backward, gradient_sync, optimizer (the engine's `on_phase` hook: the moment the step
+enters that phase on a worker of the node) or reconfiguration (the reconfigure driver, after the
+survivors agreed and before the groups are rebuilt, while recovering at that step). A fault
+fires at most once per process; the first worker of the node to get there fires it for the node.
+
+Kinds, all acting on the whole node -- the node agent and its workers share one process group
+(the local launcher starts each agent in its own session; under Slurm each srun task is one):
+
+- kill: SIGKILL to the node's process group: agent and workers vanish at once, as when a machine
+  dies (peers see dropped connections).
+- hang: SIGSTOP to the node's process group: everything stops and nothing is closed (peers see
+  silence: lease expiry, collective timeouts). Whoever runs the test resumes or kills it.
+- exit: a clean exit: every worker of the node that reaches the fault (or whose step fails at the
+  fault's step) says `done(0)` to its agent and exits 0; the agent then leaves the job (BYE).
+
+Each firing is written to the run's events first (`fault_injected`, with the time), so recovery
+can be timed from the fault.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from oobleck_hpc.config import FaultConfig
+from oobleck_hpc.elastic.events import EventLog
+
+
+@dataclass
+class FaultInjector:
+    """The faults of one node, as seen by one of its workers. Call it as the engine's on_phase."""
+
+    faults: Sequence[FaultConfig]
+    """The job's faults for THIS node only."""
+    node: str
+    local_rank: int
+    events: EventLog | None = None
+    client: Any = None
+    """The worker's AgentClient (for `exit`: tell the agent the exit is intended)."""
+    fired: set[int] = field(default_factory=set)
+
+    @classmethod
+    def for_node(cls, faults: Sequence[FaultConfig], node_index: int, node: str, local_rank: int,
+                 events: EventLog | None = None, client: Any = None) -> FaultInjector:
+        return cls([f for f in faults if f.node == node_index], node, local_rank, events, client)
+
+    def __call__(self, phase: str, step: int) -> None:
+        for i, f in enumerate(self.faults):
+            if i not in self.fired and f.phase == phase and f.step == step:
+                self.fired.add(i)
+                self.fire(f)
+
+    def on_failed_step(self, step: int) -> None:
+        """A step failed: a node that is to exit cleanly at this step exits now (its worker may
+        have been stopped by the exit of a local peer before it reached the fault's phase)."""
+        for i, f in enumerate(self.faults):
+            if f.kind == "exit" and f.step == step and i not in self.fired:
+                self.fired.add(i)
+                self.fire(f)
+
+    def fire(self, f: FaultConfig) -> None:
+        if self.events is not None:
+            self.events.emit("fault_injected", node=self.node, local_rank=self.local_rank,
+                             step=f.step, phase=f.phase, fault=f.kind)
+            self.events.close()
+        print(f"[{self.node}/{self.local_rank}] injecting fault: {f.kind} node {self.node} at "
+              f"step {f.step} ({f.phase})", flush=True)
+        if f.kind == "kill":
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif f.kind == "hang":
+            os.killpg(os.getpgid(0), signal.SIGSTOP)
+        elif f.kind == "exit":
+            if self.client is not None:
+                self.client.done(0)
+            os._exit(0)
+        else:  # config validation admits only the three kinds above
+            raise ValueError(f"unknown fault kind {f.kind!r}")

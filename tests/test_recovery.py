@@ -1,0 +1,206 @@
+"""In-place recovery end to end: real node agents, real workers (gloo, CPU), faults from the job file.
+
+Each case is one local job (`LocalRun`: one agent per pretend node, 2 workers each) carrying its
+faults; training must continue on the survivors, and the losses of every step and the final
+parameters must equal ONE failure-free single-process reference of the same job (computed once
+per session, `engine.Reference`), within 1e-5 relative. The model is built in float64 in the
+workers (OOBLECK_DEFAULT_DTYPE) and in the reference: in fp32 AdamW turns rounding noise of
+near-zero gradients into visible parameter differences (tests/test_engine.py), in fp64 any
+error in the replayed step, the re-split batch or the copied optimizer state shows at once.
+
+Cases: one node killed in each phase; f = 2 nodes killed at once; the node that hosts the
+store and coordinates generation 0 (node0) killed; a node killed while the survivors
+reconfigure; a node hung (SIGSTOP). Exceeding the guarantee raises the typed error at once
+(a unit test of the driver: with gpt-tiny's n0 = 1 no local job can lose every replica and keep
+a quorum). Every job runs under a hard timeout and its processes are killed by pid at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from oobleck_hpc.config import job_from_dict
+from oobleck_hpc.elastic.events import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 5
+TOL = 1e-5
+
+
+def job_dict(run_dir: Path, nodes: int = 4, f: int = 1, faults=()) -> dict:
+    return {
+        "name": "recovery-test",
+        "model": {"name": "gpt-tiny", "seed": 0},
+        "train": {"steps": STEPS, "microbatch_size": 2, "global_microbatches": 8, "lr": 1e-3,
+                  "warmup_steps": 2, "log_every": 1},
+        "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 2, "device": "cpu"},
+        "fault_tolerance": {"f": f, "collective_timeout_s": 3.0, "heartbeat_s": 0.2,
+                            "lease_s": 1.0},
+        "profile": {"library": str(ROOT / "profiles")},
+        "run_dir": str(run_dir),
+        "faults": list(faults),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The failure-free run: the same job in one process, fp64 (losses, final parameters)."""
+    from oobleck_hpc.data import dataset_for
+    from oobleck_hpc.engine import Reference
+    from oobleck_hpc.models.base import build_model
+
+    job = job_from_dict(job_dict(Path("/nonexistent")))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = build_model(job.model)
+        ref = Reference(job, model, dataset_for(job.data, model.seq_len))
+        losses = [ref.step() for _ in range(STEPS)]
+        params = {i: {n: p.detach().clone() for n, p in m.named_parameters()}
+                  for i, m in enumerate(ref.layers)}
+    finally:
+        torch.set_default_dtype(old)
+    return losses, params
+
+
+def run_job(tmp_path: Path, **kw) -> tuple[int, list[dict], Path]:
+    from oobleck_hpc.launch.local import LocalRun
+
+    run_dir = tmp_path / "run"
+    data = job_dict(run_dir, **kw)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    job = job_from_dict(data, str(path))
+    metrics = run_dir / "metrics.jsonl"
+    run = LocalRun(job, path, run_dir, metrics, kill_grace_s=10.0, console=False,
+                   extra_env={"OOBLECK_DEFAULT_DTYPE": "float64",
+                              "OOBLECK_FINAL_STATE": str(run_dir / "final")})
+    code = run.run()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return code, rows, run_dir
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
+
+
+def check_equal_to_reference(code: int, rows: list[dict], run_dir: Path, reference,
+                             lost: set[str]) -> list[dict]:
+    ref_losses, ref_params = reference
+    logs = run_dir / "logs"
+    assert code == 0, f"job exit code {code} (logs: {logs})"
+    assert [r["step"] for r in rows] == list(range(STEPS)), rows
+    np.testing.assert_allclose([r["loss"] for r in rows], ref_losses, rtol=TOL)
+    for layer, params in ref_params.items():
+        got = torch.load(run_dir / "final" / f"layer-{layer}.pt")
+        for name, value in params.items():
+            assert rel(got[name], value) <= TOL, f"layer {layer} {name}: {rel(got[name], value)}"
+    events = read_events(run_dir / "events.jsonl")
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert recovered, f"no recovery happened (events: {run_dir / 'events.jsonl'})"
+    assert set(recovered[-1]["lost"]) == lost
+    assert rows[-1]["generation"] >= 1
+    return events
+
+
+PHASES = [("forward", 1, 1), ("backward", 2, 2), ("gradient_sync", 3, 2), ("optimizer", 1, 3)]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("phase,node,step", PHASES, ids=[p[0] for p in PHASES])
+def test_kill_one_node_in_each_phase(tmp_path, reference, phase, node, step):
+    code, rows, run_dir = run_job(tmp_path, faults=[
+        {"node": node, "step": step, "phase": phase, "kind": "kill"}])
+    events = check_equal_to_reference(code, rows, run_dir, reference, {f"node{node}"})
+    kinds = {e["kind"] for e in events}
+    assert {"fault_injected", "step_failed", "membership_agreed", "plan_chosen",
+            "groups_rebuilt", "state_transferred", "recovered"} <= kinds
+
+
+@pytest.mark.timeout(150)
+def test_kill_two_nodes_at_once(tmp_path, reference):
+    code, rows, run_dir = run_job(tmp_path, nodes=5, f=2, faults=[
+        {"node": 1, "step": 2, "phase": "backward", "kind": "kill"},
+        {"node": 3, "step": 2, "phase": "backward", "kind": "kill"}])
+    check_equal_to_reference(code, rows, run_dir, reference, {"node1", "node3"})
+
+
+@pytest.mark.timeout(150)
+def test_kill_store_host_and_coordinator(tmp_path, reference):
+    """node0 hosts generation 0's store and is the first node of the roster (rank 0)."""
+    code, rows, run_dir = run_job(tmp_path, faults=[
+        {"node": 0, "step": 2, "phase": "forward", "kind": "kill"}])
+    events = check_equal_to_reference(code, rows, run_dir, reference, {"node0"})
+    agreed = [e for e in events if e["kind"] == "membership_agreed"]
+    assert agreed and not agreed[-1]["store"].endswith(":0")
+
+
+@pytest.mark.timeout(150)
+def test_kill_during_reconfiguration(tmp_path, reference):
+    code, rows, run_dir = run_job(tmp_path, nodes=5, f=2, faults=[
+        {"node": 1, "step": 2, "phase": "forward", "kind": "kill"},
+        {"node": 3, "step": 2, "phase": "reconfiguration", "kind": "kill"}])
+    events = check_equal_to_reference(code, rows, run_dir, reference, {"node1", "node3"})
+    assert any(e["kind"] == "fault_injected" and e["phase"] == "reconfiguration" for e in events)
+
+
+@pytest.mark.timeout(150)
+def test_hang_node(tmp_path, reference):
+    code, rows, run_dir = run_job(tmp_path, faults=[
+        {"node": 2, "step": 2, "phase": "forward", "kind": "hang"}])
+    check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
+
+
+@pytest.mark.timeout(30)
+def test_guarantee_exceeded_raises_at_once():
+    """Fewer than n0 survivors (no replica left): recover() raises GuaranteeExceeded before any
+    communication (the training loop then falls back to the last checkpoint)."""
+    import time
+
+    from oobleck_hpc.elastic.client import Membership
+    from oobleck_hpc.elastic.driver import ElasticDriver
+    from oobleck_hpc.errors import GuaranteeExceeded
+    from oobleck_hpc.planning import plan_job
+    from oobleck_hpc.profiling import resolve_profile
+
+    job = job_from_dict(job_dict(Path("/nonexistent")))
+    profile = resolve_profile(job)
+    nodes = [f"node{i}" for i in range(4)]
+    _, templates, plan = plan_job(job, profile, nodes)
+
+    class FakeClient:
+        node, local_rank = "node0", 0
+        reports: list = []
+
+        def report_failure(self, kind, detail="", suspects=()):
+            self.reports.append((kind, list(suspects)))
+
+        def wait_membership(self, after_gen=-1, timeout=None):
+            # the agreed survivors: fewer than n0 = 1 nodes keep no replica at all
+            return Membership(1, (), tuple(nodes), "node0", "127.0.0.1", 1)
+
+    class FakeEngine:
+        state = None
+
+        def close(self):
+            pass
+
+    driver = ElasticDriver(job, None, profile, None, torch.device("cpu"), FakeClient(),
+                           events=_NullEvents())
+    driver.plan, driver.templates, driver.gen, driver.engine = plan, templates, 0, FakeEngine()
+    t0 = time.monotonic()
+    with pytest.raises(GuaranteeExceeded):
+        driver.recover(3, "forward", "peer died", None)
+    assert time.monotonic() - t0 < 5
+    assert FakeClient.reports == [("comm_error", [])]
+
+
+class _NullEvents:
+    def emit(self, kind, **fields):
+        return {}
