@@ -12,7 +12,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def test_plan_json_on_the_1024_node_example(capsys):
-    assert main(["plan", str(EXAMPLES / "gpt3-175b-1024.yaml"), "--json"]) == 0
+    assert main(["plan", str(EXAMPLES / "gpt3-175b-1024nodes.yaml"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"templates", "plan", "survivability", "planning_seconds"} <= set(out)
     plan = out["plan"]
@@ -31,7 +31,7 @@ def test_plan_json_on_the_1024_node_example(capsys):
 
 def test_plan_table_with_node_override(capsys, tmp_path):
     job = tmp_path / "job.yaml"
-    job.write_text((EXAMPLES / "gpt3-175b-1024.yaml").read_text().replace("f: 3", "f: 1"))
+    job.write_text((EXAMPLES / "gpt3-175b-1024nodes.yaml").read_text().replace("f: 3", "f: 1"))
     assert main(["plan", str(job), "--nodes", "64"]) == 0
     text = capsys.readouterr().out
     assert "64 nodes x 8 GPUs" in text and "templates (" in text and "survivability" in text
@@ -39,7 +39,7 @@ def test_plan_table_with_node_override(capsys, tmp_path):
 
 
 def test_too_few_nodes_exits_2_with_the_numbers(capsys):
-    code = main(["plan", str(EXAMPLES / "gpt3-175b-1024.yaml"), "--nodes", "20"])
+    code = main(["plan", str(EXAMPLES / "gpt3-175b-1024nodes.yaml"), "--nodes", "20"])
     assert code == 2
     err = capsys.readouterr().err
     assert "cannot hold f + 1 = 4 replicas" in err and "n0 =" in err
