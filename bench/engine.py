@@ -16,16 +16,20 @@ Steady state: the first `--warmup` steps are dropped; a step's time is the slowe
 (ranks leave the step together: the final all-reduce is a barrier); the median is reported.
 Data: the job's corpus (memory-mapped token file, re-mapped by every worker).
 
-Keys of --json (top level = the planner's plan, else "hetero"): engine_step_s,
+Keys of --json (top level = the job's configuration, the planner's plan): engine_step_s,
 reference_step_s, ratio (engine / reference), predicted_step_s, prediction_error
-(|predicted - measured| / measured); dp_engine_step_s, ddp_step_s, dp_ratio_vs_ddp; and
-"cases" with every case's figures.
+(|predicted - measured| / measured); dp_engine_step_s, ddp_step_s, dp_ratio_vs_ddp; "cases"
+with every case's figures; and "fit_cores": the same for the job resized to this machine's
+cores (nodes = cores // gpus_per_node, f lowered if needed) when the job has more ranks than
+cores -- the profile is measured one process per core, so only there does the cost model's
+prediction describe the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -82,6 +86,70 @@ def hand_plans(job, profile, nodes: list[str]) -> dict[str, Plan]:
     return out
 
 
+def bench(job, steps: int, warmup: int, rounds: int) -> dict:
+    """Every case of one job configuration in one pool (see module docstring)."""
+    from oobleck_hpc.planning import plan_job
+
+    job.fault_tolerance.collective_timeout_s = 120.0
+    profile = resolve_profile(job)
+    model = build_model(job.model)
+    seq_len = job.data.seq_len or model.seq_len
+    data = dataset_for(job.data, seq_len)  # pickles as (path, seq_len): workers re-map it
+    pool = WorkerPool(job.cluster.nodes, job.cluster.gpus_per_node)
+    try:
+        nodes = pool.node_names
+        plans = hand_plans(job, profile, nodes)
+        try:
+            plans = {"planner": plan_job(job, profile, nodes)[2], **plans}
+        except PlanningError as e:
+            print(f"no planner case: {e}", file=sys.stderr)
+        best: dict[str, float] = {}
+
+        def measure(key: str, kind: str, plan: Plan | None) -> None:
+            res = pool.run(kind, job, plan, steps + warmup, data, timeout_s=150,
+                           return_params=False)
+            t = steady(res, warmup)
+            best[key] = min(best.get(key, t), t)
+
+        for _ in range(rounds):
+            measure("reference", "reference", None)
+            for name, plan in plans.items():
+                measure(name, "engine", plan)
+            measure("ddp", "ddp", plans["pure_dp"])
+    finally:
+        pool.close()
+    reference_s, ddp_s = best["reference"], best["ddp"]
+    cases = {}
+    for name, plan in plans.items():
+        measured = best[name]
+        predicted = cost.plan_iteration_ms(plan, profile) / 1000.0
+        cases[name] = {
+            "engine_step_s": measured, "reference_step_s": reference_s,
+            "ratio": measured / reference_s, "predicted_step_s": predicted,
+            "prediction_error": abs(predicted - measured) / measured,
+            "pipelines": [f"{p.template.num_nodes}n/{p.template.num_stages}st x{p.microbatches}"
+                          for p in plan.pipelines],
+        }
+    top_name = next(k for k in ("planner", "hetero", "two_stage") if k in cases)
+    return {**{k: v for k, v in cases[top_name].items() if k != "pipelines"},
+            "plan": top_name,
+            "dp_engine_step_s": cases["pure_dp"]["engine_step_s"], "ddp_step_s": ddp_s,
+            "dp_ratio_vs_ddp": cases["pure_dp"]["engine_step_s"] / ddp_s,
+            "nodes": len(nodes), "ranks": len(nodes) * job.cluster.gpus_per_node,
+            "f": job.fault_tolerance.f, "cases": cases}
+
+
+def show(title: str, out: dict) -> None:
+    print(f"{title}: {out['nodes']} nodes, {out['ranks']} ranks, f = {out['f']}")
+    for name, c in out["cases"].items():
+        print(f"  {name:9s} engine {c['engine_step_s'] * 1e3:7.1f} ms  reference "
+              f"{c['reference_step_s'] * 1e3:7.1f} ms  ratio {c['ratio']:.2f}  predicted "
+              f"{c['predicted_step_s'] * 1e3:7.1f} ms  error {c['prediction_error']:.0%}  "
+              f"{' '.join(c['pipelines'])}")
+    print(f"  pure_dp vs DDP: {out['dp_engine_step_s'] * 1e3:.1f} ms vs "
+          f"{out['ddp_step_s'] * 1e3:.1f} ms = {out['dp_ratio_vs_ddp']:.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", default="examples/gpt-tiny-local.yaml")
@@ -90,73 +158,31 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2,
                     help="measure every case this many times, interleaved; keep the fastest "
                          "(a shared machine's load only ever adds time)")
-    ap.add_argument("--nodes", type=int, default=None,
-                    help="override cluster.nodes (1: 2 ranks, no oversubscription on 2 cores)")
+    ap.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
+    ap.add_argument("--no-fit-cores", action="store_true",
+                    help="skip the second configuration sized to this machine's cores")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     job = load_job(args.job, {"cluster.nodes": args.nodes} if args.nodes else None)
-    job.fault_tolerance.collective_timeout_s = 120.0
-    profile = resolve_profile(job)
-    model = build_model(job.model)
-    seq_len = job.data.seq_len or model.seq_len
-    data = dataset_for(job.data, seq_len)  # pickles as (path, seq_len): workers re-map it
-    steps = args.steps + args.warmup
-    pool = WorkerPool(job.cluster.nodes, job.cluster.gpus_per_node)
-    try:
-        nodes = pool.node_names
-        plans = hand_plans(job, profile, nodes)
-        from oobleck_hpc.planning import plan_job
-
-        try:
-            plans = {"planner": plan_job(job, profile, nodes)[2], **plans}
-        except PlanningError as e:  # e.g. --nodes 1 with f = 1: no plan, the hand-made cases run
-            print(f"no planner case: {e}", file=sys.stderr)
-        best: dict[str, float] = {}
-
-        def measure(key: str, kind: str, plan: Plan | None) -> float:
-            res = pool.run(kind, job, plan, steps, data, timeout_s=600, return_params=False)
-            t = steady(res, args.warmup)
-            best[key] = min(best.get(key, t), t)
-            return best[key]
-
-        for _ in range(args.rounds):
-            measure("reference", "reference", None)
-            for name, plan in plans.items():
-                measure(name, "engine", plan)
-            measure("ddp", "ddp", plans["pure_dp"])
-        reference_s, ddp_s = best["reference"], best["ddp"]
-        cases = {}
-        for name, plan in plans.items():
-            measured = best[name]
-            predicted = cost.plan_iteration_ms(plan, profile) / 1000.0
-            cases[name] = {
-                "engine_step_s": measured, "reference_step_s": reference_s,
-                "ratio": measured / reference_s, "predicted_step_s": predicted,
-                "prediction_error": abs(predicted - measured) / measured,
-                "pipelines": [f"{p.template.num_nodes}n/{p.template.num_stages}st x{p.microbatches}"
-                              for p in plan.pipelines],
-            }
-    finally:
-        pool.close()
-    top = cases.get("planner") or cases.get("hetero") or cases["two_stage"]
-    out = {**{k: v for k, v in top.items() if k != "pipelines"},
-           "plan": next(k for k in ("planner", "hetero", "two_stage") if k in cases),
-           "dp_engine_step_s": cases["pure_dp"]["engine_step_s"], "ddp_step_s": ddp_s,
-           "dp_ratio_vs_ddp": cases["pure_dp"]["engine_step_s"] / ddp_s,
-           "ranks": len(nodes) * job.cluster.gpus_per_node, "model": job.model.name,
-           "global_batch": job.train.global_microbatches * job.train.microbatch_size,
-           "cases": cases}
+    out = bench(job, args.steps, args.warmup, args.rounds)
+    out.update(model=job.model.name, cores=os.cpu_count(),
+               global_batch=job.train.global_microbatches * job.train.microbatch_size)
+    g = job.cluster.gpus_per_node
+    fit_nodes = max(1, (os.cpu_count() or 1) // g)
+    if not args.no_fit_cores and fit_nodes < job.cluster.nodes:
+        # The profile was measured one process per core; with more ranks than cores the ranks'
+        # compute shares the cores, which the cost model does not describe. Sized to the cores,
+        # the prediction is checked where its assumptions hold.
+        small = load_job(args.job, {"cluster.nodes": fit_nodes,
+                                    "fault_tolerance.f": min(job.fault_tolerance.f, fit_nodes - 1)})
+        out["fit_cores"] = bench(small, args.steps, args.warmup, args.rounds)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        for name, c in cases.items():
-            print(f"{name:8s} engine {c['engine_step_s'] * 1e3:7.1f} ms  reference "
-                  f"{c['reference_step_s'] * 1e3:7.1f} ms  ratio {c['ratio']:.2f}  predicted "
-                  f"{c['predicted_step_s'] * 1e3:7.1f} ms  error {c['prediction_error']:.0%}  "
-                  f"{' '.join(c['pipelines'])}")
-        print(f"pure_dp vs DDP: {out['dp_engine_step_s'] * 1e3:.1f} ms vs {ddp_s * 1e3:.1f} ms "
-              f"= {out['dp_ratio_vs_ddp']:.2f}")
+        show("job", out)
+        if "fit_cores" in out:
+            show("sized to the cores", out["fit_cores"])
     return 0
 
 

@@ -13,8 +13,10 @@ Results come back over pipes as numpy arrays (no shared-memory tensors).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -53,7 +55,10 @@ def node_name(i: int) -> str:
 
 def _worker(worker: int, gpus_per_node: int, store_port: int, conn) -> None:
     import datetime
+    import faulthandler
+    import signal
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks for stacks on a hang
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -216,7 +221,12 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
             cursor += sampler.global_batch
             times.append(time.perf_counter() - t0)
             losses.append(float(total))
-        return {"rank": rank, "times": times, "losses": losses, "params": {}}
+        out = {"rank": rank, "times": times, "losses": losses, "params": {}}
+        # Free DDP (its reducer holds the process group) BEFORE the group is destroyed: freeing
+        # it afterwards, on the way out of this frame, was seen to hang in the destructor.
+        del ddp
+        gc.collect()
+        return out
     finally:
         comm.destroy()
 
@@ -275,7 +285,12 @@ class WorkerPool:
         deadline = time.monotonic() + timeout_s
         for w, c in enumerate(self.conns):
             if not c.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"worker {w} did not finish {kind} within {timeout_s} s")
+                stuck = [i for i, cc in enumerate(self.conns) if i >= w and not cc.poll(0)]
+                for i in stuck:  # print their Python stacks on stderr (faulthandler)
+                    os.kill(self.procs[i].pid, signal.SIGUSR1)
+                time.sleep(2.0)
+                raise TimeoutError(f"workers {stuck} did not finish {kind} (generation "
+                                   f"{self.generation}) within {timeout_s} s; stacks above")
             status, value = c.recv()
             if status == "error":
                 errors.append(f"worker {w}: {value}")
