@@ -4,4 +4,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source scripts/env.sh
-oobleck-hpc plan examples/gpt-tiny-local.yaml "$@"
+oobleck-hpc plan examples/gpt-tiny-local.yaml
+oobleck-hpc run examples/gpt-tiny-local.yaml "$@"
