@@ -14,6 +14,9 @@
    surviving node has recorded its exit code, it takes the verdict itself: 75 -> `scontrol
    requeue` (resume from the checkpoint), else `scancel` (sacct then shows CANCELLED; the truth
    is in DIR/launch-TAG.json, written by this wrapper with finished_by=NODE).
+4. Points the training's per-step metrics at DIR/metrics.jsonl (OOBLECK_METRICS, unless the
+   environment already names a file), as `oobleck-hpc run` does for a local job: the current
+   plan's rank 0 appends one JSON line per committed step, on whichever node it runs.
 """
 
 from __future__ import annotations
@@ -125,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     exit_dir.mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # the agent got it too (same task)
-    child = subprocess.Popen(agent)
+    env = dict(os.environ)
+    env.setdefault("OOBLECK_METRICS", str(run_dir / "metrics.jsonl"))
+    child = subprocess.Popen(agent, env=env)
     while True:
         try:
             rc = child.wait()

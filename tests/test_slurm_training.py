@@ -1,0 +1,236 @@
+"""Real training (gpt-tiny, oobleck_hpc.train under the node agents) under the real local Slurm
+controller of slurm/dev-cluster.sh, compared against a failure-free single-process reference.
+
+Each test submits ONE small 4-node job (1 worker per node, CPU, gloo) and checks:
+- through `oobleck-hpc submit --wait` and through `sbatch slurm/train.sbatch`: the job finishes,
+  sacct shows one job id, the losses equal the reference within 1e-5;
+- a non-batch node killed (`dev-cluster.sh kill-node n3`) at a step observed in the metrics file:
+  the job goes on on 3 nodes inside the same allocation (same job id, no requeue in sacct), the
+  events show the recovery, every loss (before and after) equals the reference within 1e-5;
+- a node frozen (`freeze-node n2`, SIGSTOP): found by the agents' lease expiry, same outcome.
+
+The workers build the model in float64 (OOBLECK_DEFAULT_DTYPE, as tests/test_recovery.py does
+and for the same reason: in fp64 any error in the replayed step, the re-split batch or the moved
+optimizer state shows at once). The job inherits the test's environment (sbatch exports it):
+OOBLECK_DEFAULT_DTYPE and OOBLECK_FINAL_STATE reach the workers that way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from oobleck_hpc.config import job_from_dict
+from oobleck_hpc.elastic.events import read_events
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+TOL = 1e-5
+
+
+def job_dict(run_dir: Path, name: str) -> dict:
+    return {
+        "name": name,
+        "run_dir": str(run_dir),
+        "model": {"name": "gpt-tiny", "seed": 0},
+        "train": {"steps": STEPS, "microbatch_size": 2, "global_microbatches": 4, "lr": 1e-3,
+                  "warmup_steps": 2, "log_every": 1},
+        "cluster": {"launch": "slurm", "nodes": 4, "gpus_per_node": 1, "device": "cpu"},
+        "fault_tolerance": {"f": 1, "collective_timeout_s": 5.0, "heartbeat_s": 0.5,
+                            "lease_s": 3.0},
+        # no measured profile for 1 worker per node: the analytic one (plans differ, losses not)
+        "profile": {"library": str(run_dir / "no-profiles"), "analytic": True, "device": "A40"},
+        "slurm": {"time_min": 5},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The failure-free run: the same job in one process, fp64 (the losses of every step)."""
+    from oobleck_hpc.data import dataset_for
+    from oobleck_hpc.engine import Reference
+    from oobleck_hpc.models.base import build_model
+
+    job = job_from_dict(job_dict(Path("/nonexistent"), "reference"))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = build_model(job.model)
+        ref = Reference(job, model, dataset_for(job.data, model.seq_len))
+        losses = [ref.step() for _ in range(STEPS)]
+        params = {i: {n: p.detach().clone() for n, p in m.named_parameters()}
+                  for i, m in enumerate(ref.layers)}
+    finally:
+        torch.set_default_dtype(old)
+    return losses, params
+
+
+def wait_until(predicate, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def write_job(tmp_path: Path, name: str, monkeypatch) -> tuple[Path, Path]:
+    run_dir = tmp_path / name
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job_dict(run_dir, name)))
+    monkeypatch.setenv("OOBLECK_DEFAULT_DTYPE", "float64")
+    monkeypatch.setenv("OOBLECK_FINAL_STATE", str(run_dir / "final"))
+    return path, run_dir
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return rows
+
+
+def sacct_states(job_id: str) -> list[tuple[str, str]]:
+    """(JobID, State) of every record of the job, all its runs (-D: requeues included)."""
+    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job_id, "-o", "JobID,State"],
+                         capture_output=True, text=True, check=True).stdout
+    return [tuple(line.split("|")[:2]) for line in out.splitlines() if line.strip()]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
+
+
+def check_run(run_dir: Path, job_id: str, reference, lost: set[str]) -> list[dict]:
+    """Losses and final parameters equal the reference; one job id, never requeued; the events
+    show a recovery from exactly `lost` (none when empty)."""
+    ref_losses, ref_params = reference
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS)), f"{rows} (logs: {run_dir}/logs)"
+    np.testing.assert_allclose([r["loss"] for r in rows], ref_losses, rtol=TOL)
+    for layer, params in ref_params.items():
+        got = torch.load(run_dir / "final" / f"layer-{layer}.pt")
+        for name, value in params.items():
+            assert rel(got[name], value) <= TOL, f"layer {layer} {name}: {rel(got[name], value)}"
+    # sacct may lag the controller by a moment (slurmdbd): wait for the final state.
+    states = wait_until(lambda: (s := sacct_states(job_id)) and all(
+        st == "COMPLETED" for _, st in s) and s, 30, f"sacct to show job {job_id} COMPLETED")
+    assert {jid for jid, _ in states} == {job_id}, states
+    assert "REQUEUED" not in {st for _, st in states}, states
+    events = read_events(run_dir / "events.jsonl")
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    if lost:
+        assert recovered, f"no recovery in {run_dir / 'events.jsonl'}"
+        assert set(recovered[-1]["lost"]) == lost
+        assert rows[-1]["generation"] >= 1
+    else:
+        assert not recovered and rows[-1]["generation"] == 0
+    return events
+
+
+@pytest.mark.timeout(90)
+def test_submit_command_trains_to_the_reference(slurm_cluster, tmp_path, monkeypatch, reference):
+    path, run_dir = write_job(tmp_path, "submit", monkeypatch)
+    out = subprocess.run([sys.executable, "-m", "oobleck_hpc", "submit", str(path), "--wait"],
+                         capture_output=True, text=True, timeout=80, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout[out.stdout.index("{"):])
+    assert result["exit_code"] == 0 and result["lost_nodes"] == []
+    assert result["nodes"] == ["n1", "n2", "n3", "n4"]
+    check_run(run_dir, result["job_id"], reference, set())
+
+
+@pytest.mark.timeout(90)
+def test_sbatch_script_trains_to_the_reference(slurm_cluster, tmp_path, monkeypatch, reference):
+    path, run_dir = write_job(tmp_path, "sbatch", monkeypatch)
+    monkeypatch.setenv("OOBLECK_PYTHON", sys.executable)
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=4", "--time=5",
+                          f"--output={tmp_path}/sbatch-%j.out", str(ROOT / "slurm/train.sbatch"),
+                          str(path)], capture_output=True, text=True, check=True, cwd=tmp_path)
+    job_id = out.stdout.strip().split(";")[0]
+    try:
+        state = wait_until(lambda: (st := _job_state(job_id)) not in (
+            "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "") and st, 80,
+            f"job {job_id} to end", every=0.5)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    log = (tmp_path / f"sbatch-{job_id}.out").read_text(errors="replace")
+    assert state == "COMPLETED", f"{state}\n{log}"
+    check_run(run_dir, job_id, reference, set())
+
+
+def _job_state(job_id: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
+    for word in out.stdout.split():
+        if word.startswith("JobState="):
+            return word.removeprefix("JobState=")
+    # The controller forgot a finished job (MinJobAge): ask the accounting.
+    states = sacct_states(job_id)
+    return states[-1][1] if states else ""
+
+
+def run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, name: str, action: str,
+                   node: str) -> dict:
+    """Submit, wait for step 2 to commit, do `dev-cluster.sh ACTION NODE`, let the job finish;
+    check it against the reference. Returns figures (seconds from the fault to the first step
+    committed after it)."""
+    from oobleck_hpc.bootstrap import current_job_nodes
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.launch import submit
+
+    path, run_dir = write_job(tmp_path, name, monkeypatch)
+    submitted = submit(load_job(path))
+    try:
+        wait_until(lambda: len(metrics(run_dir)) >= 2, 60, "step 1 to commit")
+        t_fault = time.time()
+        at = len(metrics(run_dir))
+        subprocess.run([str(slurm_cluster), action, node], check=True, capture_output=True)
+        try:
+            wait_until(lambda: node not in current_job_nodes(submitted.job_id), 40,
+                       f"Slurm to drop {node} from job {submitted.job_id}", every=0.5)
+        finally:
+            if action == "freeze-node":
+                subprocess.run([str(slurm_cluster), "thaw-node", node], check=True,
+                               capture_output=True)
+        result = submitted.result()
+    finally:
+        subprocess.run(["scancel", submitted.job_id], capture_output=True)
+    assert at < STEPS - 1, f"the fault came too late: {at} steps had committed"
+    assert (result.job_id, result.restart_count) == (submitted.job_id, 0)
+    assert result.exit_code == 0 and result.lost_nodes == [node], result
+    events = check_run(run_dir, submitted.job_id, reference, {node})
+    after = [r for r in metrics(run_dir) if r["time"] > t_fault and r["generation"] >= 1]
+    recovered = [e for e in events if e["kind"] == "recovered"][-1]
+    return {"fault_at_step": at, "fault_to_first_step_s": round(after[0]["time"] - t_fault, 2),
+            "recovery_s": recovered["seconds"]}
+
+
+@pytest.mark.timeout(120)
+def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, monkeypatch, reference):
+    figures = run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, "kill", "kill-node",
+                             "n3")
+    print("kill n3:", figures)
+
+
+@pytest.mark.timeout(120)
+def test_frozen_node_recovered_in_place(slurm_cluster, tmp_path, monkeypatch, reference):
+    figures = run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, "freeze",
+                             "freeze-node", "n2")
+    print("freeze n2:", figures)
