@@ -101,8 +101,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
 
 
 def job_output(out: str, err: str, run_dir: Path) -> str:
-    """What the launcher printed and what the workers wrote to the per-node logs, if any."""
-    logs = sorted((run_dir / "logs").glob("*")) if (run_dir / "logs").is_dir() else []
+    """What the launcher printed and what the workers wrote to the per-node logs of every
+    attempt (RUN_DIR/logs-attempt<k>/, RUN_DIR/logs/), if any."""
+    logs = sorted(f for d in run_dir.glob("logs*") if d.is_dir() for f in d.iterdir())
     return "\n".join([out, err, *(f.read_text(errors="replace") for f in logs)])
 
 

@@ -22,12 +22,14 @@ machine `oobleck-hpc run` plays that role with `run_with_requeue`:
 
 Metrics: the launcher starts each attempt's metrics file afresh; `MetricsHistory` puts the
 earlier attempts' lines back in front once an attempt ends, so the file holds every step of
-every attempt (a step replayed after a fallback appears once per attempt that ran it).
+every attempt (a step replayed after a fallback appears once per attempt that ran it). The
+per-node logs of a requeued attempt (RUN_DIR/logs) are kept as RUN_DIR/logs-attempt<k>.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -119,6 +121,10 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
                 history.after(index)
             if attempt.code != EXIT_REQUEUE:
                 return attempt.code, attempts
+            if (run_dir / "logs").is_dir():  # the next attempt's agents start new logs
+                kept = run_dir / f"logs-attempt{index}"
+                shutil.rmtree(kept, ignore_errors=True)  # an earlier launch's
+                os.replace(run_dir / "logs", kept)
             record = _read_record(run_dir) or {}
             attempt.reason = str(record.get("reason") or "exit 75")
             alive = record.get("nodes")
