@@ -4,7 +4,8 @@ the measured one. All in ONE pool of worker processes (the same processes run ev
 
     python bench/engine.py [--json] [--job examples/gpt-tiny-local.yaml] [--steps 12]
 
-Cases (nodes x gpus_per_node ranks from the job):
+The job file gives the model and optimizer; the benchmark sets its own sizes (--nodes 4,
+--global-microbatches 16, no injected faults). Cases (nodes x gpus_per_node ranks):
 - "planner": the plan `planning.plan_job` computes for the job's nodes (when the planner exists);
 - "hetero":  a hand-made plan with pipelines of different templates (one with a 2-GPU stage),
              its templates' times computed by the planner's cost model (templates.make_template);
@@ -158,13 +159,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2,
                     help="measure every case this many times, interleaved; keep the fastest "
                          "(a shared machine's load only ever adds time)")
-    ap.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
+    ap.add_argument("--nodes", type=int, default=4, help="cluster.nodes for the benchmark")
+    ap.add_argument("--global-microbatches", type=int, default=16,
+                    help="train.global_microbatches for the benchmark (>= 1 per pipeline)")
     ap.add_argument("--no-fit-cores", action="store_true",
                     help="skip the second configuration sized to this machine's cores")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    job = load_job(args.job, {"cluster.nodes": args.nodes} if args.nodes else None)
+    sizes = {"cluster.nodes": args.nodes, "train.global_microbatches": args.global_microbatches,
+             "faults": []}
+    job = load_job(args.job, sizes)
     out = bench(job, args.steps, args.warmup, args.rounds)
     out.update(model=job.model.name, cores=os.cpu_count(),
                global_batch=job.train.global_microbatches * job.train.microbatch_size)
@@ -174,7 +179,7 @@ def main() -> int:
         # The profile was measured one process per core; with more ranks than cores the ranks'
         # compute shares the cores, which the cost model does not describe. Sized to the cores,
         # the prediction is checked where its assumptions hold.
-        small = load_job(args.job, {"cluster.nodes": fit_nodes,
+        small = load_job(args.job, {**sizes, "cluster.nodes": fit_nodes,
                                     "fault_tolerance.f": min(job.fault_tolerance.f, fit_nodes - 1)})
         out["fit_cores"] = bench(small, args.steps, args.warmup, args.rounds)
     if args.json:
