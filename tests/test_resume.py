@@ -4,8 +4,9 @@
   every rank leaves with 75 and the job resumes from the checkpoint of step 4; the local requeue
   role starts it again on the 3 nodes it has, which gives a different plan (other templates,
   rank count and batch split); every loss equals the single-process reference within 1e-5.
-- SIGUSR2 reaches ONE worker (Slurm's pre-timeout signal): all ranks agree to stop at the same step
-  boundary, save that step, exit 75; the requeued job resumes from exactly that step.
+- SIGTERM (preemption) reaches ONE worker: all ranks agree to stop at the same step boundary,
+  save that step, exit 75; the requeued job resumes from exactly that step. (SIGUSR2, the
+  pre-timeout signal, takes the same path: tests/test_resume_slurm.py sends it through Slurm.)
 - The watchdog's contract holds for a real run: run.json, job.lock, heartbeat, exit.json, and
   `oobleck-hpc watch RUN_DIR --once` sees the job finished.
 - The requeue loop itself (no processes): bounded, node counts from requeue.json, metrics kept.
@@ -191,12 +192,12 @@ def _workers(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_usr2_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(tmp_path):
+def test_sigterm_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(tmp_path):
     # No periodic checkpoints: the only one is the one the signal asks for. The signal goes out
     # once the third step is logged; 150 steps (~50 ms each) leave it time to arrive mid-run.
     steps = 150
-    job = write_job(tmp_path, "usr2", every_steps=0, steps=steps)
-    run_dir = tmp_path / "usr2"
+    job = write_job(tmp_path, "term", every_steps=0, steps=steps)
+    run_dir = tmp_path / "term"
     proc = start_run(job)
     try:
         def logged() -> int:
@@ -210,7 +211,7 @@ def test_usr2_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(tmp
             time.sleep(0.01)
         workers = _workers(proc.pid)
         assert workers, "no worker processes found"
-        os.kill(workers[-1], signal.SIGUSR2)  # one rank only; the others learn it from the vote
+        os.kill(workers[-1], signal.SIGTERM)  # one rank only; the others learn it from the vote
     except BaseException:
         kill_run(proc)
         proc.communicate()
@@ -218,7 +219,7 @@ def test_usr2_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(tmp
     code, out, err = finish(proc, 100)
     assert code == 0, out + err
     text = job_output(out, err, run_dir)
-    assert "received SIGUSR2" in text and "attempt 0 exited 75" in err, text
+    assert "received SIGTERM" in text and "attempt 0 exited 75" in err, text
     stopped = {line.split("] ", 1)[-1].split(":")[0]: int(line.split("stopping at step ")[1].split()[0])
                for line in text.splitlines() if "stopping at step " in line}
     assert len(stopped) == 4 and len(set(stopped.values())) == 1, stopped  # all ranks, one step

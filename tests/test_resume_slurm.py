@@ -1,0 +1,95 @@
+"""Checkpoint + requeue + exact resume under a real Slurm controller (slurm/dev-cluster.sh).
+
+A real training job (gpt-tiny, 4 nodes x 1 worker: the node agents and oobleck_hpc.train) is
+submitted with `oobleck_hpc.launch.submit`. The pre-timeout signal (USR2, as `--signal=USR2@90`
+sends it before the time limit) reaches the job's steps: every rank stops at one step boundary
+and saves that step, the agents exit 75, the launch driver asks Slurm to requeue, the same job id
+comes back (SLURM_RESTART_COUNT=1), restores that exact step and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_job(tmp_path: Path, name: str, steps: int) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name,
+        "run_dir": str(tmp_path / name),
+        "model": {"name": "gpt-tiny", "seed": 0},
+        "data": {"cache_dir": str(ROOT / ".cache" / "oobleck_hpc")},
+        "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": 8, "lr": 1e-3,
+                  "warmup_steps": 2},
+        "cluster": {"launch": "slurm", "nodes": 4, "gpus_per_node": 1, "device": "cpu"},
+        "fault_tolerance": {"f": 1, "collective_timeout_s": 20},
+        "profile": {"library": str(tmp_path / "no-profiles"), "analytic": True, "device": "A40"},
+        "checkpoint": {"dir": str(tmp_path / name / "ckpt"), "every_steps": 0},
+        "slurm": {"time_min": 5},
+    }))
+    return path
+
+
+def wait_until(predicate, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def logs(run_dir: Path, pattern: str) -> str:
+    return "\n".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob(pattern)))
+
+
+@pytest.mark.timeout(170)
+def test_usr2_checkpoints_requeues_and_resumes_the_exact_step(slurm_cluster, tmp_path):
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.launch.slurm import submit
+
+    steps = 150  # ~0.1 s each here: the signal comes after a few, run 1 does the rest
+    run_dir = tmp_path / "usr2"
+    submitted = submit(load_job(write_job(tmp_path, "usr2", steps)))
+    job_id = submitted.job_id
+    try:
+        def heartbeat() -> int:
+            try:
+                return json.loads((run_dir / "heartbeat").read_text())["step"]
+            except (OSError, ValueError, KeyError):
+                return -1
+
+        wait_until(lambda: heartbeat() >= 3, 90, "the job to train a few steps")
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+        result = submitted.result()
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)  # no-op once it completed
+    assert (result.job_id, result.restart_count, result.exit_code) == (job_id, 1, 0), result
+    first = json.loads((run_dir / f"launch-{job_id}-r0.json").read_text())
+    assert first["exit_code"] == 75 and first["lost_nodes"] == [], first
+
+    # Run 0: every rank stopped at the same step, after receiving the signal.
+    r0 = logs(run_dir, f"agent-{job_id}-r0-*")
+    stopped = {int(s) for s in re.findall(r"stopping at step (\d+)", r0)}
+    assert "received SIGUSR2" in r0 and len(stopped) == 1, r0
+    step = stopped.pop()
+    assert 0 < step < steps
+    # Run 1 (the same job id, SLURM_RESTART_COUNT=1) restored exactly that step and finished.
+    r1 = logs(run_dir, f"agent-{job_id}-r1-*")
+    assert f"restored step {step} (cursor {step * 16})" in r1, r1
+    assert json.loads((run_dir / "heartbeat").read_text())["step"] == steps
+    rows = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job_id, "-o", "JobID,State"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert sum("REQUEUED" in r for r in rows) == 1, rows
