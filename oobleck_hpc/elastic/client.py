@@ -163,12 +163,19 @@ class AgentClient:
         """Announce an intended exit with `code` (call right before exiting)."""
         self._send({"type": "done", "code": code})
 
-    def exchange(self, key: str, value: Any, timeout: float) -> dict[str, list[Any]]:
+    def exchange(self, key: str, value: Any, timeout: float,
+                 gen: int | None = None) -> dict[str, list[Any]]:
         """All-gather `value` (JSON-serialisable) among the current generation's nodes.
         Returns node -> [value of each local rank]. Raises Superseded if a membership round
-        opened first (redo it after the next membership), Fenced, or TimeoutError."""
+        opened first (redo it after the next membership), Fenced, or TimeoutError. `gen`: the
+        generation the value was computed for; Superseded at once if a newer one is known
+        (else the exchange would run under the newer generation with a stale value)."""
         m = self.membership
-        gen = m.gen if m is not None else 0
+        current = m.gen if m is not None else 0
+        if gen is not None and gen != current:
+            raise Superseded(f"exchange {key!r} for generation {gen}: generation {current} "
+                             "was decided meanwhile")
+        gen = current
         self._send({"type": "exchange", "gen": gen, "key": key, "value": value})
         deadline = time.monotonic() + timeout
         with self._cond:

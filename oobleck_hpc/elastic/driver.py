@@ -130,9 +130,10 @@ class ElasticDriver:
         from oobleck_hpc.planning import plan_job
 
         m = self.client.wait_membership(timeout=self.store_timeout_s)
+        self.gen = m.gen
         _, self.templates, plan = plan_job(self.job, self.profile, list(m.nodes))
         self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s)
-        self.plan, self.gen = plan, m.gen
+        self.plan = plan
         return plan, self.comm
 
     def build_engine(self, state=None, layer_states=None):
@@ -164,7 +165,11 @@ class ElasticDriver:
                 self._committed()
                 return result
             if result is not None:
-                why, peer, phase = repr(result.error), result.peer, result.phase
+                why, phase = repr(result.error), result.phase
+                # Name the peer only when its connection broke (its process died). An aborted
+                # wait or a timeout says nothing about the peer: it may itself be waiting on
+                # the failed node, and a false suspicion would fence a healthy node.
+                peer = result.peer if _peer_died(result.error) else None
             self.recover(self.engine.state.step, phase, why, peer)
 
     def _committed(self) -> None:
@@ -254,7 +259,8 @@ class ElasticDriver:
                       f"{[p.template.num_nodes for p in new_plan.pipelines]} nodes", flush=True)
             try:
                 mine = [self.base_plan.digest(), new_plan.digest(), state.step, state.cursor]
-                values = self.client.exchange(f"recover-{m.gen}", mine, timeout=self.agree_s)
+                values = self.client.exchange(f"recover-{m.gen}", mine, timeout=self.agree_s,
+                                              gen=m.gen)
                 other = [v for per_node in values.values() for v in per_node if v != mine]
                 if other:
                     raise RecoveryError(
@@ -263,6 +269,8 @@ class ElasticDriver:
                         "falling back to the last checkpoint")
                 if self.faults is not None:
                     self.faults("reconfiguration", state.step)
+                if self._round_opened():  # the exchange may have completed here only
+                    raise Superseded(f"generation {m.gen} superseded before regrouping")
                 t3 = time.time()
                 comm, groups = self._regroup(m, new_plan, self.rendezvous_s)
                 t4 = time.time()
@@ -313,9 +321,14 @@ class ElasticDriver:
         from oobleck_hpc.engine import Comm, PlanGroups, default_backend
 
         rank = plan.rank_of(self.node, self.local_rank)
+        host = self.client.hosts_store(m)
+        if not host:
+            # TCPStore's client backs off up to a second between connection attempts; the host
+            # is starting right now, so poll its port cheaply first.
+            _wait_port(m.store_host, m.store_port, timeout_s, self._round_opened)
         old = self.store
         self.store = dist.TCPStore(m.store_host, m.store_port,
-                                   is_master=self.client.hosts_store(m),
+                                   is_master=host,
                                    wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         del old
@@ -361,6 +374,29 @@ class ElasticDriver:
                 e.close()
         self._teardown(clean=True)
         self.store = None
+
+
+def _wait_port(host: str, port: int, timeout_s: float, abort=None) -> None:
+    """Until host:port accepts connections; Superseded as soon as abort() (a newer round: the
+    host may have moved on and will never open this store)."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if abort is not None and abort():
+            raise Superseded(f"a newer membership round opened while waiting for the store "
+                             f"{host}:{port}")
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.005)
+
+
+def _peer_died(error: BaseException | None) -> bool:
+    text = str(error)
+    return any(m in text for m in ("Connection closed by peer", "Connection reset by peer",
+                                   "Broken pipe"))
 
 
 def describe_recoveries(recoveries: list[Recovery]) -> str:
