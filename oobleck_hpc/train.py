@@ -175,7 +175,12 @@ def main() -> int:
             progress.active = driver.rank == 0
             progress.step(result)
             # Periodic checkpoint, heartbeat; a stop signal saves and leaves for a requeue (75).
-            if (code := ckpt.after_step(driver.engine)) is not None:
+            try:
+                code = ckpt.after_step(driver.engine)
+            except RuntimeError as e:  # a node lost between steps (the save's all-reduce)
+                driver.recover(driver.engine.state.step, "checkpoint", repr(e), None)
+                continue
+            if code is not None:
                 return code
         code = EXIT_OK
         ckpt.finish(driver.engine)
