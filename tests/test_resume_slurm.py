@@ -1,10 +1,18 @@
 """Checkpoint + requeue + exact resume under a real Slurm controller (slurm/dev-cluster.sh).
 
 A real training job (gpt-tiny, 4 nodes x 1 worker: the node agents and oobleck_hpc.train) is
-submitted with `oobleck_hpc.launch.submit`. The pre-timeout signal (USR2, as `--signal=USR2@90`
-sends it before the time limit) reaches the job's steps: every rank stops at one step boundary
-and saves that step, the agents exit 75, the launch driver asks Slurm to requeue, the same job id
-comes back (SLURM_RESTART_COUNT=1), restores that exact step and finishes.
+submitted with `oobleck_hpc.launch.submit`.
+
+- The pre-timeout signal (USR2, as `--signal=USR2@90` sends it before the time limit) reaches the
+  job's steps: every rank stops at one step boundary and saves that step, the agents exit 75, the
+  launch driver asks Slurm to requeue, the same job id comes back (SLURM_RESTART_COUNT=1),
+  restores that exact step and finishes.
+- The batch node dies together with the other replica of its layers (beyond f=1): the survivors
+  fall back, the last one asks Slurm to requeue (the driver died with its node), and the job comes
+  back and resumes from its latest periodic checkpoint. (The batch node alone is an ordinary node
+  loss under --no-kill, recovered in place: tests/test_slurm_training.py.)
+
+~2.5 min on 2 cores.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ def test_usr2_checkpoints_requeues_and_resumes_the_exact_step(slurm_cluster, tmp
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch.slurm import submit
 
-    steps = 150  # ~0.1 s each here: the signal comes after a few, run 1 does the rest
+    steps = 100  # ~0.1 s each here: the signal comes after a few, run 1 does the rest
     run_dir = tmp_path / "usr2"
     submitted = submit(load_job(write_job(tmp_path, "usr2", steps)))
     job_id = submitted.job_id
@@ -93,3 +101,62 @@ def test_usr2_checkpoints_requeues_and_resumes_the_exact_step(slurm_cluster, tmp
     rows = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", job_id, "-o", "JobID,State"],
                           capture_output=True, text=True, check=True).stdout.split()
     assert sum("REQUEUED" in r for r in rows) == 1, rows
+
+
+@pytest.mark.timeout(175)
+def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_cluster, tmp_path):
+    """Two nodes die at once, the batch host (driver) and the other pipeline's replica of the
+    batch host's layers: beyond f=1. The survivors fall back (exit 75); with the driver gone the
+    last of them asks Slurm to requeue (slurm_task); the same job id comes back once the nodes
+    are back and resumes from the latest periodic checkpoint."""
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.launch.slurm import submit
+
+    steps = 80
+    job_file = write_job(tmp_path, "batch", steps)
+    data = yaml.safe_load(job_file.read_text())
+    data["checkpoint"]["every_steps"] = 5
+    job_file.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "batch"
+    submitted = submit(load_job(job_file))
+    job_id = submitted.job_id
+    try:
+        def heartbeat() -> int:
+            try:
+                return json.loads((run_dir / "heartbeat").read_text())["step"]
+            except (OSError, ValueError, KeyError):
+                return -1
+
+        wait_until(lambda: heartbeat() >= 12, 90, "the first checkpoints")
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                             check=True).stdout
+        batch_host = re.search(r"BatchHost=(\S+)", out).group(1)
+        # The plan (printed by rank 0): pipelines of stages "L<a>-<b>@<node>:<gpu>".
+        plan = logs(run_dir, f"agent-{job_id}-r0-*")
+        stages = [re.findall(r"L(\d+)-(\d+)@(\w+):", line)
+                  for line in plan.splitlines() if re.match(r"\s*pipeline \d+:", line)]
+        mine = next(p for p in stages if any(n == batch_host for _, _, n in p))
+        lo, hi = next((int(a), int(b)) for a, b, n in mine if n == batch_host)
+        other = next(n for p in stages if p is not mine for a, b, n in p
+                     if int(a) <= hi and lo <= int(b))  # holds some of the same layers
+        # At once (in parallel): one after the other, the survivors recover from the first loss
+        # in place (~0.3 s) and then from the second.
+        kills = [subprocess.Popen([str(slurm_cluster), "kill-node", node],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for node in (batch_host, other)]
+        assert all(k.wait(timeout=30) == 0 for k in kills)
+        wait_until(lambda: "Restarts=1" in subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout,
+            60, "Slurm to requeue the job")
+        subprocess.run([str(slurm_cluster), "up"], check=True, capture_output=True, timeout=120)
+        result = submitted.result()
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    assert (result.job_id, result.restart_count, result.exit_code) == (job_id, 1, 0), result
+    first = json.loads((run_dir / f"launch-{job_id}-r0.json").read_text())
+    assert first["exit_code"] == 75 and sorted(first["lost_nodes"]) == sorted([batch_host, other])
+    assert first["finished_by"] not in (batch_host, other), first
+    r1 = logs(run_dir, f"agent-{job_id}-r1-*")
+    restored = [int(s) for s in re.findall(r"restored step (\d+) \(cursor (?:\d+)\)", r1)]
+    assert len(set(restored)) == 1 and restored[0] >= 10 and restored[0] % 5 == 0, r1
+    assert json.loads((run_dir / "heartbeat").read_text())["step"] == steps

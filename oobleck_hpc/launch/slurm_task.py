@@ -82,6 +82,24 @@ def _hostnames(hostlist: str) -> list[str]:
     return out.split()
 
 
+def _slurmd_alive(node: str, timeout_s: float = 2.0) -> bool:
+    """Whether `node`'s slurmd accepts a TCP connection (NodeAddr and Port from scontrol; True
+    when they are unknown: then the controller's view stands)."""
+    import socket
+
+    out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True,
+                         timeout=60).stdout
+    fields = dict(re.findall(r"(?:^|\s)(\w+)=(\S*)", out))
+    addr, port = fields.get("NodeAddr"), fields.get("Port", "")
+    if not addr or not port.isdigit():
+        return True
+    try:
+        socket.create_connection((addr, int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def finish_without_driver(run_dir: Path, tag: str, node: str) -> None:
     """If the batch host left the job and every survivor has exited, end the job (module doc)."""
     job_id = os.environ.get("SLURM_JOB_ID")
@@ -89,10 +107,14 @@ def finish_without_driver(run_dir: Path, tag: str, node: str) -> None:
         return
     fields = _job_fields(job_id)
     current = _hostnames(fields.get("NodeList", "")) if fields.get("NodeList") else []
-    if fields.get("BatchHost") in current or not current:
-        return  # the driver lives: it takes the verdict
     exit_dir = run_dir / "exit" / tag
     codes = read_codes(exit_dir)
+    # The controller drops a dead node only after SlurmdTimeout (~10 s here), and agents that
+    # fall back (exit 75) right after a node loss are faster: a node whose slurmd refuses
+    # connections is dead already, batch host included (else nobody would requeue the job).
+    current = [n for n in current if n in codes or _slurmd_alive(n)]
+    if fields.get("BatchHost") in current or not current:
+        return  # the driver lives: it takes the verdict
     if any(n not in codes for n in current):
         return  # another survivor is still running; the last one finishes
     roster = json.loads((run_dir / "roster.json").read_text())
