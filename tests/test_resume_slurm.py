@@ -63,7 +63,7 @@ def logs(run_dir: Path, pattern: str) -> str:
     return "\n".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob(pattern)))
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(240)
 def test_usr2_checkpoints_requeues_and_resumes_the_exact_step(slurm_cluster, tmp_path):
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch.slurm import submit
@@ -103,7 +103,7 @@ def test_usr2_checkpoints_requeues_and_resumes_the_exact_step(slurm_cluster, tmp
     assert sum("REQUEUED" in r for r in rows) == 1, rows
 
 
-@pytest.mark.timeout(175)
+@pytest.mark.timeout(240)
 def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_cluster, tmp_path):
     """Two nodes die at once, the batch host (driver) and the other pipeline's replica of the
     batch host's layers: beyond f=1. The survivors fall back (exit 75); with the driver gone the
@@ -112,7 +112,7 @@ def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_c
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch.slurm import submit
 
-    steps = 80
+    steps = 50
     job_file = write_job(tmp_path, "batch", steps)
     data = yaml.safe_load(job_file.read_text())
     data["checkpoint"]["every_steps"] = 5
@@ -127,7 +127,7 @@ def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_c
             except (OSError, ValueError, KeyError):
                 return -1
 
-        wait_until(lambda: heartbeat() >= 12, 90, "the first checkpoints")
+        wait_until(lambda: heartbeat() >= 7, 90, "the first checkpoint")
         out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
                              check=True).stdout
         batch_host = re.search(r"BatchHost=(\S+)", out).group(1)
@@ -158,5 +158,5 @@ def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_c
     assert first["finished_by"] not in (batch_host, other), first
     r1 = logs(run_dir, f"agent-{job_id}-r1-*")
     restored = [int(s) for s in re.findall(r"restored step (\d+) \(cursor (?:\d+)\)", r1)]
-    assert len(set(restored)) == 1 and restored[0] >= 10 and restored[0] % 5 == 0, r1
+    assert len(set(restored)) == 1 and restored[0] >= 5 and restored[0] % 5 == 0, r1
     assert json.loads((run_dir / "heartbeat").read_text())["step"] == steps
