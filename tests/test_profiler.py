@@ -95,6 +95,12 @@ def test_profiler_on_gpt_tiny_round_trips_and_verifies(measured, capsys):
     assert block.param_bytes == 4 * (12 * d * d + 13 * d) and block.grad_bytes == block.param_bytes
     assert block.output_bytes == 4 * b * t * d and p.layers[-1].output_bytes == 4 * b * t * v
     assert all(x.forward_ms > 0 and x.backward_ms > 0 for x in p.layers)
+    # schema 2: times at 1 .. mb rows (the last is the full microbatch) and the optimizer step
+    assert fp.schema_version == 2
+    assert all(len(x.forward_rows_ms) == len(x.backward_rows_ms) == b for x in p.layers)
+    assert all(x.forward_rows_ms[-1] == x.forward_ms and x.backward_rows_ms[-1] == x.backward_ms
+               and min(x.forward_rows_ms + x.backward_rows_ms) > 0 and x.optimizer_ms > 0
+               for x in p.layers)
     assert all(x.activation_bytes >= x.output_bytes for x in p.layers[1:])
     assert p.machine.p2p_intra.bandwidth > 0 and p.machine.allreduce_intra.latency_ms >= 0
     profiler._reporter(6)(5, p.layers[5])  # outside a TTY: one plain line per layer, no bar
@@ -205,9 +211,12 @@ def test_check_step_compares_the_planner_with_a_real_step(capsys):
     from oobleck_hpc.profiling.store import load_profile
 
     p = load_profile(REPO / "profiles" / "gpt-tiny" / "cpu" / "float32-mb2.h5")
-    # one stage on one GPU: the planner's 1F1B time is m x (sum of forward + backward)
+    # one stage on one GPU: the planner's 1F1B time is m x (sum of forward + backward) plus one
+    # optimizer step (the real step below runs it too)
+    assert all(x.optimizer_ms > 0 for x in p.layers)
     assert profiler.predicted_single_gpu_step_ms(p, 4) == pytest.approx(
-        4 * sum(x.forward_ms + x.backward_ms for x in p.layers))
+        4 * sum(x.forward_ms + x.backward_ms for x in p.layers)
+        + sum(x.optimizer_ms for x in p.layers))
     job = load_job(REPO / "examples" / "gpt-tiny-local.yaml")
     t = profiler.measure_step_ms(job, 2, warmup=1, repeats=2)
     assert t.wall_ms > 0 and t.wall_iqr_ms >= 0 and t.cpu_ms > 0

@@ -12,6 +12,7 @@ import pytest
 from oobleck_hpc.errors import ProfileError
 from oobleck_hpc.profiling import store
 from oobleck_hpc.profiling.profile import (
+    SCHEMA_VERSION,
     Fingerprint,
     LayerProfile,
     LinkCost,
@@ -33,7 +34,12 @@ def make_profile(model="toy", device="cpu", mb=2, dtype="float32", layers=3, sca
     ls = tuple(LayerProfile(name=f"layer{i} é", forward_ms=scale * (1.5 + i), backward_ms=3.25 * scale,
                             param_bytes=1000 * (i + 1), grad_bytes=1000 * (i + 1),
                             optimizer_bytes=2000 * (i + 1), activation_bytes=12345 + i,
-                            output_bytes=4096, forward_spread_ms=0.01, backward_spread_ms=0.02)
+                            output_bytes=4096, forward_spread_ms=0.01, backward_spread_ms=0.02,
+                            optimizer_ms=0.125 * (i + 1),
+                            forward_rows_ms=tuple(scale * (1.5 + i) * (r + 2) / (mb + 2)
+                                                  for r in range(1, mb + 1)),
+                            backward_rows_ms=tuple(3.25 * scale * (r + 1) / (mb + 1)
+                                                   for r in range(1, mb + 1)))
                for i in range(layers))
     return ModelProfile(fp, machine, ls)
 
@@ -102,12 +108,36 @@ def test_checksum_mismatch_and_load_never_modifies(tmp_path):
         store.load_profile(path)
 
 
+def test_schema_1_file_is_still_read(tmp_path):
+    """A schema 1 file (no optimizer_ms, no per-row times) loads with those fields empty, and
+    its checksum still covers its own datasets."""
+    import dataclasses
+
+    v2 = make_profile()
+    fp1 = dataclasses.replace(v2.fingerprint, schema_version=1)
+    v1 = ModelProfile(fp1, v2.machine, tuple(
+        dataclasses.replace(x, optimizer_ms=0.0, forward_rows_ms=(), backward_rows_ms=())
+        for x in v2.layers))
+    path = tmp_path / "v1.h5"
+    store.save_profile(v2, path)
+    with h5py.File(path, "r+") as f:
+        for name in ("optimizer_ms", "forward_rows_ms", "backward_rows_ms"):
+            del f["layers"][name]
+        f.attrs["schema_version"] = 1
+        f.attrs["checksum_sha256"] = store.profile_checksum(v1)
+    assert store.load_profile(path) == v1
+    with h5py.File(path, "r+") as f:
+        f["layers"]["forward_ms"][0] = 99.0
+    with pytest.raises(ProfileError, match="checksum mismatch"):
+        store.load_profile(path)
+
+
 def test_wrong_schema_and_foreign_file(tmp_path):
     path = tmp_path / "p.h5"
     store.save_profile(make_profile(), path)
     with h5py.File(path, "r+") as f:
         f.attrs["schema_version"] = 99
-    with pytest.raises(ProfileError, match=r"schema_version 99.*reads schema 1"):
+    with pytest.raises(ProfileError, match=rf"schema_version 99.*reads schema {SCHEMA_VERSION}"):
         store.load_profile(path)
     other = tmp_path / "other.h5"
     with h5py.File(other, "w") as f:

@@ -12,7 +12,12 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Schema history: 1 = per-layer times at the full microbatch only; 2 adds per-layer
+`optimizer_ms` and the compute times at every row count 1..microbatch_size
+(`forward_rows_ms`, `backward_rows_ms`). The store still reads schema 1 files (those fields
+empty / zero) and writes schema 2."""
+READ_SCHEMAS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,15 @@ class LayerProfile:
     forward_spread_ms: float = 0.0
     """Spread (interquartile range) of the repeated measurement; 0 for analytic profiles."""
     backward_spread_ms: float = 0.0
+    optimizer_ms: float = 0.0
+    """One optimizer step (the engine's AdamW) over this layer's parameters; 0 when not measured
+    (analytic profiles, schema 1 files)."""
+    forward_rows_ms: tuple[float, ...] = ()
+    """Forward time at microbatch rows 1, 2, .., microbatch_size (the last equals forward_ms):
+    what a k-GPU stage, which gives each GPU ceil(rows / k) of them, really runs. Empty when not
+    measured (planning/cost.py says what the planner assumes then)."""
+    backward_rows_ms: tuple[float, ...] = ()
+    """Backward time at rows 1, 2, .., microbatch_size, like forward_rows_ms."""
 
     @property
     def state_bytes(self) -> int:

@@ -17,6 +17,11 @@ Layers (one at a time, in model order, at the job's microbatch size, sequence le
   sizes of their unique storages, parameters excluded (they are counted as parameters; a view of
   a storage counts the whole storage because the whole storage stays alive); output bytes = the
   layer's output tensor (what the next stage receives).
+- Row counts: besides the full microbatch, forward and backward are timed on its first r rows
+  for r = 1 .. microbatch_size - 1 (`forward_rows_ms`, `backward_rows_ms`): a k-GPU stage runs
+  ceil(mb / k) rows per GPU, and small row counts are less efficient than a 1/k share.
+- Optimizer: one step of the engine's AdamW (`engine.optim.make_optimizer`) over the layer's
+  parameters, timed like the layers (`optimizer_ms`).
 - On CPU the layers run with `cpu_threads` torch threads (default 1, as the engine's CPU workers).
 - bfloat16 jobs run the forward under `torch.autocast(dtype=torch.bfloat16)` with float32 weights,
   exactly as the engine does.
@@ -136,6 +141,34 @@ def optimizer_state_bytes(layer: nn.Module, lr: float = 1e-4) -> int:
     return nbytes
 
 
+def optimizer_step_ms(layer: nn.Module, device: torch.device, options: "ProfilerOptions") -> float:
+    """Median time of one step of the engine's own optimizer (engine.optim.make_optimizer: fused
+    AdamW where available) over `layer`'s parameters, whose gradients are set. The layer's
+    parameters are restored afterwards."""
+    from oobleck_hpc.config import TrainConfig
+    from oobleck_hpc.engine.optim import make_optimizer
+
+    params = [p for p in layer.parameters() if p.requires_grad and p.grad is not None]
+    if not params:
+        return 0.0
+    saved = [p.detach().clone() for p in params]
+    opt = make_optimizer([layer], TrainConfig(), device)
+    times = []
+    for rep in range(options.warmup + options.repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if rep >= options.warmup:
+            times.append(1000 * (time.perf_counter() - t0))
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return _median_iqr(times)[0]
+
+
 class _Timer:
     """Forward/backward timing: CUDA events on GPU, perf_counter on CPU."""
 
@@ -203,17 +236,43 @@ def profile_layers(model: LayerModel, microbatch_size: int, seq_len: int, dtype:
             if inp.requires_grad:
                 inp.grad = None
 
-        fwd_ms, bwd_ms = [], []
-        for rep in range(options.warmup + options.repeats):
-            reset()
-            f, b = timer.run(forward, backward)
-            if rep >= options.warmup:
-                fwd_ms.append(f)
-                bwd_ms.append(b)
+        def timed(fwd: Callable[[], torch.Tensor], bwd: Callable[[torch.Tensor], None],
+                  clear: Callable[[], None]) -> tuple[list[float], list[float]]:
+            fs, bs = [], []
+            for rep in range(options.warmup + options.repeats):
+                clear()
+                f, b = timer.run(fwd, bwd)
+                if rep >= options.warmup:
+                    fs.append(f)
+                    bs.append(b)
+            return fs, bs
+
+        # Fewer rows: what one GPU of a k-GPU stage runs (its ceil(mb / k) rows of every
+        # microbatch; cost.layer_compute_ms). The last row count is the full microbatch.
+        rows_f, rows_b = [], []
+        for r in range(1, microbatch_size):
+            inp_r = inp[:r] if i == 0 else inp[:r].detach().requires_grad_(True)
+            tg_r, go_r = targets[:r], None if grad_out is None else grad_out[:r]
+
+            def fwd_r(inp_r=inp_r, tg_r=tg_r) -> torch.Tensor:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    out = layer(inp_r)
+                    return model.loss(out, tg_r).mean() if i == last else out
+
+            def clear_r(inp_r=inp_r) -> None:
+                reset()
+                if inp_r.requires_grad:
+                    inp_r.grad = None
+
+            fs, bs = timed(fwd_r, lambda out, go_r=go_r: out.backward(go_r), clear_r)
+            rows_f.append(_median_iqr(fs)[0])
+            rows_b.append(_median_iqr(bs)[0])
+        fwd_ms, bwd_ms = timed(forward, backward, reset)
         # memory: parameters, gradients (as left by the last backward), optimizer state, saved tensors
         param_bytes = _tensor_bytes(params)
         grad_bytes = _tensor_bytes(p.grad for p in params if p.grad is not None)
         opt_bytes = optimizer_state_bytes(layer)
+        opt_ms = optimizer_step_ms(layer, device, options)
         reset()
         act_bytes, out = saved_activation_bytes(forward, params)
         del out
@@ -222,7 +281,9 @@ def profile_layers(model: LayerModel, microbatch_size: int, seq_len: int, dtype:
         lp = LayerProfile(name=names[i], forward_ms=fwd_med, backward_ms=bwd_med,
                           param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=opt_bytes,
                           activation_bytes=act_bytes, output_bytes=output_bytes,
-                          forward_spread_ms=fwd_iqr, backward_spread_ms=bwd_iqr)
+                          forward_spread_ms=fwd_iqr, backward_spread_ms=bwd_iqr,
+                          optimizer_ms=opt_ms, forward_rows_ms=tuple(rows_f) + (fwd_med,),
+                          backward_rows_ms=tuple(rows_b) + (bwd_med,))
         out_layers.append(lp)
         if progress is not None:
             progress(i, lp)

@@ -13,7 +13,11 @@ File layout (one file per model x device x dtype x microbatch size; `h5dump FILE
     /layers/<field>        one 1-D dataset per LayerProfile field, one row per layer in model order:
                            name (UTF-8 strings), forward_ms, backward_ms, forward_spread_ms,
                            backward_spread_ms (float64), param_bytes, grad_bytes, optimizer_bytes,
-                           activation_bytes, output_bytes (int64)
+                           activation_bytes, output_bytes (int64); schema 2 adds
+                           optimizer_ms (float64) and forward_rows_ms, backward_rows_ms
+                           (float64, 2-D: one row per layer, column r-1 = time at r microbatch
+                           rows; 0 columns when not measured). Schema 1 files are still read
+                           (checksummed over their own datasets); new files are schema 2.
 
 `checksum_sha256` is the SHA-256 of a canonical serialisation of the datasets (field name, dtype,
 shape, raw little-endian bytes, in a fixed field order) followed by the canonical JSON of the
@@ -54,6 +58,7 @@ import numpy as np
 
 from oobleck_hpc.errors import ProfileError
 from oobleck_hpc.profiling.profile import (
+    READ_SCHEMAS,
     SCHEMA_VERSION,
     Fingerprint,
     LayerProfile,
@@ -67,7 +72,15 @@ SUFFIX = ".h5"
 _LINKS = ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter")
 _FLOAT_FIELDS = ("forward_ms", "backward_ms", "forward_spread_ms", "backward_spread_ms")
 _INT_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
-_LAYER_FIELDS = ("name",) + _FLOAT_FIELDS + _INT_FIELDS
+_V1_FIELDS = ("name",) + _FLOAT_FIELDS + _INT_FIELDS
+_ROWS_FIELDS = ("forward_rows_ms", "backward_rows_ms")
+_V2_FLOAT = ("optimizer_ms",)
+_LAYER_FIELDS = _V1_FIELDS + _V2_FLOAT + _ROWS_FIELDS
+"""Datasets of the schema this version writes (2); a schema 1 file has only _V1_FIELDS."""
+
+
+def _fields(schema: int) -> tuple[str, ...]:
+    return _V1_FIELDS if schema == 1 else _LAYER_FIELDS
 _FP_FIELDS = tuple(f.name for f in dataclasses.fields(Fingerprint))
 _FP_INT = {"microbatch_size", "gpus_per_node", "schema_version"}
 
@@ -104,6 +117,16 @@ def _layer_arrays(layers: tuple[LayerProfile, ...]) -> dict[str, np.ndarray]:
         arrays[f] = np.array([getattr(x, f) for x in layers], dtype="<f8")
     for f in _INT_FIELDS:
         arrays[f] = np.array([getattr(x, f) for x in layers], dtype="<i8")
+    for f in _V2_FLOAT:
+        arrays[f] = np.array([getattr(x, f) for x in layers], dtype="<f8")
+    for f in _ROWS_FIELDS:
+        widths = {len(getattr(x, f)) for x in layers}
+        if len(widths) > 1:
+            raise ProfileError(f"layers have {f} of different lengths {sorted(widths)}; every "
+                               f"layer must be measured at the same row counts")
+        width = widths.pop() if widths else 0
+        arrays[f] = np.array([list(getattr(x, f)) for x in layers],
+                             dtype="<f8").reshape(len(layers), width)
     return arrays
 
 
@@ -123,14 +146,15 @@ def _machine_attrs(machine: MachineProfile) -> dict[str, object]:
 
 def _checksum(arrays: dict[str, np.ndarray], fingerprint: Fingerprint, machine: MachineProfile) -> str:
     h = hashlib.sha256()
-    for name in _LAYER_FIELDS:
+    for name in _fields(fingerprint.schema_version):
         a = arrays[name]
         if name == "name":
             data = b"\0".join(a.tolist())
             h.update(f"{name}|str|{len(a)}|".encode())
         else:
             data = np.ascontiguousarray(a).tobytes()
-            h.update(f"{name}|{a.dtype.str}|{len(a)}|".encode())
+            shape = len(a) if a.ndim == 1 else "x".join(str(d) for d in a.shape)
+            h.update(f"{name}|{a.dtype.str}|{shape}|".encode())
         h.update(data)
     meta = {"fingerprint": asdict(fingerprint), "machine": _machine_attrs(machine)}
     h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
@@ -274,10 +298,11 @@ def load_profile(path: str | Path) -> ModelProfile:
                 raise ProfileError(f"{path} is HDF5 but not an oobleck_hpc profile (format "
                                    f"attribute {fmt!r}, expected {FORMAT!r}). {fix}")
             schema = _attr(f, "schema_version", path, "/")
-            if schema != SCHEMA_VERSION:
+            if schema not in READ_SCHEMAS:
                 raise ProfileError(f"{path} has schema_version {schema}, this version of oobleck_hpc "
-                                   f"reads schema {SCHEMA_VERSION}. Fix: re-create the profile with "
-                                   f"this version (`oobleck-hpc profile JOB.yaml`)")
+                                   f"reads schema {SCHEMA_VERSION} (and older: "
+                                   f"{', '.join(map(str, READ_SCHEMAS))}). Fix: re-create the "
+                                   f"profile with this version (`oobleck-hpc profile JOB.yaml`)")
             fp_values = {}
             for name in _FP_FIELDS:
                 v = _attr(f, name, path, "/")
@@ -298,14 +323,18 @@ def load_profile(path: str | Path) -> ModelProfile:
                 **links)
             g = f["layers"]
             arrays: dict[str, np.ndarray] = {}
-            for name in _LAYER_FIELDS:
+            for name in _fields(schema):
                 if name not in g:
                     raise ProfileError(f"{path}: dataset '/layers/{name}' missing. {fix}")
                 if name == "name":
                     arrays[name] = np.array([s if isinstance(s, bytes) else s.encode()
                                              for s in g[name][()]], dtype=object)
                 else:
-                    arrays[name] = np.asarray(g[name][()], dtype="<f8" if name in _FLOAT_FIELDS else "<i8")
+                    arrays[name] = np.asarray(g[name][()], dtype="<i8" if name in _INT_FIELDS else "<f8")
+            for name in _ROWS_FIELDS:
+                if name in arrays and arrays[name].ndim != 2:
+                    raise ProfileError(f"{path}: dataset '/layers/{name}' has shape "
+                                       f"{arrays[name].shape}, expected (layers, rows). {fix}")
             lengths = {len(a) for a in arrays.values()}
             if len(lengths) != 1:
                 raise ProfileError(f"{path}: the /layers datasets have different lengths "
@@ -322,8 +351,10 @@ def load_profile(path: str | Path) -> ModelProfile:
                            f"written. {fix}")
     layers = tuple(
         LayerProfile(name=arrays["name"][i].decode("utf-8"),
-                     **{k: float(arrays[k][i]) for k in _FLOAT_FIELDS},
-                     **{k: int(arrays[k][i]) for k in _INT_FIELDS})
+                     **{k: float(arrays[k][i]) for k in _FLOAT_FIELDS + _V2_FLOAT if k in arrays},
+                     **{k: int(arrays[k][i]) for k in _INT_FIELDS},
+                     **{k: tuple(float(v) for v in arrays[k][i]) for k in _ROWS_FIELDS
+                        if k in arrays})
         for i in range(len(arrays["name"])))
     return ModelProfile(fingerprint=fingerprint, machine=machine, layers=layers)
 
