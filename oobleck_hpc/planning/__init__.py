@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.errors import PlanningError
+from oobleck_hpc.planning import cost
 from oobleck_hpc.planning.instantiate import instantiate
 from oobleck_hpc.planning.plan import Plan, Template
 from oobleck_hpc.planning.spec import NodeSpec, node_specification
@@ -36,12 +37,17 @@ def template_microbatches(global_microbatches: int, num_nodes: int, n0: int, f: 
 
 def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
              ) -> tuple[NodeSpec, dict[int, Template], Plan]:
-    """Node specification, templates and the initial plan of `job` on `nodes`."""
+    """Node specification, templates and the initial plan of `job` on `nodes`.
+
+    The templates are built from `cost.job_profile(job, profile)`: on a CPU host with more
+    workers than cores the layers' compute is scaled by the oversubscription (cost.py)."""
     G = profile.machine.gpus_per_node
     if G != job.cluster.gpus_per_node:
         raise PlanningError(f"profile has {G} GPUs per node but the job "
                             f"({job.source}) has cluster.gpus_per_node = {job.cluster.gpus_per_node}")
     f, B = job.fault_tolerance.f, job.train.global_microbatches
+    # A CPU host running more workers than cores: each pretend GPU gets a share of a core.
+    profile = cost.job_profile(job, profile)
     spec = node_specification(profile, len(nodes), f)
     m = template_microbatches(B, len(nodes), spec.n0, f)
     templates = build_templates(profile, spec.template_sizes, m)

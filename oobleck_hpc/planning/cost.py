@@ -9,16 +9,29 @@ gradient bytes g_l, state bytes (params + grads + optimizer), activation bytes k
 act_l, output bytes out_l.
 
 Stage compute (a k-GPU stage splits each microbatch's samples k ways and is data-parallel inside
-its node)::
+its node; its first GPU gets ceil(mb / k) of the mb rows and the stage waits for it)::
 
-    F_i = sum_l f_l / k_i
+    f_l(k), b_l(k) = the layer's measured time at ceil(mb / k) rows     (profile schema 2)
+                   = f_l / k, b_l / k                                   (analytic / schema 1)
+    F_i = sum_l f_l(k_i)
     y_i = sum_l allreduce_ms(intra, g_l, k_i)          in-stage gradient all-reduce, once a step
-    B_i = sum_l b_l / k_i + y_i / m_t                  its per-microbatch share (see below)
+    o_i = sum_l opt_l                                  the optimizer step (measured), once a step
+    B_i = sum_l b_l(k_i) + (y_i + o_i) / m_t           their per-microbatch share (see below)
     t_i = F_i + B_i
 
 `m_t` is the microbatch count the template was built for (`Template.microbatches`); charging the
-in-stage all-reduce as a per-microbatch share keeps the objective a sum plus a bottleneck (the
-bottleneck stage pays it exactly once over its m_t microbatches).
+once-a-step work as a per-microbatch share keeps the objective a sum plus a bottleneck (the
+bottleneck stage pays it exactly once over its m_t microbatches; another stage j is charged
+(y_j + o_j) / m_t in the fill and drain, a slight over-estimate).
+
+Shared CPU cores (`job_profile`, applied once, in planning.plan_job). A CPU profile is measured
+one worker per core; a job whose workers on one host outnumber its cores (the local launcher puts
+nodes x gpus_per_node workers on this machine) has every compute time above multiplied by::
+
+    s = max(1, workers_per_host / cores)               (1 on GPUs)
+
+s is a function of the job and the host only (never stored in a profile file) and fixed for the
+whole job, so every rank plans with the same number. Communication is not scaled.
 
 Point-to-point between stage i and i+1 (activation forward, gradient back; same size)::
 
@@ -54,9 +67,12 @@ parallel), so a pipeline of template t reduces in::
     w_t = max_i sum_{l in i} 2 * inter.time_ms(g_l)      (0 for a plan of a single pipeline)
 
 A plan runs its pipelines side by side; pipeline p (template t_p, m_p microbatches) reduces as
-soon as it drains, and the step ends with the slowest::
+soon as it drains, and the step ends with the slowest, then one all-reduce of two numbers (loss,
+squared gradient norm) among all R ranks of the plan::
 
-    step = max_p ( pipe_{t_p}(m_p) + w_{t_p} )
+    step = max_p ( pipe_{t_p}(m_p) + w_{t_p} )        plan_iteration_ms, what the planner minimises
+    z    = allreduce_ms(allreduce_inter, 16, R)        the same for every plan on the same nodes
+    predicted_step_ms = step + z
 
 The link of the cross-pipeline reduction is `allreduce_inter` of the machine (its replicas live
 on different nodes).
@@ -69,17 +85,73 @@ in-stage all-reduce: the layers of a stage are grouped into segments with the sa
 each segment is reduced by ONE ring all-reduce over all its holders, started during the last
 microbatch's backward. For a single-pipeline plan that ring is y_i (once a step); with several
 pipelines its cost is within w_t's per-layer bound, so charging y_i as well over-estimates by
-y_i. (2) The latency is paid once per segment, not once per layer. Not modelled at all: the
-optimizer step, one world all-reduce of two numbers (loss, squared norm) per step, and -- on a
-CPU machine running more ranks than cores -- the ranks' compute sharing the cores.
+y_i. (2) The latency is paid once per segment, not once per layer. The optimizer step (o_i)
+and the cores shared by more ranks than cores (s) are now modelled (above); still not modelled:
+one world all-reduce of two numbers (loss, squared norm) per step.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from dataclasses import replace
 
+from oobleck_hpc.config import JobConfig
 from oobleck_hpc.planning.plan import Plan, Template
-from oobleck_hpc.profiling.profile import LinkCost, ModelProfile
+from oobleck_hpc.profiling.profile import LayerProfile, LinkCost, ModelProfile
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; the machine's count otherwise)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def workers_per_host(job: JobConfig) -> int:
+    """Worker processes of `job` that share one host: with the local launcher every node agent
+    runs on this machine (nodes x gpus_per_node); under Slurm one node is one host."""
+    g = job.cluster.gpus_per_node
+    return job.cluster.nodes * g if job.cluster.launch == "local" else g
+
+
+def compute_oversubscription(device_name: str, workers: int, cores: int) -> float:
+    """s = max(1, workers / cores) on a CPU device, 1 on a GPU.
+
+    A CPU profile is measured one worker per core (1 torch thread each): each pretend GPU has a
+    core to itself. When `workers` processes share `cores` cores and all compute at once, each
+    one's compute takes s times longer. Communication is not scaled (measured as is)."""
+    if device_name != "cpu" or cores < 1:
+        return 1.0
+    return max(1.0, workers / cores)
+
+
+def job_compute_scale(job: JobConfig, profile: ModelProfile, cores: int | None = None) -> float:
+    """The oversubscription of `job` on this host for `profile`'s device (see
+    compute_oversubscription). Fixed for the whole job (computed from the job's configured
+    nodes, not from the survivors), so every rank, in every generation, plans with the same
+    number."""
+    return compute_oversubscription(profile.machine.device_name, workers_per_host(job),
+                                    host_cores() if cores is None else cores)
+
+
+def job_profile(job: JobConfig, profile: ModelProfile, cores: int | None = None) -> ModelProfile:
+    """The profile the planner uses for `job` on this host: compute scaled by job_compute_scale."""
+    return scale_compute(profile, job_compute_scale(job, profile, cores))
+
+
+def scale_compute(profile: ModelProfile, factor: float) -> ModelProfile:
+    """`profile` with every layer's compute times multiplied by `factor` (1 returns it as is).
+    Applied where the job is planned (planning.plan_job), never written to a profile file."""
+    if factor == 1.0:
+        return profile
+    layers = tuple(replace(x, forward_ms=x.forward_ms * factor, backward_ms=x.backward_ms * factor,
+                           optimizer_ms=x.optimizer_ms * factor,
+                           forward_rows_ms=tuple(v * factor for v in x.forward_rows_ms),
+                           backward_rows_ms=tuple(v * factor for v in x.backward_rows_ms))
+                   for x in profile.layers)
+    return replace(profile, layers=layers)
 
 
 def allreduce_ms(link: LinkCost, nbytes: float, participants: int) -> float:
@@ -106,9 +178,27 @@ def pipeline_iteration_ms(template: Template, microbatches: int) -> float:
     return sum(t) + 2.0 * sum(template.send_ms) + (microbatches - 1) * max(t)
 
 
+def layer_compute_ms(layer: LayerProfile, k: int, microbatch_size: int) -> tuple[float, float]:
+    """(f_l(k), b_l(k)): forward and backward of one layer on one GPU of a k-GPU stage.
+
+    The engine gives the first GPU of the stage ceil(mb / k) rows (schedule.split_rows), and the
+    stage waits for it: the measured time at that row count when the profile has it
+    (`forward_rows_ms`, schema 2), else the ideal split f_l / k, b_l / k (analytic profiles)."""
+    rows = -(-microbatch_size // k)
+    if k > 1 and 1 <= rows <= min(len(layer.forward_rows_ms), len(layer.backward_rows_ms)):
+        return layer.forward_rows_ms[rows - 1], layer.backward_rows_ms[rows - 1]
+    return layer.forward_ms / k, layer.backward_ms / k
+
+
 def stage_forward_ms(profile: ModelProfile, start: int, end: int, k: int) -> float:
     """F_i: forward of layers [start, end) on k GPUs sharing each microbatch's samples."""
-    return sum(profile.layers[l].forward_ms for l in range(start, end)) / k
+    mb = profile.fingerprint.microbatch_size
+    return sum(layer_compute_ms(profile.layers[l], k, mb)[0] for l in range(start, end))
+
+
+def stage_optimizer_ms(profile: ModelProfile, start: int, end: int) -> float:
+    """o_i: the optimizer step over the stage's layers (every GPU of the stage holds them all)."""
+    return sum(profile.layers[l].optimizer_ms for l in range(start, end))
 
 
 def stage_allreduce_ms(profile: ModelProfile, start: int, end: int, k: int) -> float:
@@ -119,9 +209,12 @@ def stage_allreduce_ms(profile: ModelProfile, start: int, end: int, k: int) -> f
 
 def stage_backward_ms(profile: ModelProfile, start: int, end: int, k: int,
                       microbatches: int) -> float:
-    """B_i: backward on k GPUs plus the per-microbatch share of the in-stage all-reduce."""
-    back = sum(profile.layers[l].backward_ms for l in range(start, end)) / k
-    return back + stage_allreduce_ms(profile, start, end, k) / max(1, microbatches)
+    """B_i: backward on k GPUs plus the per-microbatch share of the once-a-step work: the
+    in-stage all-reduce and the optimizer step."""
+    mb = profile.fingerprint.microbatch_size
+    back = sum(layer_compute_ms(profile.layers[l], k, mb)[1] for l in range(start, end))
+    once = stage_allreduce_ms(profile, start, end, k) + stage_optimizer_ms(profile, start, end)
+    return back + once / max(1, microbatches)
 
 
 def inflight_bound(gpus_after: int, layers_after: int) -> int:
@@ -176,6 +269,24 @@ def plan_iteration_ms(plan: Plan, profile: ModelProfile) -> float:
             sync_cache[key] = 0.0 if single else template_sync_ms(p.template, profile)
         worst = max(worst, pipeline_iteration_ms(p.template, p.microbatches) + sync_cache[key])
     return worst
+
+
+STATS_BYTES = 16
+"""The engine's per-step world all-reduce: (loss sum, squared gradient norm) in float64."""
+
+
+def step_stats_ms(profile: ModelProfile, ranks: int) -> float:
+    """z: the per-step all-reduce of STATS_BYTES over every rank of the plan (ring equation)."""
+    return allreduce_ms(profile.machine.allreduce_inter, STATS_BYTES, ranks)
+
+
+def predicted_step_ms(plan: Plan, profile: ModelProfile) -> float:
+    """What one engine step of `plan` takes: plan_iteration_ms + z (the statistics all-reduce
+    after every pipeline has reduced its gradients). z depends only on the number of ranks,
+    which is the same for every candidate plan on the same nodes, so the planner optimises
+    plan_iteration_ms alone and loses nothing."""
+    ranks = sum(p.template.num_nodes for p in plan.pipelines) * profile.machine.gpus_per_node
+    return plan_iteration_ms(plan, profile) + step_stats_ms(profile, ranks)
 
 
 def samples_per_second(plan: Plan, microbatch_size: int, iteration_ms: float) -> float:

@@ -72,8 +72,8 @@ def _arrays(profile: ModelProfile, microbatches: int) -> _Arrays:
     layers = profile.layers
     L, G = len(layers), profile.machine.gpus_per_node
     m = profile.machine
-    fwd = np.array([x.forward_ms for x in layers], dtype=np.float64)
-    bwd = np.array([x.backward_ms for x in layers], dtype=np.float64)
+    mb = profile.fingerprint.microbatch_size
+    opt = np.array([x.optimizer_ms for x in layers], dtype=np.float64)
     state = np.array([x.param_bytes + x.grad_bytes + x.optimizer_bytes for x in layers], dtype=np.int64)
     act = np.array([x.activation_bytes for x in layers], dtype=np.int64)
     grad = [x.grad_bytes for x in layers]
@@ -83,8 +83,7 @@ def _arrays(profile: ModelProfile, microbatches: int) -> _Arrays:
 
     a_idx, b_idx = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
     valid = b_idx > a_idx
-    Fp, Bp, Sp, Ap = prefix(fwd), prefix(bwd), prefix(state), prefix(act)
-    Fd, Bd = Fp[b_idx] - Fp[a_idx], Bp[b_idx] - Bp[a_idx]
+    Sp, Ap, Op = prefix(state), prefix(act), prefix(opt)
     Sd, Ad = Sp[b_idx] - Sp[a_idx], Ap[b_idx] - Ap[a_idx]
     time = np.full((G + 1, L + 1, L + 1), INF)
     fit = np.full((G + 1, L + 1, L + 1), -1, dtype=np.int64)
@@ -94,7 +93,12 @@ def _arrays(profile: ModelProfile, microbatches: int) -> _Arrays:
         # y: per-layer in-node all-reduce (cost.stage_allreduce_ms), summed by prefix
         y = np.array([cost.allreduce_ms(m.allreduce_intra, g, k) for g in grad], dtype=np.float64)
         Yp = prefix(y)
-        t = Fd / k + (Bd / k + (Yp[b_idx] - Yp[a_idx]) / max(1, microbatches))
+        # f_l(k), b_l(k): cost.layer_compute_ms (rows per GPU, or the ideal split)
+        fb = np.array([cost.layer_compute_ms(x, k, mb) for x in layers], dtype=np.float64)
+        Fp, Bp = prefix(fb[:, 0]), prefix(fb[:, 1])
+        Fd, Bd = Fp[b_idx] - Fp[a_idx], Bp[b_idx] - Bp[a_idx]
+        once = (Yp[b_idx] - Yp[a_idx]) + (Op[b_idx] - Op[a_idx])  # y_i + o_i, once a step
+        t = Fd + (Bd + once / max(1, microbatches))
         time[k] = np.where(valid, t, INF)
         room = k * (mem - Sd)  # k * state + inflight * act <= k * mem
         with np.errstate(divide="ignore"):
