@@ -132,7 +132,7 @@ class ElasticDriver:
         m = self.client.wait_membership(timeout=self.store_timeout_s)
         self.gen = m.gen
         _, self.templates, plan = plan_job(self.job, self.profile, list(m.nodes))
-        self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s)
+        self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s, arrive=True)
         self.plan = plan
         return plan, self.comm
 
@@ -315,7 +315,12 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ groups
 
-    def _regroup(self, m, plan, timeout_s: float):
+    def _regroup(self, m, plan, timeout_s: float, arrive: bool = False):
+        """Rendezvous on generation `m.gen`'s store and build the plan's groups. With `arrive`
+        (generation 0) every rank first waits, up to `timeout_s`, until all ranks reached the
+        store: torch bounds a process group's rendezvous by its collective timeout, which is
+        short on purpose, while ranks that are still importing torch on a loaded machine can
+        arrive seconds apart. Later generations skip it: survivors are already running."""
         import torch.distributed as dist
 
         from oobleck_hpc.engine import Comm, PlanGroups, default_backend
@@ -332,6 +337,8 @@ class ElasticDriver:
                                    wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         del old
+        if arrive:
+            _wait_arrivals(self.store, f"oobleck/gen{m.gen}/arrived", plan.world_size, timeout_s)
         comm = Comm.init(self.store, rank, plan.world_size, m.gen,
                          default_backend(self.device.type), self.timeout_s)
         self.comm = comm
@@ -374,6 +381,16 @@ class ElasticDriver:
                 e.close()
         self._teardown(clean=True)
         self.store = None
+
+
+def _wait_arrivals(store, key: str, world_size: int, timeout_s: float) -> None:
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while (arrived := store.add(key, 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {arrived} of {world_size} ranks reached the store "
+                               f"within {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 def _wait_port(host: str, port: int, timeout_s: float, abort=None) -> None:
