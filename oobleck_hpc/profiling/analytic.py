@@ -3,6 +3,9 @@
 For machines we do not have (the planner and the simulator at 1,024 GPUs). Labelled
 `source="analytic"` in the fingerprint. Pure arithmetic: no torch.
 
+Not modelled here (schema 2 fields left empty): `optimizer_ms` is 0 and there are no per-row
+times (`forward_rows_ms`), so the cost model charges a k-GPU stage the ideal split f / k.
+
 Model (a GPT of oobleck_hpc/models/configs.py, microbatch b samples of s tokens, width d,
 vocabulary V, MLP ratio r = 4). Layers: embedding, n_layer blocks, head (untied, as our models).
 
