@@ -51,22 +51,9 @@ def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=()) -> dict:
 @pytest.fixture(scope="module")
 def reference():
     """The failure-free run: the same job in one process, fp64 (losses, final parameters)."""
-    from oobleck_hpc.data import dataset_for
-    from oobleck_hpc.engine import Reference
-    from oobleck_hpc.models.base import build_model
+    from oobleck_hpc.engine import reference_run
 
-    job = job_from_dict(job_dict(Path("/nonexistent")))
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        model = build_model(job.model)
-        ref = Reference(job, model, dataset_for(job.data, model.seq_len))
-        losses = [ref.step() for _ in range(STEPS)]
-        params = {i: {n: p.detach().clone() for n, p in m.named_parameters()}
-                  for i, m in enumerate(ref.layers)}
-    finally:
-        torch.set_default_dtype(old)
-    return losses, params
+    return reference_run(job_from_dict(job_dict(Path("/nonexistent"))), STEPS)
 
 
 def run_job(tmp_path: Path, **kw) -> tuple[int, list[dict], Path]:

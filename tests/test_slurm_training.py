@@ -18,7 +18,6 @@ OOBLECK_DEFAULT_DTYPE and OOBLECK_FINAL_STATE reach the workers that way.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -58,22 +57,9 @@ def job_dict(run_dir: Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def reference():
     """The failure-free run: the same job in one process, fp64 (the losses of every step)."""
-    from oobleck_hpc.data import dataset_for
-    from oobleck_hpc.engine import Reference
-    from oobleck_hpc.models.base import build_model
+    from oobleck_hpc.engine import reference_run
 
-    job = job_from_dict(job_dict(Path("/nonexistent"), "reference"))
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        model = build_model(job.model)
-        ref = Reference(job, model, dataset_for(job.data, model.seq_len))
-        losses = [ref.step() for _ in range(STEPS)]
-        params = {i: {n: p.detach().clone() for n, p in m.named_parameters()}
-                  for i, m in enumerate(ref.layers)}
-    finally:
-        torch.set_default_dtype(old)
-    return losses, params
+    return reference_run(job_from_dict(job_dict(Path("/nonexistent"), "reference")), STEPS)
 
 
 def wait_until(predicate, timeout: float, what: str, every: float = 0.1):

@@ -11,8 +11,8 @@
 The engine reports failures; it never imports the elastic layer.
 """
 
-from oobleck_hpc.engine.engine import Engine, Reference, StepResult, TrainState
+from oobleck_hpc.engine.engine import Engine, Reference, StepResult, TrainState, reference_run
 from oobleck_hpc.engine.groups import Comm, PlanGroups, default_backend
 
-__all__ = ["Engine", "Reference", "StepResult", "TrainState", "Comm", "PlanGroups",
+__all__ = ["Engine", "Reference", "reference_run", "StepResult", "TrainState", "Comm", "PlanGroups",
            "default_backend"]

@@ -529,3 +529,24 @@ class Reference:
         self.state.step += 1
         self.state.cursor += self.sampler.global_batch
         return total / self.sampler.global_batch
+
+
+def reference_run(job: JobConfig, steps: int, dtype: torch.dtype = torch.float64
+                  ) -> tuple[list[float], dict[int, dict[str, torch.Tensor]]]:
+    """`steps` steps of the single-process `Reference` for `job`, built in `dtype` (default
+    float64: the exactness checks of the engine and of every recovery compare against it).
+    Returns the per-step losses and each layer's final parameters."""
+    from oobleck_hpc.data import dataset_for
+    from oobleck_hpc.models.base import build_model
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = build_model(job.model)
+        ref = Reference(job, model, dataset_for(job.data, model.seq_len))
+        losses = [ref.step() for _ in range(steps)]
+        params = {i: {n: p.detach().clone() for n, p in m.named_parameters()}
+                  for i, m in enumerate(ref.layers)}
+    finally:
+        torch.set_default_dtype(old)
+    return losses, params
