@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -47,16 +47,6 @@ def write_job(tmp_path: Path, name: str, steps: int) -> Path:
         "slurm": {"time_min": 5},
     }))
     return path
-
-
-def wait_until(predicate, timeout: float, what: str, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def logs(run_dir: Path, pattern: str) -> str:

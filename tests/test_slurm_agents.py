@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -15,21 +14,13 @@ import yaml
 
 from oobleck_hpc.bootstrap import current_job_nodes
 from oobleck_hpc.config import load_job
+from helpers import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 NODES = ["n1", "n2", "n3", "n4"]
 AGENT = ("{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir} "
          "-- {python} -m oobleck_hpc.elastic.echo_worker")
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def memberships(run_dir: Path, worker: str) -> list[dict]:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from oobleck_hpc.config import load_job
+from helpers import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -35,16 +36,6 @@ def write_job(tmp_path: Path, name: str, seconds: float, probe_args: str = "") -
         "slurm": {"time_min": 5, "agent_command": PROBE % seconds + probe_args},
     }))
     return path
-
-
-def wait_until(predicate, timeout: float, what: str, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def sacct_rows(job_id: str) -> list[tuple[str, str]]:

@@ -30,6 +30,7 @@ import yaml
 
 from oobleck_hpc.config import job_from_dict
 from oobleck_hpc.elastic.events import read_events
+from helpers import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -60,15 +61,6 @@ def reference():
     from oobleck_hpc.engine import reference_run
 
     return reference_run(job_from_dict(job_dict(Path("/nonexistent"), "reference")), STEPS)
-
-
-def wait_until(predicate, timeout: float, what: str, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def write_job(tmp_path: Path, name: str, monkeypatch) -> tuple[Path, Path]:
