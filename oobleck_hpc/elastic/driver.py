@@ -211,6 +211,7 @@ class ElasticDriver:
     def recover(self, step: int, phase: str, why: str, peer: int | None) -> None:
         from oobleck_hpc.engine import Engine
         from oobleck_hpc.planning.reconfigure import reconfigure, transfer_plan
+        from oobleck_hpc.planning.cost import job_profile
         from oobleck_hpc.elastic import transfer
 
         t_failed = time.time()
@@ -240,8 +241,9 @@ class ElasticDriver:
             lost = tuple(n for n in self.base_plan.nodes if n not in m.nodes)
             t1 = time.time()
             rec.phases["agree"] = rec.phases.get("agree", 0.0) + (t1 - t0)
-            new_plan = reconfigure(self.base_plan, lost, self.templates, self.profile,
-                                   self.job.fault_tolerance.f)
+            # The same (core-scaled) profile the templates were built from (planning.plan_job).
+            new_plan = reconfigure(self.base_plan, lost, self.templates,
+                                   job_profile(self.job, self.profile), self.job.fault_tolerance.f)
             new_plan = replace(new_plan, generation=m.gen)
             new_rank = new_plan.rank_of(self.node, self.local_rank)
             state = self.base.state

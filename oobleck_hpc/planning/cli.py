@@ -92,7 +92,8 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int) -> lis
 
 def plan_report(job, profile, num_nodes: int) -> dict:
     from oobleck_hpc.planning import plan_job
-    from oobleck_hpc.planning.cost import pipeline_iteration_ms, samples_per_second
+    from oobleck_hpc.planning.cost import (job_compute_scale, job_profile, pipeline_iteration_ms,
+                                          samples_per_second)
 
     t0 = time.perf_counter()
     nodes = tuple(f"node{i}" for i in range(num_nodes))
@@ -113,10 +114,12 @@ def plan_report(job, profile, num_nodes: int) -> dict:
               "digest": plan.digest(),
               "pipelines": [{"template_nodes": p.template.num_nodes, "microbatches": p.microbatches,
                              "nodes": [p.nodes[0], p.nodes[-1]]} for p in plan.pipelines]}
-    surv = survivability(plan, templates, profile, job.fault_tolerance.f, mbs)
+    # Reconfigure with the profile the templates were built from (core-scaled on a CPU host).
+    surv = survivability(plan, templates, job_profile(job, profile), job.fault_tolerance.f, mbs)
     return {"job": job.name, "model": job.model.name,
             "profile": {"source": profile.fingerprint.source, "device": profile.machine.device_name,
-                        "layers": profile.num_layers},
+                        "layers": profile.num_layers,
+                        "compute_scale": job_compute_scale(job, profile)},
             "templates": tmpl, "plan": plan_d, "survivability": surv,
             "planning_seconds": seconds}
 
@@ -130,6 +133,9 @@ def _print(rep: dict) -> None:
     print(f"job {rep['job']}: model {rep['model']} ({rep['profile']['layers']} layers, "
           f"{rep['profile']['source']} profile, {rep['profile']['device']}), {p['nodes']} nodes x "
           f"{p['gpus_per_node']} GPUs, n0 = {p['n0']}, f = {p['f']}")
+    if rep["profile"]["compute_scale"] > 1:
+        print(f"compute times x{rep['profile']['compute_scale']:.2f}: more workers than CPU cores on "
+              f"this host share them (planning/cost.py, compute_oversubscription)")
     print(f"\ntemplates ({len(rep['templates'])}, 1F1B time for m microbatches):")
     print(f"{'nodes':>5} {'stages':>6} {'m':>4} {'time ms':>10} {'peak/GPU':>10}  layout [layers/GPUs]")
     for t in rep["templates"]:
