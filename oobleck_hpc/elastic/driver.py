@@ -132,7 +132,7 @@ class ElasticDriver:
         m = self.client.wait_membership(timeout=self.store_timeout_s)
         self.gen = m.gen
         _, self.templates, plan = plan_job(self.job, self.profile, list(m.nodes))
-        self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s, arrive=True)
+        self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s)
         self.plan = plan
         return plan, self.comm
 
@@ -317,12 +317,17 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ groups
 
-    def _regroup(self, m, plan, timeout_s: float, arrive: bool = False):
-        """Rendezvous on generation `m.gen`'s store and build the plan's groups. With `arrive`
-        (generation 0) every rank first waits, up to `timeout_s`, until all ranks reached the
-        store: torch bounds a process group's rendezvous by its collective timeout, which is
-        short on purpose, while ranks that are still importing torch on a loaded machine can
-        arrive seconds apart. Later generations skip it: survivors are already running."""
+    def _regroup(self, m, plan, timeout_s: float):
+        """Rendezvous on generation `m.gen`'s store and build the plan's groups.
+
+        Every rank first waits, up to `timeout_s`, until all ranks of the plan reached the store
+        (Superseded as soon as a newer round opens). torch bounds a process group's rendezvous by
+        the collective timeout, short on purpose; without this wait, ranks arriving seconds apart
+        time out: at generation 0 those still importing torch on a loaded machine, later a
+        survivor still stuck for a collective timeout in the previous, failed rendezvous while
+        the others already started the next one (each then gives up on the other). A rank that
+        died instead never arrives; its loss opens a newer round, which ends the wait at once.
+        """
         import torch.distributed as dist
 
         from oobleck_hpc.engine import Comm, PlanGroups, default_backend
@@ -339,8 +344,8 @@ class ElasticDriver:
                                    wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         del old
-        if arrive:
-            _wait_arrivals(self.store, f"oobleck/gen{m.gen}/arrived", plan.world_size, timeout_s)
+        _wait_arrivals(self.store, f"oobleck/gen{m.gen}/arrived", plan.world_size, timeout_s,
+                       self._round_opened)
         comm = Comm.init(self.store, rank, plan.world_size, m.gen,
                          default_backend(self.device.type), self.timeout_s)
         self.comm = comm
@@ -385,10 +390,13 @@ class ElasticDriver:
         self.store = None
 
 
-def _wait_arrivals(store, key: str, world_size: int, timeout_s: float) -> None:
+def _wait_arrivals(store, key: str, world_size: int, timeout_s: float, abort=None) -> None:
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
     while (arrived := store.add(key, 0)) < world_size:
+        if abort is not None and abort():
+            raise Superseded(f"a newer membership round opened while {arrived} of {world_size} "
+                             f"ranks had reached the store")
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {arrived} of {world_size} ranks reached the store "
                                f"within {timeout_s:.0f} s")
