@@ -68,7 +68,8 @@ def test_alpha_beta_fits_recover_known_links():
 
 
 FAST = profiler.ProfilerOptions(warmup=1, repeats=3, comm_sizes=(1 << 10, 1 << 14, 1 << 18),
-                                comm_repeats=3, comm_timeout_s=90)
+                                comm_repeats=3, comm_timeout_s=90, sharing_levels=2,
+                                sharing_seconds=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +97,16 @@ def test_profiler_on_gpt_tiny_round_trips_and_verifies(measured, capsys):
     assert block.output_bytes == 4 * b * t * d and p.layers[-1].output_bytes == 4 * b * t * v
     assert all(x.forward_ms > 0 and x.backward_ms > 0 for x in p.layers)
     # schema 2: times at 1 .. mb rows (the last is the full microbatch) and the optimizer step
-    assert fp.schema_version == 2
+    assert fp.schema_version == 3
     assert all(len(x.forward_rows_ms) == len(x.backward_rows_ms) == b for x in p.layers)
     assert all(x.forward_rows_ms[-1] == x.forward_ms and x.backward_rows_ms[-1] == x.backward_ms
                and min(x.forward_rows_ms + x.backward_rows_ms) > 0 and x.optimizer_ms > 0
                for x in p.layers)
     assert all(x.activation_bytes >= x.output_bytes for x in p.layers[1:])
     assert p.machine.p2p_intra.bandwidth > 0 and p.machine.allreduce_intra.latency_ms >= 0
+    # schema 3: core sharing at 1 and 2 workers per core; two per core take about twice as long
+    one, two = p.machine.core_sharing
+    assert 0.5 < one < 1.5 * two / 2 and two > 1.3 * one
     profiler._reporter(6)(5, p.layers[5])  # outside a TTY: one plain line per layer, no bar
     assert capsys.readouterr().out.startswith("layer 6/6 head: forward ")
     # the job resolves to it from the library; an explicit path works too

@@ -132,6 +132,29 @@ def test_schema_1_file_is_still_read(tmp_path):
         store.load_profile(path)
 
 
+def test_core_sharing_round_trips_and_schema_2_files_have_none(tmp_path):
+    """Schema 3 stores the CPU core-sharing table under /machine (checksummed); a schema 2 file
+    has no such attribute and loads with an empty table."""
+    import dataclasses
+
+    p = make_profile()
+    p3 = dataclasses.replace(p, machine=dataclasses.replace(p.machine, core_sharing=(1.0, 2.25)))
+    path = tmp_path / "v3.h5"
+    store.save_profile(p3, path)
+    assert store.load_profile(path).machine.core_sharing == (1.0, 2.25)
+    with h5py.File(path, "r+") as f:
+        f["machine"].attrs["core_sharing"] = [1.0, 2.5]
+    with pytest.raises(ProfileError, match="checksum mismatch"):
+        store.load_profile(path)
+    v2 = dataclasses.replace(p, fingerprint=dataclasses.replace(p.fingerprint, schema_version=2))
+    path2 = tmp_path / "v2.h5"
+    store.save_profile(p, path2)
+    with h5py.File(path2, "r+") as f:
+        f.attrs["schema_version"] = 2
+        f.attrs["checksum_sha256"] = store.profile_checksum(v2)
+    assert store.load_profile(path2) == v2 and v2.machine.core_sharing == ()
+
+
 def test_wrong_schema_and_foreign_file(tmp_path):
     path = tmp_path / "p.h5"
     store.save_profile(make_profile(), path)

@@ -132,6 +132,9 @@ def _show(args: argparse.Namespace) -> int:
     for link in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter"):
         c = getattr(m, link)
         print(f"  {link}: latency {c.latency_ms:.4f} ms, bandwidth {c.bandwidth / 1e9:.3f} GB/s")
+    if m.core_sharing:
+        print("  core sharing (k workers per core: times slower): "
+              + ", ".join(f"{k}: x{v:.2f}" for k, v in enumerate(m.core_sharing, 1)))
     rows = [("#", "layer", "fwd ms", "+-", "bwd ms", "+-", "params", "grads", "optim", "activ", "output")]
     for i, x in enumerate(p.layers):
         rows.append((str(i), x.name, f"{x.forward_ms:.4f}", f"{x.forward_spread_ms:.4f}",

@@ -12,12 +12,12 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Schema history: 1 = per-layer times at the full microbatch only; 2 adds per-layer
 `optimizer_ms` and the compute times at every row count 1..microbatch_size
-(`forward_rows_ms`, `backward_rows_ms`). The store still reads schema 1 files (those fields
-empty / zero) and writes schema 2."""
-READ_SCHEMAS = (1, 2)
+(`forward_rows_ms`, `backward_rows_ms`); 3 adds the machine's `core_sharing` table. The store
+still reads schema 1 and 2 files (those fields empty / zero) and writes schema 3."""
+READ_SCHEMAS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,12 @@ class MachineProfile:
     """Ring all-reduce step cost inside a node; see planning/cost.py for how it is used."""
     allreduce_inter: LinkCost
     interconnect: str = "unknown"
+    core_sharing: tuple[float, ...] = ()
+    """CPU only: entry k-1 is how many times longer one worker's forward + backward of the whole
+    model takes when k workers per core run it at once on every core of the host (entry 0, one
+    per core, is ~1). It is k when time-sharing is free; it was measured above k (context
+    switches, caches). Empty for GPUs and for profiles that did not measure it; how the planner
+    uses it: planning/cost.py, host_slowdown."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,10 @@ Layers (one at a time, in model order, at the job's microbatch size, sequence le
 - Optimizer: one step of the engine's AdamW (`engine.optim.make_optimizer`) over the layer's
   parameters, timed like the layers (`optimizer_ms`).
 - On CPU the layers run with `cpu_threads` torch threads (default 1, as the engine's CPU workers).
+- Core sharing (CPU only; `MachineProfile.core_sharing`): the local launcher runs every node's
+  workers on one host, often more of them than it has cores. k x cores processes (k = 1 ..
+  `sharing_levels`) run the whole model's forward + backward at once, for `sharing_seconds`; entry
+  k-1 = their mean iteration time / the time of one process alone on the idle host.
 - bfloat16 jobs run the forward under `torch.autocast(dtype=torch.bfloat16)` with float32 weights,
   exactly as the engine does.
 
@@ -30,7 +34,9 @@ Links (alpha-beta fits, `LinkCost(latency_ms, bandwidth)`):
 
 - `procs` local processes (gloo on CPU; NCCL when at least two GPUs are visible) exchange
   messages of `sizes` bytes. Point-to-point: ping-pong between ranks 0 and 1, one-way time =
-  round trip / 2; fitted by least squares to t(n) = latency + n / bandwidth. All-reduce: all
+  round trip / 2; fitted to t(n) = latency + n / bandwidth by least squares on the relative
+  error (the sizes span 4 KB to 4 MB; unweighted, the largest sizes would set the latency that
+  the small messages -- activations, the step's statistics -- pay). All-reduce: all
   ranks, float32 sum; fitted to the planner's own all-reduce equation
   (`planning.cost.allreduce_ms(link, n, p)`, linear in latency and in 1/bandwidth), so the
   planner's prediction reproduces the measured curve for p participants.
@@ -87,6 +93,13 @@ class ProfilerOptions:
     cpu_threads: int = 1
     """Torch threads on CPU: what one CPU worker of the engine gets (the local launcher sets
     OMP_NUM_THREADS=1 so the workers of a node share its cores)."""
+    sharing_levels: int = 6
+    """CPU: measure `core_sharing` for 1 .. this many workers per core (0 skips it)."""
+    sharing_max_procs: int = 48
+    """CPU: at most this many processes for the core-sharing measurement (fewer levels on a
+    host with many cores)."""
+    sharing_seconds: float = 0.6
+    """CPU: how long every level of the core-sharing measurement runs."""
 
 
 # ----------------------------------------------------------------------------- timing helpers
@@ -347,7 +360,10 @@ def _comm_worker(rank: int, world: int, backend: str, init_file: str, sizes: tup
 
 
 def _fit(design: np.ndarray, t_ms: np.ndarray) -> tuple[float, float]:
-    """Least squares for (latency_ms, ms_per_byte_inverse_bandwidth) with both kept positive."""
+    """Least squares on the relative error for (latency_ms, ms_per_byte_inverse_bandwidth), both
+    kept positive: every row is divided by its measured time."""
+    w = 1.0 / np.maximum(t_ms, 1e-9)
+    design, t_ms = design * w[:, None], t_ms * w
     coef, *_ = np.linalg.lstsq(design, t_ms, rcond=None)
     lat, inv_bw = float(coef[0]), float(coef[1])
     if lat < 0:  # latency below resolution: fit the slope alone
@@ -411,6 +427,94 @@ def measure_links(device: torch.device, options: ProfilerOptions) -> tuple[LinkC
     what = ("NCCL between local GPUs" if use_nccl else
             "gloo over TCP loopback between local processes")
     return fit_p2p(sizes, p2p_s), fit_allreduce(sizes, ar_s, procs), what
+
+
+# ----------------------------------------------------------------------------- core sharing
+
+
+def _sharing_worker(job: JobConfig, conn) -> None:
+    """One process of the core-sharing measurement: the whole model, forward + backward, in a
+    loop when told to (start time, seconds); answers its mean iteration time in ms."""
+    torch.set_num_threads(1)
+    model = build_model(job.model, job.source)
+    layers = [model.build_layer(i) for i in range(model.num_layers)]
+    seq_len = job.data.seq_len or model.seq_len
+    x = torch.randint(0, TOKEN_RANGE, (job.train.microbatch_size, seq_len))
+    bf16 = job.model.dtype == "bfloat16"
+
+    def once() -> None:
+        h = x
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            for layer in layers:
+                h = layer(h)
+        h.float().sum().backward()
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+
+    once()
+    once()
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        start_at, seconds = msg
+        time.sleep(max(0.0, start_at - time.time()))
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            once()
+            n += 1
+        conn.send(1000.0 * (time.perf_counter() - t0) / n)
+
+
+def measure_core_sharing(job: JobConfig, options: ProfilerOptions) -> tuple[float, ...]:
+    """`MachineProfile.core_sharing` of this host for the job's model (see the module docstring):
+    entry k-1 = mean iteration time of k x cores concurrent processes / one process alone."""
+    from oobleck_hpc.planning.cost import host_cores
+
+    cores = host_cores()
+    levels = min(options.sharing_levels, options.sharing_max_procs // cores)
+    if levels < 1:
+        return ()
+    ctx = tmp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(levels * cores)]
+    procs = [ctx.Process(target=_sharing_worker, args=(job, child), daemon=True)
+             for _, child in pipes]
+    env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for p in procs:
+            p.start()
+        conns = [parent for parent, _ in pipes]
+        deadline = time.monotonic() + options.comm_timeout_s
+
+        def recv(c):
+            if not c.poll(max(0.0, deadline - time.monotonic())):
+                raise ProfileError(f"the core-sharing measurement ({len(procs)} processes) timed "
+                                   f"out. Fix: raise the timeout, or set fewer sharing levels")
+            return c.recv()
+
+        for c in conns:
+            recv(c)
+
+        def level(n: int) -> float:
+            start_at = time.time() + 0.05
+            for c in conns[:n]:
+                c.send((start_at, options.sharing_seconds))
+            return statistics.mean(recv(c) for c in conns[:n])
+
+        alone = level(1)
+        return tuple(round(level(k * cores) / alone, 4) for k in range(1, levels + 1))
+    finally:
+        for parent, _ in pipes:
+            with contextlib.suppress(OSError):
+                parent.send(None)
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
 
 
 # ----------------------------------------------------------------------------- the whole profile
@@ -480,6 +584,7 @@ def profile_job(job: JobConfig, options: ProfilerOptions = ProfilerOptions(), qu
         layers = profile_layers(model, job.train.microbatch_size, seq_len, job.model.dtype, device,
                                 options, report)
     p2p, allreduce, what = measure_links(device, options)
+    sharing = measure_core_sharing(job, options) if device.type == "cpu" else ()
     interconnect = (f"single machine: intra-node links = {what}; inter-node links = the same "
                     f"loopback measurement (no second node)")
     if device.type == "cpu":
@@ -488,7 +593,7 @@ def profile_job(job: JobConfig, options: ProfilerOptions = ProfilerOptions(), qu
     machine = MachineProfile(device_name=job_device_name(job), device_memory_bytes=_device_memory(device, gpn),
                              gpus_per_node=gpn, p2p_intra=p2p, p2p_inter=p2p,
                              allreduce_intra=allreduce, allreduce_inter=allreduce,
-                             interconnect=interconnect)
+                             interconnect=interconnect, core_sharing=sharing)
     nccl = ""
     if device.type == "cuda":
         v = torch.cuda.nccl.version()

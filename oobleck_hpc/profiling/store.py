@@ -9,15 +9,16 @@ File layout (one file per model x device x dtype x microbatch size; `h5dump FILE
                            checksum_sha256
     /machine               group; attributes: device_name, device_memory_bytes, gpus_per_node,
                            interconnect, and for each link L in (p2p_intra, p2p_inter,
-                           allreduce_intra, allreduce_inter): L_latency_ms, L_bandwidth
+                           allreduce_intra, allreduce_inter): L_latency_ms, L_bandwidth;
+                           schema 3 adds core_sharing (float64 array; absent when empty)
     /layers/<field>        one 1-D dataset per LayerProfile field, one row per layer in model order:
                            name (UTF-8 strings), forward_ms, backward_ms, forward_spread_ms,
                            backward_spread_ms (float64), param_bytes, grad_bytes, optimizer_bytes,
                            activation_bytes, output_bytes (int64); schema 2 adds
                            optimizer_ms (float64) and forward_rows_ms, backward_rows_ms
                            (float64, 2-D: one row per layer, column r-1 = time at r microbatch
-                           rows; 0 columns when not measured). Schema 1 files are still read
-                           (checksummed over their own datasets); new files are schema 2.
+                           rows; 0 columns when not measured). Schema 1 and 2 files are still
+                           read (checksummed over their own datasets); new files are schema 3.
 
 `checksum_sha256` is the SHA-256 of a canonical serialisation of the datasets (field name, dtype,
 shape, raw little-endian bytes, in a fixed field order) followed by the canonical JSON of the
@@ -141,6 +142,8 @@ def _machine_attrs(machine: MachineProfile) -> dict[str, object]:
         cost: LinkCost = getattr(machine, link)
         attrs[f"{link}_latency_ms"] = float(cost.latency_ms)
         attrs[f"{link}_bandwidth"] = float(cost.bandwidth)
+    if machine.core_sharing:  # schema 3; absent when empty, so older files checksum as before
+        attrs["core_sharing"] = [float(x) for x in machine.core_sharing]
     return attrs
 
 
@@ -320,6 +323,7 @@ def load_profile(path: str | Path) -> ModelProfile:
                 device_memory_bytes=int(_attr(m, "device_memory_bytes", path, "/machine")),
                 gpus_per_node=int(_attr(m, "gpus_per_node", path, "/machine")),
                 interconnect=str(_attr(m, "interconnect", path, "/machine")),
+                core_sharing=tuple(float(x) for x in m.attrs.get("core_sharing", ())),
                 **links)
             g = f["layers"]
             arrays: dict[str, np.ndarray] = {}
