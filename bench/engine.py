@@ -19,13 +19,12 @@ Data: the job's corpus (memory-mapped token file, re-mapped by every worker).
 
 Keys of --json (top level = the job's configuration, the planner's plan): engine_step_s,
 reference_step_s, ratio (engine / reference), predicted_step_s (cost.predicted_step_ms: the
-planner's step time for this job on this host, compute scaled by the oversubscription of the
-cores), prediction_error (|predicted - measured| / measured); compute_scale, cores and
+planner's step time for this job on this host, every time scaled by the measured slowdown of
+workers sharing the cores), prediction_error (|predicted - measured| / measured); time_scale, cores and
 load_average (os.getloadavg() after the run: a loaded machine makes every measurement slower); dp_engine_step_s, ddp_step_s, dp_ratio_vs_ddp; "cases"
 with every case's figures; and "fit_cores": the same for the job resized to this machine's
 cores (nodes = cores // gpus_per_node, f lowered if needed) when the job has more ranks than
-cores -- the profile is measured one process per core, so only there does the cost model's
-prediction describe the machine.
+cores: the prediction with no core sharing at all.
 """
 
 from __future__ import annotations
@@ -102,8 +101,9 @@ def bench(job, steps: int, warmup: int, rounds: int) -> dict:
     try:
         nodes = pool.node_names
         # The hand-made plans' templates from the profile the planner uses for this job on this
-        # host (compute scaled by the cores' oversubscription; planning/cost.py).
-        plans = hand_plans(job, cost.job_profile(job, profile), nodes)
+        # host (times scaled by the cores' sharing; planning/cost.py).
+        jprofile = cost.job_profile(job, profile)
+        plans = hand_plans(job, jprofile, nodes)
         try:
             plans = {"planner": plan_job(job, profile, nodes)[2], **plans}
         except PlanningError as e:
@@ -127,7 +127,7 @@ def bench(job, steps: int, warmup: int, rounds: int) -> dict:
     cases = {}
     for name, plan in plans.items():
         measured = best[name]
-        predicted = cost.predicted_step_ms(plan, profile) / 1000.0
+        predicted = cost.predicted_step_ms(plan, jprofile) / 1000.0
         cases[name] = {
             "engine_step_s": measured, "reference_step_s": reference_s,
             "ratio": measured / reference_s, "predicted_step_s": predicted,
@@ -142,13 +142,13 @@ def bench(job, steps: int, warmup: int, rounds: int) -> dict:
             "dp_ratio_vs_ddp": cases["pure_dp"]["engine_step_s"] / ddp_s,
             "nodes": len(nodes), "ranks": len(nodes) * job.cluster.gpus_per_node,
             "f": job.fault_tolerance.f, "cores": cost.host_cores(),
-            "compute_scale": cost.job_compute_scale(job, profile),
+            "time_scale": cost.job_slowdown(job, profile),
             "load_average": list(os.getloadavg()), "cases": cases}
 
 
 def show(title: str, out: dict) -> None:
-    print(f"{title}: {out['nodes']} nodes, {out['ranks']} ranks, f = {out['f']}, compute x"
-          f"{out['compute_scale']:g} ({out['ranks']} ranks on {out['cores']} cores), load average "
+    print(f"{title}: {out['nodes']} nodes, {out['ranks']} ranks, f = {out['f']}, times x"
+          f"{out['time_scale']:.2f} ({out['ranks']} ranks on {out['cores']} cores), load average "
           f"after the run {' '.join(f'{x:.1f}' for x in out['load_average'])}")
     for name, c in out["cases"].items():
         print(f"  {name:9s} engine {c['engine_step_s'] * 1e3:7.1f} ms  reference "
@@ -185,8 +185,8 @@ def main() -> int:
     fit_nodes = max(1, (os.cpu_count() or 1) // g)
     if not args.no_fit_cores and fit_nodes < job.cluster.nodes:
         # The profile was measured one process per core; with more ranks than cores the cost
-        # model scales compute by the oversubscription (cost.job_compute_scale). Sized to the
-        # cores, the prediction is checked with no scaling at all.
+        # model scales every time by the measured core sharing (cost.job_slowdown). Sized to
+        # the cores, the prediction is checked with no scaling at all.
         small = load_job(args.job, {**sizes, "cluster.nodes": fit_nodes,
                                     "fault_tolerance.f": min(job.fault_tolerance.f, fit_nodes - 1)})
         out["fit_cores"] = bench(small, args.steps, args.warmup, args.rounds)

@@ -40,7 +40,7 @@ def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
     """Node specification, templates and the initial plan of `job` on `nodes`.
 
     The templates are built from `cost.job_profile(job, profile)`: on a CPU host with more
-    workers than cores the layers' compute is scaled by the oversubscription (cost.py)."""
+    workers than cores every time is scaled by the measured core-sharing slowdown (cost.py)."""
     G = profile.machine.gpus_per_node
     if G != job.cluster.gpus_per_node:
         raise PlanningError(f"profile has {G} GPUs per node but the job "

@@ -2,7 +2,8 @@
 would do after failures.
 
 Prints the templates (nodes, stages, predicted 1F1B time, peak memory per GPU), the plan
-(pipelines, microbatches each, predicted step time, samples/s) and a survivability table: for
+(pipelines, microbatches each, predicted step time as the engine executes it, samples/s) and a
+survivability table (in the planner's objective, planning/cost.py): for
 k = 0..f lost nodes, the slowest plan reconfiguration reaches over the loss patterns tried
 (k nodes of the smallest pipeline, of the largest pipeline, one node from each of the k
 smallest / largest pipelines, the first k nodes of the job) and its throughput relative to
@@ -92,7 +93,8 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int) -> lis
 
 def plan_report(job, profile, num_nodes: int) -> dict:
     from oobleck_hpc.planning import plan_job
-    from oobleck_hpc.planning.cost import (job_compute_scale, job_profile, pipeline_iteration_ms,
+    from oobleck_hpc.planning.cost import (job_profile, job_slowdown, pipeline_iteration_ms,
+                                          predicted_step_ms,
                                           samples_per_second)
 
     t0 = time.perf_counter()
@@ -100,6 +102,7 @@ def plan_report(job, profile, num_nodes: int) -> dict:
     spec, templates, plan = plan_job(job, profile, nodes)
     seconds = time.perf_counter() - t0
     mbs = job.train.microbatch_size
+    step_ms = predicted_step_ms(plan, job_profile(job, profile))
     tmpl = [{"nodes": n, "stages": t.num_stages, "layout": _layout(t),
              "stage_layers": [[s.layer_start, s.layer_end] for s in t.stages],
              "stage_gpus": [len(s.gpus) for s in t.stages],
@@ -110,7 +113,8 @@ def plan_report(job, profile, num_nodes: int) -> dict:
     plan_d = {"nodes": len(plan.nodes), "gpus_per_node": plan.gpus_per_node,
               "n0": spec.n0, "f": spec.f, "global_microbatches": plan.global_microbatches,
               "iteration_ms": plan.predicted_iteration_ms,
-              "samples_per_s": samples_per_second(plan, mbs, plan.predicted_iteration_ms),
+              "step_ms": step_ms,
+              "samples_per_s": samples_per_second(plan, mbs, step_ms),
               "digest": plan.digest(),
               "pipelines": [{"template_nodes": p.template.num_nodes, "microbatches": p.microbatches,
                              "nodes": [p.nodes[0], p.nodes[-1]]} for p in plan.pipelines]}
@@ -119,7 +123,7 @@ def plan_report(job, profile, num_nodes: int) -> dict:
     return {"job": job.name, "model": job.model.name,
             "profile": {"source": profile.fingerprint.source, "device": profile.machine.device_name,
                         "layers": profile.num_layers,
-                        "compute_scale": job_compute_scale(job, profile)},
+                        "time_scale": job_slowdown(job, profile)},
             "templates": tmpl, "plan": plan_d, "survivability": surv,
             "planning_seconds": seconds}
 
@@ -133,9 +137,11 @@ def _print(rep: dict) -> None:
     print(f"job {rep['job']}: model {rep['model']} ({rep['profile']['layers']} layers, "
           f"{rep['profile']['source']} profile, {rep['profile']['device']}), {p['nodes']} nodes x "
           f"{p['gpus_per_node']} GPUs, n0 = {p['n0']}, f = {p['f']}")
-    if rep["profile"]["compute_scale"] > 1:
-        print(f"compute times x{rep['profile']['compute_scale']:.2f}: more workers than CPU cores on "
-              f"this host share them (planning/cost.py, compute_oversubscription)")
+    if rep["profile"]["time_scale"] > 1:
+        print(f"all times x{rep['profile']['time_scale']:.2f}: more workers than CPU cores on this "
+              f"host share them (planning/cost.py, host_slowdown). This assumes every worker busy "
+              f"for the whole step; with few microbatches per pipeline most wait, and steps run "
+              f"faster than predicted")
     print(f"\ntemplates ({len(rep['templates'])}, 1F1B time for m microbatches):")
     print(f"{'nodes':>5} {'stages':>6} {'m':>4} {'time ms':>10} {'peak/GPU':>10}  layout [layers/GPUs]")
     for t in rep["templates"]:
@@ -147,7 +153,8 @@ def _print(rep: dict) -> None:
         key = (x["template_nodes"], x["microbatches"])
         groups[key] = groups.get(key, 0) + 1
     print(f"\nplan {p['digest']}: {len(p['pipelines'])} pipelines, {p['global_microbatches']} "
-          f"microbatches, predicted step {p['iteration_ms']:.2f} ms, {p['samples_per_s']:.2f} samples/s")
+          f"microbatches, predicted step {p['step_ms']:.2f} ms, {p['samples_per_s']:.2f} samples/s "
+          f"(the planner ranks plans by {p['iteration_ms']:.2f} ms: planning/cost.py)")
     for (n, m), c in sorted(groups.items(), key=lambda kv: (-kv[0][0], -kv[0][1])):
         print(f"  {c:>4} x pipeline of {n:>4} nodes, {m:>5} microbatches each")
     print("\nsurvivability (worst over the loss patterns tried):")

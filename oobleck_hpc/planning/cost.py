@@ -24,14 +24,27 @@ once-a-step work as a per-microbatch share keeps the objective a sum plus a bott
 bottleneck stage pays it exactly once over its m_t microbatches; another stage j is charged
 (y_j + o_j) / m_t in the fill and drain, a slight over-estimate).
 
-Shared CPU cores (`job_profile`, applied once, in planning.plan_job). A CPU profile is measured
-one worker per core; a job whose workers on one host outnumber its cores (the local launcher puts
-nodes x gpus_per_node workers on this machine) has every compute time above multiplied by::
+Shared CPU cores (`job_profile`, applied once, in planning.plan_job). A profile describes one
+worker per core; the local launcher puts nodes x gpus_per_node workers on this one host, often
+more than it has cores. They then share the cores (processor sharing): every process -- its
+compute and the CPU work of its communication alike (gloo's transfers and reductions run on the
+same cores) -- runs s times slower, so EVERY time of the profile (compute, optimizer, link
+latencies; bandwidths divided) is multiplied by::
 
-    s = max(1, workers_per_host / cores)               (1 on GPUs)
+    s = host_slowdown(W workers on C cores) = core_sharing(W / C)        (1 on GPUs, or W <= C)
 
-s is a function of the job and the host only (never stored in a profile file) and fixed for the
-whole job, so every rank plans with the same number. Communication is not scaled.
+where `core_sharing` is the table the profiler measured on this kind of host (k workers per core,
+all running the model: k x a measured overhead of context switches and caches, e.g. 4.8-5.2 at
+k = 4 on 2 cores), interpolated linearly in W / C and extended proportionally past its last entry;
+W / C when the profile has no table. s depends only on the job and the host (never stored in a
+profile file) and is fixed for the whole job. Scaling every time by one factor changes no
+comparison between plans: the plan is the one the unscaled profile gives, only its predicted
+time grows. What this leaves out (measured on a 2-vCPU KVM machine; bench/engine.py): it
+assumes every worker busy for the whole step, so a plan with one microbatch per pipeline, whose
+workers mostly wait, runs faster than predicted (the demo: ~51 ms measured, 66 ms predicted);
+and it charges a message its idle-host latency (~0.1 ms), while two processes that compute
+between gloo exchanges lose ~2 ms per exchange there (a multiprocessing Pipe: 0.07 ms), so
+pipelined plans with many microbatches run 20-35 % slower than predicted.
 
 Point-to-point between stage i and i+1 (activation forward, gradient back; same size)::
 
@@ -56,38 +69,32 @@ All-reduce (ring over p participants; 2(p-1) steps each moving nbytes/p)::
 
     allreduce_ms(link, n, p) = 2 (p - 1) * link.time_ms(n / p)          (0 when p < 2)
 
-Gradient synchronisation across pipelines (after the backward pass, every layer's gradient is
-all-reduced among the ranks holding it). A ring among P replicas moves 2(P-1)/P * g_l bytes per
-rank; we charge its limit 2 * link.time_ms(g_l) per layer, independent of P (within a factor
-P/(P-1) of the ring: exact for large P, 2x pessimistic for P = 2). Being independent of P is what
-keeps instantiation an exact knapsack (instantiate.py). A pipeline's stage i needs
-``sum_{l in i} 2 * p2p_inter.time_ms(g_l)`` (layers reduced one after another, stages in
-parallel), so a pipeline of template t reduces in::
+Gradient synchronisation across pipelines, as the planner searches it (after the backward pass,
+every layer's gradient is all-reduced among the ranks holding it). A ring among P replicas moves
+2(P-1)/P * g_l bytes per rank; we charge its limit 2 * link.time_ms(g_l) per layer, independent
+of P. Being independent of P is what keeps instantiation an exact knapsack (instantiate.py). A
+pipeline's stage i needs ``sum_{l in i} 2 * allreduce_inter.time_ms(g_l)``, so a pipeline of
+template t reduces in::
 
     w_t = max_i sum_{l in i} 2 * inter.time_ms(g_l)      (0 for a plan of a single pipeline)
 
-A plan runs its pipelines side by side; pipeline p (template t_p, m_p microbatches) reduces as
-soon as it drains, and the step ends with the slowest, then one all-reduce of two numbers (loss,
-squared gradient norm) among all R ranks of the plan::
+    plan_iteration_ms = max_p ( pipe_{t_p}(m_p) + w_{t_p} )       what the planner minimises
 
-    step = max_p ( pipe_{t_p}(m_p) + w_{t_p} )        plan_iteration_ms, what the planner minimises
-    z    = allreduce_ms(allreduce_inter, 16, R)        the same for every plan on the same nodes
-    predicted_step_ms = step + z
+What the engine executes (engine/engine.py), and what `predicted_step_ms` charges for a chosen
+plan: a rank's layers are grouped into segments of consecutive layers with the same holder set
+(`plan.layer_owners`: every replica of the layer in every pipeline, in-stage GPUs included), and
+each segment is reduced by ONE ring all-reduce over its holders (there is no separate in-stage
+all-reduce: y_i is part of that ring)::
 
-The link of the cross-pipeline reduction is `allreduce_inter` of the machine (its replicas live
-on different nodes).
+    sync_r = sum_{segments of rank r} allreduce_ms(link, bytes of the segment, holders)
+             link = allreduce_intra if every holder is on one node else allreduce_inter
+    pipe'  = pipe(m) with t_i' = F_i + sum_l b_l(k_i)    (no y_i, no o_i share)
+    step   = max_r ( pipe'_{t_p(r)}(m_p(r)) + sync_r )
+    z      = allreduce_ms(allreduce_inter, 16, R)     one world all-reduce of (loss, squared norm)
+    predicted_step_ms = step + z + max_r o_r          then every rank's optimizer step at once
 
-What the engine executes (engine/engine.py; noted by the engine's author, for the planner to
-keep or revise). Stage compute, the row split of a k-GPU stage, point-to-point transfers and
-1F1B are as above. Gradient synchronisation differs in two ways: (1) there is no separate
-in-stage all-reduce: the layers of a stage are grouped into segments with the same holder set
-(`plan.layer_owners`: every replica of the layer in every pipeline, in-node GPUs included) and
-each segment is reduced by ONE ring all-reduce over all its holders, started during the last
-microbatch's backward. For a single-pipeline plan that ring is y_i (once a step); with several
-pipelines its cost is within w_t's per-layer bound, so charging y_i as well over-estimates by
-y_i. (2) The latency is paid once per segment, not once per layer. The optimizer step (o_i)
-and the cores shared by more ranks than cores (s) are now modelled (above); still not modelled:
-one world all-reduce of two numbers (loss, squared norm) per step.
+The objective (w_t, y_i and o_i as per-microbatch shares) ranks plans exactly and cheaply; the
+prediction evaluates the plan that was chosen the way the engine runs it.
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ from dataclasses import replace
 
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.planning.plan import Plan, Template
-from oobleck_hpc.profiling.profile import LayerProfile, LinkCost, ModelProfile
+from oobleck_hpc.profiling.profile import LayerProfile, LinkCost, MachineProfile, ModelProfile
 
 
 def host_cores() -> int:
@@ -116,34 +123,38 @@ def workers_per_host(job: JobConfig) -> int:
     return job.cluster.nodes * g if job.cluster.launch == "local" else g
 
 
-def compute_oversubscription(device_name: str, workers: int, cores: int) -> float:
-    """s = max(1, workers / cores) on a CPU device, 1 on a GPU.
-
-    A CPU profile is measured one worker per core (1 torch thread each): each pretend GPU has a
-    core to itself. When `workers` processes share `cores` cores and all compute at once, each
-    one's compute takes s times longer. Communication is not scaled (measured as is)."""
-    if device_name != "cpu" or cores < 1:
+def host_slowdown(machine: MachineProfile, workers: int, cores: int) -> float:
+    """s: how many times longer everything takes when `workers` single-threaded processes share
+    `cores` cores (see the module docstring); 1 on a GPU or when every worker has a core."""
+    if machine.device_name != "cpu" or cores < 1 or workers <= cores:
         return 1.0
-    return max(1.0, workers / cores)
+    r = workers / cores
+    table = (1.0,) + tuple(machine.core_sharing)  # table[k] = k workers per core (k >= 1)
+    if len(table) < 2:
+        return r
+    k = int(r)
+    if k >= len(table) - 1:
+        return table[-1] * r / (len(table) - 1)
+    return table[k] + (r - k) * (table[k + 1] - table[k])
 
 
-def job_compute_scale(job: JobConfig, profile: ModelProfile, cores: int | None = None) -> float:
-    """The oversubscription of `job` on this host for `profile`'s device (see
-    compute_oversubscription). Fixed for the whole job (computed from the job's configured
-    nodes, not from the survivors), so every rank, in every generation, plans with the same
-    number."""
-    return compute_oversubscription(profile.machine.device_name, workers_per_host(job),
-                                    host_cores() if cores is None else cores)
+def job_slowdown(job: JobConfig, profile: ModelProfile, cores: int | None = None) -> float:
+    """s for `job` on this host (host_slowdown). Fixed for the whole job (computed from the
+    job's configured nodes, not from the survivors), so every rank, in every generation, plans
+    with the same number."""
+    return host_slowdown(profile.machine, workers_per_host(job),
+                         host_cores() if cores is None else cores)
 
 
 def job_profile(job: JobConfig, profile: ModelProfile, cores: int | None = None) -> ModelProfile:
-    """The profile the planner uses for `job` on this host: compute scaled by job_compute_scale."""
-    return scale_compute(profile, job_compute_scale(job, profile, cores))
+    """The profile the planner uses for `job` on this host: every time scaled by job_slowdown."""
+    return scale_times(profile, job_slowdown(job, profile, cores))
 
 
-def scale_compute(profile: ModelProfile, factor: float) -> ModelProfile:
-    """`profile` with every layer's compute times multiplied by `factor` (1 returns it as is).
-    Applied where the job is planned (planning.plan_job), never written to a profile file."""
+def scale_times(profile: ModelProfile, factor: float) -> ModelProfile:
+    """`profile` with every time multiplied by `factor`: layers' compute and optimizer times,
+    link latencies (bandwidths divided). 1 returns it as is. Applied where the job is planned
+    (planning.plan_job), never written to a profile file."""
     if factor == 1.0:
         return profile
     layers = tuple(replace(x, forward_ms=x.forward_ms * factor, backward_ms=x.backward_ms * factor,
@@ -151,7 +162,10 @@ def scale_compute(profile: ModelProfile, factor: float) -> ModelProfile:
                            forward_rows_ms=tuple(v * factor for v in x.forward_rows_ms),
                            backward_rows_ms=tuple(v * factor for v in x.backward_rows_ms))
                    for x in profile.layers)
-    return replace(profile, layers=layers)
+    m = profile.machine
+    links = {k: LinkCost(getattr(m, k).latency_ms * factor, getattr(m, k).bandwidth / factor)
+             for k in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter")}
+    return replace(profile, layers=layers, machine=replace(m, **links))
 
 
 def allreduce_ms(link: LinkCost, nbytes: float, participants: int) -> float:
@@ -280,13 +294,62 @@ def step_stats_ms(profile: ModelProfile, ranks: int) -> float:
     return allreduce_ms(profile.machine.allreduce_inter, STATS_BYTES, ranks)
 
 
+def rank_sync_ms(plan: Plan, profile: ModelProfile) -> list[float]:
+    """sync_r for every rank r: the ring all-reduces of its segments (runs of consecutive layers
+    with the same holder set), as the engine executes them; a segment held by one rank costs 0."""
+    holders: list[list[int]] = [[] for _ in range(plan.num_layers)]
+    for info in plan.ranks:  # ascending rank: every holder list comes out sorted
+        for layer in range(info.layer_start, info.layer_end):
+            holders[layer].append(info.rank)
+    canonical: dict[tuple[int, ...], tuple[int, ...]] = {}
+    owners = [canonical.setdefault(tuple(h), tuple(h)) for h in holders]  # equal sets: one object
+    m = profile.machine
+    cache: dict[tuple[int, int], float] = {}
+
+    def ring(seg: tuple[int, ...], nbytes: int) -> float:
+        key = (id(seg), nbytes)
+        if key not in cache:
+            one_node = len({plan.ranks[r].node for r in seg}) == 1
+            cache[key] = allreduce_ms(m.allreduce_intra if one_node else m.allreduce_inter,
+                                      nbytes, len(seg))
+        return cache[key]
+
+    out = []
+    for info in plan.ranks:
+        total, seg, nbytes = 0.0, owners[info.layer_start], 0
+        for layer in range(info.layer_start, info.layer_end):
+            if owners[layer] is not seg:
+                total += ring(seg, nbytes)
+                seg, nbytes = owners[layer], 0
+            nbytes += profile.layers[layer].grad_bytes
+        out.append(total + ring(seg, nbytes))
+    return out
+
+
+def executed_pipeline_ms(template: Template, microbatches: int, profile: ModelProfile) -> float:
+    """pipe(m) with the stage times the engine runs between transfers: F_i and the backward
+    alone (the in-stage all-reduce is part of the segments' rings, the optimizer runs once after
+    the step's statistics; see predicted_step_ms)."""
+    if microbatches < 1:
+        return 0.0
+    mb = profile.fingerprint.microbatch_size
+    t = [f + sum(layer_compute_ms(profile.layers[l], len(st.gpus), mb)[1]
+                 for l in range(st.layer_start, st.layer_end))
+         for f, st in zip(template.stage_forward_ms, template.stages)]
+    return sum(t) + 2.0 * sum(template.send_ms) + (microbatches - 1) * max(t)
+
+
 def predicted_step_ms(plan: Plan, profile: ModelProfile) -> float:
-    """What one engine step of `plan` takes: plan_iteration_ms + z (the statistics all-reduce
-    after every pipeline has reduced its gradients). z depends only on the number of ranks,
-    which is the same for every candidate plan on the same nodes, so the planner optimises
-    plan_iteration_ms alone and loses nothing."""
-    ranks = sum(p.template.num_nodes for p in plan.pipelines) * profile.machine.gpus_per_node
-    return plan_iteration_ms(plan, profile) + step_stats_ms(profile, ranks)
+    """What one engine step of `plan` takes, as the engine executes it (module docstring):
+    every rank's pipeline plus its segments' all-reduces, the slowest of them, then the
+    statistics all-reduce z and the optimizer step (every rank at once, its own layers).
+    `profile` is the one the plan's templates were built from (`job_profile`)."""
+    pipe = [executed_pipeline_ms(p.template, p.microbatches, profile) for p in plan.pipelines]
+    sync = rank_sync_ms(plan, profile)
+    step = max(pipe[info.pipeline] + sync[info.rank] for info in plan.ranks)
+    optimizer = max(stage_optimizer_ms(profile, info.layer_start, info.layer_end)
+                    for info in plan.ranks)
+    return step + step_stats_ms(profile, plan.world_size) + optimizer
 
 
 def samples_per_second(plan: Plan, microbatch_size: int, iteration_ms: float) -> float:
