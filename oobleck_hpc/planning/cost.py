@@ -42,9 +42,10 @@ comparison between plans: the plan is the one the unscaled profile gives, only i
 time grows. What this leaves out (measured on a 2-vCPU KVM machine; bench/engine.py): it
 assumes every worker busy for the whole step, so a plan with one microbatch per pipeline, whose
 workers mostly wait, runs faster than predicted (the demo: ~51 ms measured, 66 ms predicted);
-and it charges a message its idle-host latency (~0.1 ms), while two processes that compute
-between gloo exchanges lose ~2 ms per exchange there (a multiprocessing Pipe: 0.07 ms), so
-pipelined plans with many microbatches run 20-35 % slower than predicted.
+and it charges a message its idle-host latency (0.06 ms), while two processes that compute
+between gloo exchanges lose ~2.3 ms per exchange there (bench/exchange.py; over a
+multiprocessing Pipe 0.2 ms), so pipelined plans with many microbatches run 15-35 % slower than
+predicted.
 
 Point-to-point between stage i and i+1 (activation forward, gradient back; same size)::
 
