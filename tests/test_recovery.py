@@ -195,3 +195,38 @@ def test_guarantee_exceeded_raises_at_once():
 class _NullEvents:
     def emit(self, kind, **fields):
         return {}
+
+
+@pytest.mark.timeout(30)
+def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
+    """A store host that dies between `_wait_port` and the connection: torch would retry the
+    connection until the store timeout (48 s in a job); a newer round ends the wait at once."""
+    import socket
+    import threading
+    import time
+
+    from oobleck_hpc.elastic.driver import _open_store
+    from oobleck_hpc.elastic.membership import Superseded
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+
+    def reset_everyone() -> None:  # accepts, then closes: what a dying host's port does
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=reset_everyone, daemon=True).start()
+    opened = time.monotonic() + 0.3
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Superseded):
+            _open_store("127.0.0.1", server.getsockname()[1], False, 20.0,
+                        abort=lambda: time.monotonic() > opened)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        server.close()

@@ -339,10 +339,7 @@ class ElasticDriver:
             # is starting right now, so poll its port cheaply first.
             _wait_port(m.store_host, m.store_port, timeout_s, self._round_opened)
         old = self.store
-        self.store = dist.TCPStore(m.store_host, m.store_port,
-                                   is_master=host,
-                                   wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.store = _open_store(m.store_host, m.store_port, host, timeout_s, self._round_opened)
         del old
         _wait_arrivals(self.store, f"oobleck/gen{m.gen}/arrived", plan.world_size, timeout_s,
                        self._round_opened)
@@ -401,6 +398,43 @@ def _wait_arrivals(store, key: str, world_size: int, timeout_s: float, abort=Non
             raise TimeoutError(f"only {arrived} of {world_size} ranks reached the store "
                                f"within {timeout_s:.0f} s")
         time.sleep(0.02)
+
+
+def _open_store(host: str, port: int, is_master: bool, timeout_s: float, abort=None):
+    """Generation store: the host creates it; a client connects on a helper thread while this
+    one polls abort() and gives up (Superseded) as soon as a newer round opens. torch retries a
+    client's connection until the store's timeout and cannot be interrupted: a store host that
+    dies between _wait_port and the connection held a survivor for that long while the others
+    had agreed on the next round (seen in CI, a second node lost during a recovery)."""
+    import threading
+
+    import torch.distributed as dist
+
+    def make():
+        return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+
+    if is_master or abort is None:
+        return make()
+    result: list = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result.append(make())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="store-connect").start()
+    while not done.wait(0.02):
+        if abort():
+            raise Superseded(f"a newer membership round opened while connecting to the store "
+                             f"{host}:{port}")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def _wait_port(host: str, port: int, timeout_s: float, abort=None) -> None:
