@@ -328,8 +328,6 @@ class ElasticDriver:
         the others already started the next one (each then gives up on the other). A rank that
         died instead never arrives; its loss opens a newer round, which ends the wait at once.
         """
-        import torch.distributed as dist
-
         from oobleck_hpc.engine import Comm, PlanGroups, default_backend
 
         rank = plan.rank_of(self.node, self.local_rank)
@@ -406,9 +404,9 @@ def _open_store(host: str, port: int, is_master: bool, timeout_s: float, abort=N
     client's connection until the store's timeout and cannot be interrupted: a store host that
     dies between _wait_port and the connection held a survivor for that long while the others
     had agreed on the next round (seen in CI, a second node lost during a recovery)."""
-    import threading
-
     import torch.distributed as dist
+
+    from oobleck_hpc.engine.groups import run_abortable
 
     def make():
         return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
@@ -416,25 +414,14 @@ def _open_store(host: str, port: int, is_master: bool, timeout_s: float, abort=N
 
     if is_master or abort is None:
         return make()
-    result: list = []
-    done = threading.Event()
 
-    def run() -> None:
-        try:
-            result.append(make())
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            result.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True, name="store-connect").start()
-    while not done.wait(0.02):
+    def stop() -> BaseException | None:
         if abort():
-            raise Superseded(f"a newer membership round opened while connecting to the store "
-                             f"{host}:{port}")
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
+            return Superseded(f"a newer membership round opened while connecting to the store "
+                              f"{host}:{port}")
+        return None
+
+    return run_abortable(make, stop, 0.02, "store-connect")
 
 
 def _wait_port(host: str, port: int, timeout_s: float, abort=None) -> None:

@@ -43,7 +43,6 @@ communication failure and propagates out of `step()` unchanged.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from oobleck_hpc.config import JobConfig
-from oobleck_hpc.engine.groups import Comm, PlanGroups
+from oobleck_hpc.engine.groups import Comm, PlanGroups, run_abortable
 from oobleck_hpc.engine.optim import clip_coefficient, lr_at, make_optimizer, set_lr
 from oobleck_hpc.engine.sampler import Dataset, GlobalSampler
 from oobleck_hpc.engine.schedule import Action, max_in_flight, pipeline_schedule, validate
@@ -432,23 +431,13 @@ class Engine:
         if self.abort is None:
             work.wait(self.comm.timeout)
             return
-        done = threading.Event()
-        errors: list[BaseException] = []
 
-        def run() -> None:
-            try:
-                work.wait(self.comm.timeout)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                errors.append(e)
-            finally:
-                done.set()
-
-        threading.Thread(target=run, daemon=True, name="engine-wait").start()
-        while not done.wait(0.002):
+        def stop() -> BaseException | None:
             if abortable and self.abort():
-                raise Aborted("the elastic layer aborted the step (a membership round opened)")
-        if errors:
-            raise errors[0]
+                return Aborted("the elastic layer aborted the step (a membership round opened)")
+            return None
+
+        run_abortable(lambda: work.wait(self.comm.timeout), stop, 0.002, "engine-wait")
 
     def _start_sync(self, seg: Segment) -> None:
         if seg.group is not None:

@@ -24,11 +24,44 @@ Point-to-point traffic uses the default group. Every rank creates every group, i
 from __future__ import annotations
 
 import datetime
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from oobleck_hpc.planning.plan import Plan
+
+
+T = TypeVar("T")
+
+
+def run_abortable(fn: Callable[[], T], stop: Callable[[], BaseException | None], poll_s: float,
+                  name: str) -> T:
+    """`fn()` -- a blocking torch.distributed call that cannot be interrupted (a gloo wait, a
+    TCPStore connection) -- on a helper thread; this thread polls `stop()` every `poll_s` and
+    raises what it returns as soon as it returns an exception. The abandoned call ends by itself
+    at its own timeout; its result is dropped."""
+    done = threading.Event()
+    result: list[tuple[bool, object]] = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    while not done.wait(poll_s):
+        if (error := stop()) is not None:
+            raise error
+    ok, value = result[0]
+    if not ok:
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
 
 
 def default_backend(device_type: str) -> str:
