@@ -102,7 +102,8 @@ def plan_report(job, profile, num_nodes: int) -> dict:
     spec, templates, plan = plan_job(job, profile, nodes)
     seconds = time.perf_counter() - t0
     mbs = job.train.microbatch_size
-    step_ms = predicted_step_ms(plan, job_profile(job, profile))
+    scaled = job_profile(job, profile)  # what the templates were built from (plan_job)
+    step_ms = predicted_step_ms(plan, scaled)
     tmpl = [{"nodes": n, "stages": t.num_stages, "layout": _layout(t),
              "stage_layers": [[s.layer_start, s.layer_end] for s in t.stages],
              "stage_gpus": [len(s.gpus) for s in t.stages],
@@ -119,7 +120,7 @@ def plan_report(job, profile, num_nodes: int) -> dict:
               "pipelines": [{"template_nodes": p.template.num_nodes, "microbatches": p.microbatches,
                              "nodes": [p.nodes[0], p.nodes[-1]]} for p in plan.pipelines]}
     # Reconfigure with the profile the templates were built from (core-scaled on a CPU host).
-    surv = survivability(plan, templates, job_profile(job, profile), job.fault_tolerance.f, mbs)
+    surv = survivability(plan, templates, scaled, job.fault_tolerance.f, mbs)
     return {"job": job.name, "model": job.model.name,
             "profile": {"source": profile.fingerprint.source, "device": profile.machine.device_name,
                         "layers": profile.num_layers,

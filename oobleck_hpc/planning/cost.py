@@ -185,12 +185,19 @@ def cross_allreduce_ms(link: LinkCost, nbytes: float) -> float:
     return 2.0 * link.time_ms(nbytes)
 
 
-def pipeline_iteration_ms(template: Template, microbatches: int) -> float:
-    """1F1B time of one pipeline of `template` running `microbatches` microbatches."""
+def one_f_one_b_ms(stage_ms: Sequence[float], send_ms: Sequence[float],
+                   microbatches: int) -> float:
+    """pipe(m): fill and drain through every stage and transfer, then the bottleneck stage once
+    for each further microbatch (0 for no microbatches)."""
     if microbatches < 1:
         return 0.0
+    return sum(stage_ms) + 2.0 * sum(send_ms) + (microbatches - 1) * max(stage_ms)
+
+
+def pipeline_iteration_ms(template: Template, microbatches: int) -> float:
+    """1F1B time of one pipeline of `template` running `microbatches` microbatches."""
     t = [f + b for f, b in zip(template.stage_forward_ms, template.stage_backward_ms)]
-    return sum(t) + 2.0 * sum(template.send_ms) + (microbatches - 1) * max(t)
+    return one_f_one_b_ms(t, template.send_ms, microbatches)
 
 
 def layer_compute_ms(layer: LayerProfile, k: int, microbatch_size: int) -> tuple[float, float]:
@@ -331,13 +338,11 @@ def executed_pipeline_ms(template: Template, microbatches: int, profile: ModelPr
     """pipe(m) with the stage times the engine runs between transfers: F_i and the backward
     alone (the in-stage all-reduce is part of the segments' rings, the optimizer runs once after
     the step's statistics; see predicted_step_ms)."""
-    if microbatches < 1:
-        return 0.0
     mb = profile.fingerprint.microbatch_size
     t = [f + sum(layer_compute_ms(profile.layers[l], len(st.gpus), mb)[1]
                  for l in range(st.layer_start, st.layer_end))
          for f, st in zip(template.stage_forward_ms, template.stages)]
-    return sum(t) + 2.0 * sum(template.send_ms) + (microbatches - 1) * max(t)
+    return one_f_one_b_ms(t, template.send_ms, microbatches)
 
 
 def predicted_step_ms(plan: Plan, profile: ModelProfile) -> float:
