@@ -40,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from oobleck_hpc.elastic.events import read_events
+from oobleck_hpc.elastic.events import read_events, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,18 +62,6 @@ def job_dict(run_dir: Path, nodes: int, steps: int, checkpoint: Path | None) -> 
     return d
 
 
-def metrics_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
-
-
 def start(job_path: Path, run_dir: Path, metrics: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "oobleck_hpc", "run", str(job_path), "--metrics", str(metrics),
@@ -85,7 +73,7 @@ def start(job_path: Path, run_dir: Path, metrics: Path, log: Path) -> subprocess
 def wait_steps(metrics: Path, n: int, proc: subprocess.Popen, timeout: float) -> list[dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rows = metrics_rows(metrics)
+        rows = read_jsonl(metrics)
         if len(rows) >= n:
             return rows
         if proc.poll() is not None:
@@ -164,7 +152,7 @@ def restart_once(work: Path, nodes: int, kill_at: int, steps: int) -> dict:
         t_kill = kill_node(run_dir, "node1")
     finally:
         stop(proc, run_dir)  # the launcher stops every process at once
-    done_before = len(metrics_rows(metrics))
+    done_before = len(read_jsonl(metrics))
     # Relaunch on the survivors (one node fewer), reload the latest checkpoint, resume.
     run2 = work / "restart2"
     job2 = work / "restart2.yaml"

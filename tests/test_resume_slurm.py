@@ -49,6 +49,14 @@ def write_job(tmp_path: Path, name: str, steps: int) -> Path:
     return path
 
 
+def heartbeat(run_dir: Path) -> int:
+    """The step in the job's heartbeat file; -1 before the first one (or while it is replaced)."""
+    try:
+        return json.loads((run_dir / "heartbeat").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
 def logs(run_dir: Path, pattern: str) -> str:
     return "\n".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob(pattern)))
 
@@ -63,13 +71,7 @@ def test_usr2_checkpoints_requeues_and_resumes_the_exact_step(slurm_cluster, tmp
     submitted = submit(load_job(write_job(tmp_path, "usr2", steps)))
     job_id = submitted.job_id
     try:
-        def heartbeat() -> int:
-            try:
-                return json.loads((run_dir / "heartbeat").read_text())["step"]
-            except (OSError, ValueError, KeyError):
-                return -1
-
-        wait_until(lambda: heartbeat() >= 3, 90, "the job to train a few steps")
+        wait_until(lambda: heartbeat(run_dir) >= 3, 90, "the job to train a few steps")
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
         result = submitted.result()
     finally:
@@ -111,13 +113,7 @@ def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_c
     submitted = submit(load_job(job_file))
     job_id = submitted.job_id
     try:
-        def heartbeat() -> int:
-            try:
-                return json.loads((run_dir / "heartbeat").read_text())["step"]
-            except (OSError, ValueError, KeyError):
-                return -1
-
-        wait_until(lambda: heartbeat() >= 7, 90, "the first checkpoint")
+        wait_until(lambda: heartbeat(run_dir) >= 7, 90, "the first checkpoint")
         out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
                              check=True).stdout
         batch_host = re.search(r"BatchHost=(\S+)", out).group(1)

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from oobleck_hpc.config import job_from_dict
-from oobleck_hpc.elastic.events import read_events
+from oobleck_hpc.elastic.events import read_events, read_jsonl
 from helpers import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -73,16 +73,7 @@ def write_job(tmp_path: Path, name: str, monkeypatch) -> tuple[Path, Path]:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            break
-    return rows
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def sacct_states(job_id: str) -> list[tuple[str, str]]:

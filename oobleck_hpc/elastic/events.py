@@ -80,17 +80,26 @@ class EventLog:
                 self._fd = None
 
 
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The JSON lines of one file (events, per-step metrics) in file order; [] when the file does
+    not exist yet. A torn last line (a writer killed, or still writing) is skipped."""
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return []
+    return rows
+
+
 def read_events(pattern: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All events of the files matching `pattern` (a path or a glob), sorted by time. A torn last
     line (a writer killed mid-write) is skipped."""
-    events = []
-    for name in sorted(glob.glob(str(pattern))):
-        with open(name) as f:
-            for line in f:
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+    events = [e for name in sorted(glob.glob(str(pattern))) for e in read_jsonl(name)]
     events.sort(key=lambda e: e.get("t", 0.0))
     return events
 
