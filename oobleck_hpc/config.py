@@ -225,8 +225,21 @@ class FaultConfig:
     """Index of the node (0-based, in the job's initial node order) that fails."""
     step: int
     """Training step during which the fault fires."""
-    phase: Literal["forward", "backward", "gradient_sync", "optimizer", "reconfiguration"] = "forward"
-    kind: Literal["kill", "hang", "exit"] = "kill"
+    phase: Literal["forward", "backward", "gradient_sync", "reduce", "prepared", "vote",
+                   "optimizer", "commit", "checkpoint", "reconfiguration", "transfer",
+                   "rendezvous", "restore"] = "forward"
+    """Where in the step (or around it) the fault fires; elastic/faults.py lists every window:
+    forward, backward, gradient_sync (the per-layer gradient all-reduces); reduce (inside the
+    step's final statistics all-reduce, after this rank posted it); prepared (after that
+    all-reduce, before the commit vote); vote (this rank's vote sent, the outcome not known);
+    optimizer (the vote passed, before the update); commit (this rank applied the update, its
+    peers may not have yet); checkpoint (inside a periodic save); reconfiguration (survivors
+    agreed, before the groups are rebuilt); transfer (during the layer-state transfer);
+    rendezvous (the generation-0 rendezvous, `step` = the step the run starts at); restore
+    (loading the checkpoint, same `step`)."""
+    kind: Literal["kill", "hang", "exit", "crash"] = "kill"
+    """kill: SIGKILL of the node (agent + workers); hang: SIGSTOP of the node; exit: the node
+    leaves cleanly; crash: one worker process of a live node dies."""
 
 
 @dataclass
