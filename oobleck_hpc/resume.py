@@ -35,10 +35,11 @@ engine's "optimizer" phase calls `fence()` before `optimizer.step()` changes the
 pauses only for whatever copy is left at that point).
 
 All ranks must save the same steps. `every_steps` is the same rule everywhere; `every_minutes`
-reads each rank's clock, and a stop signal may reach the ranks at different moments, so one
-all-reduce (MAX) of [save due, stop requested] per step makes the decision common (one 16-byte
-collective per step; none in a one-rank world). The last step is not saved periodically (the run
-is over; a stop signal still saves).
+reads each rank's clock, and a stop signal may reach the ranks at different moments, so each
+rank puts [save due, stop requested] on its ballot in the step's commit vote (`ballot`;
+elastic/driver.py) and the vote's maximum makes the decision common -- no collective of its own,
+so nothing here can block on a dead peer. The last step is not saved periodically (the run is
+over; a stop signal still saves).
 
 Leaving (`after_step` on a stop signal, `fallback` on GuaranteeExceeded)
 ------------------------------------------------------------------------
@@ -122,26 +123,42 @@ class Resume:
     _hooked: Any = None
     _last_beat: float = 0.0
     _exceed_at: tuple[int, list[str]] | None = None
+    faults: Any = None
     log: Any = field(default=_log, repr=False)
 
     # ------------------------------------------------------------------ start
 
     @classmethod
     def start(cls, job: JobConfig, plan: Plan, rank: int, comm: Any, device: Any,
-              run_dir: str | Path, profile: ModelProfile | None = None) -> Resume:
+              run_dir: str | Path, profile: ModelProfile | None = None,
+              faults: Any = None) -> Resume:
         """Install the stop-signal handlers, open the checkpoint directory and restore from the
-        latest good checkpoint onto `plan` (every rank of the world must call this)."""
+        latest good checkpoint onto `plan` (every rank of the world must call this). A peer
+        lost during the restore raises RuntimeError (train.py rendezvous again and retries).
+        `faults`: the worker's fault injector (its `checkpoint` window fires in a save)."""
         from oobleck_hpc.checkpoint import Checkpointer, StopSignals
 
         stop = StopSignals.install()
         cp = None
         if job.checkpoint.dir is not None:
             cp = Checkpointer(job.checkpoint, rank=rank, num_layers=plan.num_layers)
-        self = cls(job, rank, Path(run_dir), device, cp, stop, profile)
+        self = cls(job, rank, Path(run_dir), device, cp, stop, profile, faults=faults)
         self._exceed_at = _parse_test_exceed(os.environ.get(TEST_EXCEED_ENV))
         if cp is not None:
-            self._restore(plan, comm)
+            try:
+                self._restore(plan, comm)
+            except BaseException:
+                stop.uninstall()
+                raise
         return self
+
+    @classmethod
+    def unstarted(cls, job: JobConfig, run_dir: str | Path, device: Any) -> Resume:
+        """For a fallback before `start` completed (a run that lost too many nodes while
+        starting): nothing restored or saved by this run, the checkpoint directory untouched."""
+        from oobleck_hpc.checkpoint import StopSignals
+
+        return cls(job, 0, Path(run_dir), device, None, StopSignals())
 
     def _restore(self, plan: Plan, comm: Any) -> None:
         from oobleck_hpc.checkpoint import CheckpointError, find_latest, open_checkpoint
@@ -182,10 +199,21 @@ class Resume:
 
     # ------------------------------------------------------------------ each step
 
-    def after_step(self, engine: Engine) -> int | None:
-        """Call after every committed step. Saves when due, beats the watchdog's heartbeat, and
-        returns EXIT_REQUEUE when the job must leave (a stop signal: checkpoint written), else
-        None."""
+    def ballot(self, engine: Engine) -> list[float]:
+        """This rank's say in the next step's commit vote (elastic/driver.py): [a save due by
+        the clock after that step, a stop signal seen]. The vote's elementwise max makes both
+        decisions common to every rank at no cost of its own."""
+        cp = self.checkpointer
+        next_step = engine.state.step + 1
+        clock_due = (cp is not None and cp.due(next_step)
+                     and not (cp.every_steps and next_step % cp.every_steps == 0))
+        return [float(clock_due), float(bool(self.stop))]
+
+    def after_step(self, engine: Engine, agreed: list[float] | None = None) -> int | None:
+        """Call after every committed step with the vote's agreed ballot (`ballot`). Saves when
+        due, beats the watchdog's heartbeat, and returns EXIT_REQUEUE when the job must leave
+        (a stop signal: checkpoint written), else None. Without `agreed` (a one-rank world
+        that did not vote) the rank's own clock and signals decide."""
         step = engine.state.step
         self.rank = engine.comm.rank  # a reconfiguration may have renumbered the ranks
         if self.rank == 0:
@@ -197,12 +225,10 @@ class Resume:
                                  nodes=[n for n in engine.plan.nodes if n not in lost])
         cp = self.checkpointer
         due = cp is not None and bool(cp.every_steps) and step % cp.every_steps == 0
-        clock_due = cp is not None and cp.due(step) and not due
-        stop = bool(self.stop)
-        if engine.comm.world_size > 1:
-            agreed = self._agree(engine, [float(clock_due), float(stop)])
-            if agreed is None:
-                return None  # the world is broken: the next step fails and recovery takes over
+        if agreed is None:
+            clock_due = cp is not None and cp.due(step) and not due
+            stop = bool(self.stop)
+        else:
             clock_due, stop = bool(agreed[0]), bool(agreed[1])
         if stop:
             reason = self.stop.reason or "a peer received a stop signal"
@@ -210,13 +236,6 @@ class Resume:
         if cp is not None and (due or clock_due) and step < self.job.train.steps:
             self._save(engine, sync=False)
         return None
-
-    def _agree(self, engine: Engine, values: list[float]) -> list[float] | None:
-        try:
-            return self._all_reduce_max(values, engine.comm.world_size)
-        except Exception as e:  # a dead peer: let the engine's next step report it
-            self.log(f"rank {self.rank}: could not agree on save/stop ({e!r})")
-            return None
 
     def _all_reduce_max(self, values: list[float], world_size: int) -> list[float]:
         import torch
@@ -253,6 +272,8 @@ class Resume:
             else:
                 cp.save(engine.state.step, shards, train, tag=plan_tag(plan), defer_copy=True)
                 self._hook_fence(engine)
+                if self.faults is not None:
+                    self.faults("checkpoint", engine.state.step)
         except CheckpointError as e:
             # A failed save never stops training: the previous checkpoint stays the latest.
             self.log(f"rank {self.rank}: checkpoint of step {engine.state.step} failed: {e}")

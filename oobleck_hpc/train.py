@@ -22,10 +22,11 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oobleck_hpc.errors import EXIT_OK, GuaranteeExceeded, OobleckError
+from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, GuaranteeExceeded, OobleckError
 
 _client = None
 """This worker's AgentClient, once connected (entry() tells the agent about intended exits)."""
@@ -33,52 +34,83 @@ _client = None
 
 @dataclass
 class Progress:
-    """The run as rank 0 reports it: a tqdm bar on a TTY, a log line every `log_every` steps
-    otherwise, and one JSON line per step in the metrics file. Every rank keeps the losses (the
-    same value everywhere); only the current plan's rank 0 (`active`: it changes when a node is
-    lost) writes and prints."""
+    """The run as the current plan's rank 0 reports it: a tqdm bar on a TTY, a log line every
+    `log_every` steps otherwise, and one JSON line per committed step in the metrics file. Every
+    rank records its committed steps (the same values everywhere); only the current plan's rank
+    0 (`active`: it changes when a node is lost) writes and prints. The metrics file holds every
+    committed step exactly once, whoever dies: a rank that becomes the writer first reads the
+    last step the file has, then writes the steps after it that it kept (the previous writer may
+    have died between committing a step and writing it; a requeued run replays steps after its
+    checkpoint, which the file already has)."""
 
     total: int
     log_every: int
     metrics: Path | None
-    plan_id: str
-    generation: int
-    active: bool = True
+    active: bool = False
     bar: object = None
     losses: list[float] = field(default_factory=list)
     samples: int = 0
     seconds: float = 0.0
+    _rows: deque = field(default_factory=lambda: deque(maxlen=KEEP_ROWS))
+    _written: int = -1
 
     def __post_init__(self) -> None:
-        if self.active and sys.stdout.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, unit="step", dynamic_ncols=True)
         if self.metrics is not None:
             self.metrics.parent.mkdir(parents=True, exist_ok=True)
 
-    def step(self, r) -> None:
-        self.losses.append(r.loss)
-        self.samples += r.samples
-        self.seconds += r.seconds
-        if not self.active:
+    def record(self, results, plan_id: str, generation: int, active: bool) -> None:
+        """Steps committed on this rank (driver.step()'s list), on plan `plan_id`."""
+        for r in results:
+            self.losses.append(r.loss)
+            self.samples += r.samples
+            self.seconds += r.seconds
+            self._rows.append({"step": r.step, "loss": r.loss, "samples": r.samples,
+                               "seconds": r.seconds, "grad_norm": r.grad_norm, "lr": r.lr,
+                               "plan": plan_id, "generation": generation, "time": time.time()})
+        if active and not self.active:
+            self._written = _last_step(self.metrics)
+            if self.metrics is not None and self.metrics.exists():
+                with open(self.metrics, "rb+") as f:  # a writer killed mid-line: end its line
+                    if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                        f.write(b"\n")
+            if self.bar is None and sys.stdout.isatty():
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=self.total, initial=self._written + 1, unit="step",
+                                dynamic_ncols=True)
+        self.active = active
+        if not active:
             return
-        if self.metrics is not None:
+        new = [row for row in self._rows if row["step"] > self._written]
+        if new and self.metrics is not None:
             with open(self.metrics, "a") as f:
-                f.write(json.dumps({"step": r.step, "loss": r.loss, "samples": r.samples,
-                                    "seconds": r.seconds, "grad_norm": r.grad_norm, "lr": r.lr,
-                                    "plan": self.plan_id, "generation": self.generation,
-                                    "time": time.time()}) + "\n")
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{r.loss:.4f}", refresh=False)
-        elif (r.step + 1) % self.log_every == 0 or r.step + 1 == self.total:
-            print(f"step {r.step + 1}/{self.total}  loss {r.loss:.4f}  "
-                  f"{r.samples / max(r.seconds, 1e-9):.1f} samples/s", flush=True)
+                f.write("".join(json.dumps(row) + "\n" for row in new))
+        for row in new:
+            self._written = row["step"]
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
+            elif (row["step"] + 1) % self.log_every == 0 or row["step"] + 1 == self.total:
+                print(f"step {row['step'] + 1}/{self.total}  loss {row['loss']:.4f}  "
+                      f"{row['samples'] / max(row['seconds'], 1e-9):.1f} samples/s", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+KEEP_ROWS = 1000
+"""Committed steps a rank keeps for the metrics file in case it becomes the writer."""
+
+
+def _last_step(metrics: Path | None) -> int:
+    """The last step the metrics file records (-1: none, or no file)."""
+    from oobleck_hpc.elastic.events import read_jsonl
+
+    if metrics is None or not metrics.exists():
+        return -1
+    return max((int(row["step"]) for row in read_jsonl(str(metrics)) if "step" in row),
+               default=-1)
 
 
 def describe_plan(plan) -> str:
@@ -130,6 +162,9 @@ def main() -> int:
     from oobleck_hpc.elastic.faults import FaultInjector
     from oobleck_hpc.models.base import build_model
     from oobleck_hpc.profiling import resolve_profile
+    from oobleck_hpc.checkpoint import read_latest_pointer
+    from oobleck_hpc.elastic.driver import RecoveryError
+    from oobleck_hpc.elastic.membership import Fenced
     from oobleck_hpc.resume import Resume
 
     # Who am I, and what is the job. The node agent started this process and owns its link.
@@ -154,32 +189,35 @@ def main() -> int:
     profile = resolve_profile(job)
     driver = ElasticDriver(job, model, profile, dataset, device, client, events, faults)
     client._on_notice = driver.on_notice
-    plan, comm = driver.start()
-    if comm.rank == 0:
-        print(describe_plan(plan), flush=True)
+    first_step = (read_latest_pointer(job.checkpoint.dir) or 0) if job.checkpoint.dir else 0
     code = EXIT_OK
+    ckpt = None
     try:
-        # Restore the latest checkpoint (if any) onto this run's plan (oobleck_hpc/resume.py).
-        ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile)
+        plan, comm = driver.start(first_step)
+        # Restore the latest checkpoint (if any) onto this run's plan (oobleck_hpc/resume.py);
+        # a node lost meanwhile: rendezvous again among the survivors and restore again.
+        while True:
+            try:
+                if faults is not None:
+                    faults("restore", first_step)
+                ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile, faults)
+                break
+            except RuntimeError as e:
+                plan, comm = driver.start(first_step, failed=f"restore: {e!r}")
+        if comm.rank == 0:
+            print(describe_plan(plan), flush=True)
         driver.build_engine(state=ckpt.state, layer_states=ckpt.layer_states)
 
-        # The run loop: each step commits; a lost node is recovered in place inside
-        # driver.step() (oobleck_hpc/elastic/driver.py).
+        # The run loop: each step commits only when every rank holds it (the commit vote); a
+        # lost node is recovered in place inside driver.step() (oobleck_hpc/elastic/driver.py).
         metrics = Path(env.extra["metrics"]) if env.extra.get("metrics") else None
-        progress = Progress(job.train.steps, job.train.log_every, metrics, plan.digest(),
-                            plan.generation, active=comm.rank == 0)
+        progress = Progress(job.train.steps, job.train.log_every, metrics)
         t0 = time.perf_counter()
         while driver.engine.state.step < job.train.steps:
-            result = driver.step()
-            progress.plan_id, progress.generation = driver.plan.digest(), driver.gen
-            progress.active = driver.rank == 0
-            progress.step(result)
+            results = driver.step(ckpt.ballot(driver.engine))
+            progress.record(results, driver.plan.digest(), driver.gen, active=driver.rank == 0)
             # Periodic checkpoint, heartbeat; a stop signal saves and leaves for a requeue (75).
-            try:
-                code = ckpt.after_step(driver.engine)
-            except RuntimeError as e:  # a node lost between steps (the save's all-reduce)
-                driver.recover(driver.engine.state.step, "checkpoint", repr(e), None)
-                continue
+            code = ckpt.after_step(driver.engine, driver.agreed)
             if code is not None:
                 return code
         code = EXIT_OK
@@ -191,8 +229,13 @@ def main() -> int:
             print(summary(job, driver.plan, progress, wall, run_dir, driver.recoveries),
                   flush=True)
         return EXIT_OK
-    except GuaranteeExceeded as e:  # beyond in-place recovery: resume from the latest checkpoint
-        code = ckpt.fallback(e)
+    except (GuaranteeExceeded, RecoveryError, Fenced) as e:
+        # Beyond in-place recovery: resume from the latest checkpoint. A node fenced because its
+        # survivors could not prove a quorum (exit_code 75) falls back too; one excluded by its
+        # peers (they go on without it) just stops.
+        if e.exit_code != EXIT_REQUEUE:
+            raise
+        code = (ckpt or Resume.unstarted(job, run_dir, device)).fallback(e)
         return code
     except BaseException:
         code = None  # entry() reports an intended exit; anything else is a crash of the node

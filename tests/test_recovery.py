@@ -156,6 +156,7 @@ def test_guarantee_exceeded_raises_at_once():
 
     from oobleck_hpc.elastic.client import Membership
     from oobleck_hpc.elastic.driver import ElasticDriver
+    from oobleck_hpc.engine import TrainState
     from oobleck_hpc.errors import GuaranteeExceeded
     from oobleck_hpc.planning import plan_job
     from oobleck_hpc.profiling import resolve_profile
@@ -176,8 +177,12 @@ def test_guarantee_exceeded_raises_at_once():
             # the agreed survivors: fewer than n0 = 1 nodes keep no replica at all
             return Membership(1, (), tuple(nodes), "node0", "127.0.0.1", 1)
 
+        def exchange(self, key, value, timeout, gen=None, on_sent=None):
+            return {"node0": [value]}  # the survivors' reconciliation: all at the same step
+
     class FakeEngine:
-        state = None
+        state = TrainState()
+        prepared = None
 
         def close(self):
             pass

@@ -163,13 +163,14 @@ class AgentClient:
         """Announce an intended exit with `code` (call right before exiting)."""
         self._send({"type": "done", "code": code})
 
-    def exchange(self, key: str, value: Any, timeout: float,
-                 gen: int | None = None) -> dict[str, list[Any]]:
+    def exchange(self, key: str, value: Any, timeout: float, gen: int | None = None,
+                 on_sent: Callable[[], None] | None = None) -> dict[str, list[Any]]:
         """All-gather `value` (JSON-serialisable) among the current generation's nodes.
         Returns node -> [value of each local rank]. Raises Superseded if a membership round
         opened first (redo it after the next membership), Fenced, or TimeoutError. `gen`: the
         generation the value was computed for; Superseded at once if a newer one is known
-        (else the exchange would run under the newer generation with a stale value)."""
+        (else the exchange would run under the newer generation with a stale value).
+        `on_sent`: called once this rank's value is on its way (fault injection)."""
         m = self.membership
         current = m.gen if m is not None else 0
         if gen is not None and gen != current:
@@ -177,6 +178,8 @@ class AgentClient:
                              "was decided meanwhile")
         gen = current
         self._send({"type": "exchange", "gen": gen, "key": key, "value": value})
+        if on_sent is not None:
+            on_sent()
         deadline = time.monotonic() + timeout
         with self._cond:
             while (gen, key) not in self._exchanges:

@@ -6,8 +6,9 @@
     while driver.engine.state.step < steps:
         result = driver.step()           # a committed step (recovers in place on failures)
 
-`step()` runs `engine.step()`; a failed step (a value, never an exception: engine.py) or a round
-opened by the agents turns into `recover()`:
+`step()` runs `engine.step(commit=False)`, then the commit vote (below); a failed step (a value,
+never an exception: engine.py), a failed vote or a round opened by the agents turns into
+`recover()`:
 
 1. Report: `client.report_failure("comm_error", detail, suspects)` -- suspects = the node of the
    failing transfer's peer when known (the agent suspects it at once), else none (the agent
@@ -16,11 +17,16 @@ opened by the agents turns into `recover()`:
    instead of waiting for the collective timeout (gloo); with NCCL the communicators are aborted
    when the agent announces a round (`_on_notice`).
 2. Agreement: `client.wait_membership(after_gen)` returns the generation the agents decided (see
-   elastic/membership.py); lost = base plan's nodes missing from it.
+   elastic/membership.py); lost = base plan's nodes missing from it. None decided within the
+   agreement bound: RecoveryError (the checkpoint fallback), never a hang. Then the survivors
+   settle a step whose vote was interrupted (`_reconcile`, below).
 3. Plan: `reconfigure(base_plan, lost, templates, profile, f)` -- pure, so every survivor computes
    the same plan; GuaranteeExceeded propagates to the caller (checkpoint fallback). Survivors
    confirm with `client.exchange` of (base plan digest, new plan digest, step, cursor): any
-   difference is a hard error (never continue with a wrong model).
+   difference is a hard error (never continue with a wrong model). A round that lost no node
+   (the agents found every peer alive after a failed collective: a slow rank, a port clash)
+   retries the step on the same plan with fresh groups, at most MAX_RETRIES times in a row;
+   then RecoveryError.
 4. Groups: the generation's store (hosted by local rank 0 of `m.store_node`), `Comm.init` with the
    generation number (a fresh key prefix), `PlanGroups.build`.
 5. Transfer: a new Engine on the new plan at the same TrainState, the rank's kept layers copied
@@ -38,11 +44,21 @@ replayed step -- starts a new round from the same base, which every survivor agr
 committed the same steps). The old base's layers are freed at that first commit. So a failure
 during reconfiguration supersedes the round with no partial state anywhere.
 
-Commit consistency. A step commits on a rank once its final global all-reduce succeeded; a round
-announced by the agents aborts a step only before that point (forward, backward, gradient sync),
-never in the optimizer phase. Ranks therefore disagree on the step only if a peer died INSIDE the
-final all-reduce after some ranks finished it; the (digest, step, cursor) exchange detects that
-and raises RecoveryError (the checkpoint fallback) rather than continuing on mixed states.
+Transactional step. A rank whose final all-reduce completed holds the step *prepared* (reduced,
+clipped gradients; engine.step(commit=False)). It then votes over the control plane: an
+exchange `commit-<step>` among the generation's nodes, which completes only once every rank of
+every node sent its vote, and fails (Superseded) as soon as a membership round opens first. A
+rank commits (optimizer, state advances) only when its vote completed. A failure anywhere before
+that -- inside the all-reduce, between it and the vote, during the vote -- leaves the step
+prepared or not at all; the survivors then settle it in `_reconcile`, the first exchange of the
+new generation: each says (base plan, committed step, cursor, plan of a prepared step). If any
+survivor committed step s, the vote completed somewhere, so EVERY member had voted and holds s
+prepared: the survivors still at s commit it now (roll forward; engine.commit() is local). If
+none committed, every survivor drops it (roll back) and the step is replayed on the new plan. So
+no survivor ever applies a step another survivor lacks, and no step is lost or applied twice. A
+state that fits neither (it cannot happen under this protocol) raises RecoveryError. The vote
+also carries each rank's ballot (resume.py: a clock-based save due, a stop signal seen), so
+those decisions need no collective of their own.
 
 Events (run_dir/events.jsonl, source node/local_rank): step_failed (every rank that saw it: phase,
 peer, error), membership_agreed, plan_chosen, groups_rebuilt, state_transferred (bytes), and
@@ -57,13 +73,19 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Superseded
 from oobleck_hpc.errors import OobleckError
+
+if TYPE_CHECKING:
+    from oobleck_hpc.engine.engine import StepResult
+
+MAX_RETRIES = 3
+"""Consecutive in-place retries of a step with no node lost before the checkpoint fallback."""
 
 
 class RecoveryError(OobleckError):
@@ -121,20 +143,57 @@ class ElasticDriver:
         self.base_plan = None
         self.recoveries: list[Recovery] = []
         self._pending: Recovery | None = None
+        self._rolled: list = []
+        """Steps committed by roll-forward during a recovery, not yet returned by step()."""
+        self._retries = 0
+        self.agreed: list[float] | None = None
 
     # ------------------------------------------------------------------ generation 0
 
-    def start(self):
+    def start(self, first_step: int = 0, failed: str | None = None):
         """Generation 0: wait for the roster membership, plan, rendezvous and build the groups.
-        Returns (plan, comm); then `build_engine` (a checkpoint restore goes in between)."""
+        Returns (plan, comm); then `build_engine` (a checkpoint restore goes in between).
+
+        A node lost during the rendezvous or the restore (nothing trained yet on this run) opens
+        a round like any other loss; the survivors plan afresh on the nodes they agreed on and
+        rendezvous again (`failed`: why the last start's groups failed -- called again after a
+        failed restore). `first_step`: the step this run starts at (fault injection only)."""
         from oobleck_hpc.planning import plan_job
 
-        m = self.client.wait_membership(timeout=self.store_timeout_s)
-        self.gen = m.gen
-        _, self.templates, plan = plan_job(self.job, self.profile, list(m.nodes))
-        self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s)
-        self.plan = plan
-        return plan, self.comm
+        if failed is None:
+            m = self.client.wait_membership(timeout=self.store_timeout_s)
+        else:
+            m = self._restart(self.gen, RuntimeError(failed))
+        while True:
+            self.gen = m.gen
+            try:
+                _, self.templates, plan = plan_job(self.job, self.profile, list(m.nodes))
+            except OobleckError as e:
+                if m.gen == 0:
+                    raise  # bad input: the job as submitted cannot be planned
+                raise RecoveryError(f"no plan on the {len(m.nodes)} nodes left after losing "
+                                    f"{', '.join(m.lost)} during the start: {e}") from e
+            plan = replace(plan, generation=m.gen)
+            try:
+                if self.faults is not None:
+                    self.faults("rendezvous", first_step)
+                self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s)
+                self.plan = plan
+                return plan, self.comm
+            except (Superseded, RuntimeError, TimeoutError, ValueError) as e:
+                if isinstance(e, RecoveryError):
+                    raise
+                m = self._restart(m.gen, e)
+
+    def _restart(self, gen: int, error: BaseException):
+        """The start on generation `gen` failed: report it (unless a round is already what
+        stopped it), drop the groups, and wait for the next generation."""
+        self.events.emit("rendezvous_failed", generation=gen, error=repr(error)[:300])
+        if not isinstance(error, Superseded):
+            self.client.report_failure("comm_error", f"start on generation {gen}: "
+                                       f"{error!r}"[:300])
+        self._teardown()
+        return self._wait_membership(gen)
 
     def build_engine(self, state=None, layer_states=None):
         """The generation-0 engine (from a checkpoint's state and layers when given)."""
@@ -151,28 +210,56 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ steps
 
-    def step(self):
-        """One committed step; failures are recovered in place (raises GuaranteeExceeded,
-        RecoveryError, Fenced when that is impossible)."""
+    def step(self, ballot: Sequence[float] = ()) -> list[StepResult]:
+        """Run the next step until it commits, recovering in place on failures (raises
+        GuaranteeExceeded, RecoveryError, Fenced when that is impossible). Returns the steps
+        committed by this call in order: the one it ran, preceded by a step rolled forward
+        during a recovery (module docstring, "Transactional step").
+
+        `ballot`: this rank's numbers for the commit vote (resume.py: a save due by the clock,
+        a stop signal seen); their elementwise max over every rank of the vote that committed
+        the step this call ran is left in `self.agreed`."""
         while True:
+            step = self.engine.state.step
             try:
-                result = self.engine.step()
+                result = self.engine.step(commit=False)
             except RoundOpened as e:
-                result = None
-                why, peer = str(e), None
-                phase = "round"
+                result, why, phase, peer = None, str(e), "round", None
             if result is not None and result.ok:
+                try:
+                    agreed = self._vote(step, list(ballot))
+                except (Superseded, TimeoutError) as e:
+                    # The vote did not complete here: whether the step commits is settled
+                    # among the survivors (recover -> _reconcile); this engine keeps it prepared.
+                    self.recover(step, "vote", repr(e), None)
+                    continue
+                self.engine.commit()
                 self._committed()
-                return result
+                self.agreed = agreed
+                done, self._rolled = self._rolled + [result], []
+                return done
             if result is not None:
                 why, phase = repr(result.error), result.phase
                 # Name the peer only when its connection broke (its process died). An aborted
                 # wait or a timeout says nothing about the peer: it may itself be waiting on
                 # the failed node, and a false suspicion would fence a healthy node.
                 peer = result.peer if _peer_died(result.error) else None
-            self.recover(self.engine.state.step, phase, why, peer)
+            self.recover(step, phase, why, peer)
+
+    def _vote(self, step: int, ballot: list[float]) -> list[float]:
+        """The commit vote: every rank of the generation says, over the control plane, that it
+        holds step `step` prepared. Completes only when all did (then committing is safe
+        everywhere); Superseded when a round opened first."""
+        if self.faults is not None:
+            self.faults("prepared", step)
+        sent = None if self.faults is None else (lambda: self.faults("vote", step))
+        values = self.client.exchange(f"commit-{step}", ballot, timeout=self.agree_s,
+                                      gen=self.gen, on_sent=sent)
+        every = [v for per_node in values.values() for v in per_node]
+        return [max(v[i] for v in every) for i in range(len(ballot))]
 
     def _committed(self) -> None:
+        self._retries = 0
         if self.base is not None:  # first commit on a new plan: it becomes the base
             self.base.close()
             self.base, self.base_plan = None, None
@@ -187,9 +274,9 @@ class ElasticDriver:
                                  seconds=round(r.seconds, 4), rounds=r.rounds, plan=r.plan,
                                  phases={k: round(v, 4) for k, v in r.phases.items()},
                                  bytes_moved=r.bytes_moved)
-                print(f"recovered: lost {', '.join(r.lost) or 'nothing'} at step {r.step}; first "
-                      f"step committed on plan {r.plan} (generation {r.generation}) "
-                      f"{r.seconds:.2f} s after the failure was seen", flush=True)
+                print(f"recovered: lost {', '.join(r.lost) or 'nothing (retried in place)'} at "
+                      f"step {r.step}; first step committed on plan {r.plan} (generation "
+                      f"{r.generation}) {r.seconds:.2f} s after the failure was seen", flush=True)
 
     def _round_opened(self) -> bool:
         """The agents opened a membership round (or decided one) past this generation."""
@@ -200,11 +287,21 @@ class ElasticDriver:
     def _on_phase(self, phase: str, step: int) -> None:
         if self.faults is not None:
             self.faults(phase, step)
-        if phase != "optimizer" and self._round_opened():
-            # past the final all-reduce a step always commits (module docstring)
+        if phase not in ("optimizer", "commit") and self._round_opened():
+            # past the vote a step commits whatever happens (module docstring)
             r = self.client.round_open
             raise RoundOpened(f"membership round opened (suspects: "
                               f"{r['suspects'] if r else 'decided'})")
+
+    def _wait_membership(self, after_gen: int):
+        """The next decided generation; no decision within the agreement bound is a dead end
+        for in-place recovery, so the checkpoint fallback takes over (RecoveryError)."""
+        try:
+            return self.client.wait_membership(after_gen=after_gen, timeout=self.agree_s)
+        except TimeoutError as e:
+            raise RecoveryError(f"no membership decided after generation {after_gen} within "
+                                f"{self.agree_s:.0f} s ({e}); falling back to the last "
+                                "checkpoint") from e
 
     # ------------------------------------------------------------------ recovery
 
@@ -224,11 +321,14 @@ class ElasticDriver:
         self.client.report_failure("comm_error", f"step {step} {phase}: {why[:200]}", suspects)
         if self.faults is not None:
             self.faults.on_failed_step(step)
+        engine, self.engine = self.engine, None
         if self.base is None:  # the current engine was the base
-            self.base, self.base_plan = self.engine, self.plan
-        elif self.engine is not self.base:
-            self.engine.close()
-        self.engine = None
+            self.base, self.base_plan = engine, self.plan
+        # An engine holding a prepared step stays until the survivors settled whether that
+        # step commits (_reconcile); any other engine that is not the base goes.
+        held = engine if engine is not None and engine.prepared is not None else None
+        if engine is not None and engine is not self.base and held is None:
+            engine.close()
         self._teardown()
         rec = self._pending or Recovery(step, (), self.gen, "", t_failed)
         if self._pending is not None:
@@ -236,30 +336,43 @@ class ElasticDriver:
         self._pending = rec
         while True:
             t0 = time.time()
-            m = self.client.wait_membership(after_gen=self.gen, timeout=self.agree_s)
+            m = self._wait_membership(self.gen)
             self.gen = m.gen
-            lost = tuple(n for n in self.base_plan.nodes if n not in m.nodes)
             t1 = time.time()
             rec.phases["agree"] = rec.phases.get("agree", 0.0) + (t1 - t0)
-            # The same (core-scaled) profile the templates were built from (planning.plan_job).
-            new_plan = reconfigure(self.base_plan, lost, self.templates,
-                                   job_profile(self.job, self.profile), self.job.fault_tolerance.f)
-            new_plan = replace(new_plan, generation=m.gen)
-            new_rank = new_plan.rank_of(self.node, self.local_rank)
-            state = self.base.state
-            t2 = time.time()
-            rec.phases["plan"] = rec.phases.get("plan", 0.0) + (t2 - t1)
-            if new_rank == 0:
-                self.events.emit("membership_agreed", generation=m.gen, nodes=list(m.nodes),
-                                 lost=list(lost), store=m.store_addr)
-                self.events.emit("plan_chosen", generation=m.gen, plan=new_plan.digest(),
-                                 pipelines=[p.template.num_nodes for p in new_plan.pipelines],
-                                 microbatches=[p.microbatches for p in new_plan.pipelines],
-                                 plan_seconds=round(t2 - t1, 4))
-                print(f"agreed: generation {m.gen}, lost {', '.join(lost)}; new plan "
-                      f"{new_plan.digest()}: pipelines of "
-                      f"{[p.template.num_nodes for p in new_plan.pipelines]} nodes", flush=True)
             try:
+                held = self._reconcile(m.gen, held)
+                lost = tuple(n for n in self.base_plan.nodes if n not in m.nodes)
+                if lost:
+                    # The same (core-scaled) profile the templates were built from.
+                    new_plan = reconfigure(self.base_plan, lost, self.templates,
+                                           job_profile(self.job, self.profile),
+                                           self.job.fault_tolerance.f)
+                else:  # nothing lost: retry the step on the same plan with fresh groups
+                    self._retries += 1
+                    if self._retries > MAX_RETRIES:
+                        raise RecoveryError(
+                            f"step {self.base.state.step} failed {self._retries} times in a row "
+                            f"with no node lost (last: {why[:200]}); falling back to the last "
+                            "checkpoint")
+                    new_plan = self.base_plan
+                new_plan = replace(new_plan, generation=m.gen)
+                new_rank = new_plan.rank_of(self.node, self.local_rank)
+                state = self.base.state
+                t2 = time.time()
+                rec.phases["plan"] = rec.phases.get("plan", 0.0) + (t2 - t1)
+                if new_rank == 0:
+                    self.events.emit("membership_agreed", generation=m.gen, nodes=list(m.nodes),
+                                     lost=list(lost), store=m.store_addr)
+                    self.events.emit("plan_chosen", generation=m.gen, plan=new_plan.digest(),
+                                     pipelines=[p.template.num_nodes for p in new_plan.pipelines],
+                                     microbatches=[p.microbatches for p in new_plan.pipelines],
+                                     plan_seconds=round(t2 - t1, 4))
+                    print(f"agreed: generation {m.gen}, "
+                          f"{'lost ' + ', '.join(lost) if lost else 'no node lost (retry)'}; "
+                          f"new plan {new_plan.digest()}: pipelines of "
+                          f"{[p.template.num_nodes for p in new_plan.pipelines]} nodes",
+                          flush=True)
                 mine = [self.base_plan.digest(), new_plan.digest(), state.step, state.cursor]
                 values = self.client.exchange(f"recover-{m.gen}", mine, timeout=self.agree_s,
                                               gen=m.gen)
@@ -288,6 +401,8 @@ class ElasticDriver:
                                 self.device, state=replace(state), layer_states=kept,
                                 on_phase=self._on_phase, abort=self._round_opened)
                 moves = transfer_plan(self.base_plan, new_plan, self.profile)
+                if self.faults is not None:
+                    self.faults("transfer", state.step)
                 stats = transfer.execute(moves, new_rank, self.base, engine, comm.timeout)
                 t5 = time.time()
                 rec.phases["transfer"] = rec.phases.get("transfer", 0.0) + (t5 - t4)
@@ -314,6 +429,47 @@ class ElasticDriver:
             rec.generation, rec.plan = m.gen, new_plan.digest()
             self.plan, self.engine = new_plan, engine
             return
+
+    def _reconcile(self, gen: int, held):
+        """Settle the step a failed vote left open (module docstring, "Transactional step").
+
+        Every survivor says where it stands: (base plan digest, committed step, cursor, digest
+        of the plan of a step it holds prepared or ""). The furthest committed step wins: a
+        survivor one step behind that holds that very step prepared commits it now (roll
+        forward; the vote completed somewhere, so every member had prepared it), a prepared
+        step nobody committed is dropped (roll back). Anything else cannot be made consistent
+        in place: RecoveryError. Returns the engine still holding a prepared step: None."""
+        state = self.base.state
+        mine = [self.base_plan.digest(), state.step, state.cursor,
+                held.plan.digest() if held is not None else ""]
+        values = self.client.exchange(f"reconcile-{gen}", mine, timeout=self.agree_s, gen=gen)
+        every = [v for per_node in values.values() for v in per_node]
+        target = max(v[1] for v in every)
+        ahead = {(v[0], v[1], v[2]) for v in every if v[1] == target}
+        if len(ahead) != 1:
+            raise RecoveryError(f"survivors committed step {target} on different plans or "
+                                f"cursors: {sorted(ahead)}; falling back to the last checkpoint")
+        digest, _, cursor = ahead.pop()
+        if state.step == target:
+            if held is not None:
+                held.rollback()
+                if held is not self.base:
+                    held.close()
+            return None
+        if not (state.step == target - 1 and held is not None and held.plan.digest() == digest
+                and held.state.cursor + held.sampler.global_batch == cursor):
+            raise RecoveryError(
+                f"this rank stands at step {state.step} (prepared: {mine[3] or 'none'}) while "
+                f"survivors committed step {target} on plan {digest}; falling back to the last "
+                "checkpoint")
+        result = held.commit()
+        if held is not self.base:
+            self.base.close()
+            self.base, self.base_plan = held, held.plan
+        self._rolled.append(result)
+        self.events.emit("rolled_forward", step=result.step, generation=gen,
+                         plan=held.plan.digest())
+        return None
 
     # ------------------------------------------------------------------ groups
 

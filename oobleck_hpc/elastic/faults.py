@@ -5,11 +5,14 @@
       - {node: 2, step: 3, phase: reconfiguration, kind: kill}
 
 `node` is the index in the job's initial node order (the roster: node0, node1, ...), `step` the
-training step (0-based, `engine.state.step`) during which the fault fires, `phase` where:
-forward, backward, gradient_sync, optimizer (the engine's `on_phase` hook: the moment the step
-enters that phase on a worker of the node) or reconfiguration (the reconfigure driver, after the
-survivors agreed and before the groups are rebuilt, while recovering at that step). A fault
-fires at most once per process; the first worker of the node to get there fires it for the node.
+training step (0-based, `engine.state.step`) during which the fault fires, `phase` the window
+(config.FaultConfig.phase): forward, backward, gradient_sync, reduce, optimizer, commit (the
+engine's `on_phase` hook: the moment the step enters that phase on a worker of the node);
+prepared, vote (the driver's transactional commit: before this rank votes, and after its vote
+was sent); reconfiguration, transfer (the reconfigure driver: after the survivors agreed, and
+while layer state moves); rendezvous, restore (the start of a run: `step` is the step it starts
+at); checkpoint (a periodic save, after the snapshot was handed to the writer). A fault fires at
+most once per process; the first worker of the node to get there fires it for the node.
 
 Kinds, all acting on the whole node -- the node agent and its workers share one process group
 (the local launcher starts each agent in its own session; under Slurm each srun task is one):
@@ -20,6 +23,8 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
   silence: lease expiry, collective timeouts). Whoever runs the test resumes or kills it.
 - exit: a clean exit: every worker of the node that reaches the fault (or whose step fails at the
   fault's step) says `done(0)` to its agent and exits 0; the agent then leaves the job (BYE).
+- crash: SIGKILL to this worker process alone, on a live node: its agent sees a worker exit
+  without "done" and fails the whole node (agent.py).
 
 Each firing is written to the run's events first (`fault_injected`, with the time), so recovery
 can be timed from the fault.
@@ -79,6 +84,8 @@ class FaultInjector:
             os.killpg(os.getpgid(0), signal.SIGKILL)
         elif f.kind == "hang":
             os.killpg(os.getpgid(0), signal.SIGSTOP)
+        elif f.kind == "crash":  # this worker alone: its agent then fails the node
+            os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind == "exit":
             if self.client is not None:
                 self.client.done(0)

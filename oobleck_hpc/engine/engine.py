@@ -21,23 +21,27 @@ Step (`Engine.step()`), for the global batch at `state.cursor`:
 3. Global statistics: one all-reduce over the world of [loss sum, sum of ||g_l||^2 over the
    segments this rank is the lowest holder of] -- every layer counted exactly once.
 4. Clip with the global norm, set the LR of this step, AdamW. Only then the state (step,
-   cursor) advances: the step is committed. `step(commit=False)` stops before the update and
-   leaves `commit()` / `rollback()` to the caller (a two-phase step for the elastic layer).
+   cursor) advances: the step is committed. `step(commit=False)` stops before the update with
+   the step *prepared* (reduced, clipped gradients in place) and leaves `commit()` /
+   `rollback()` to the caller: the elastic layer commits only after every member voted that it
+   holds the prepared step (elastic/driver.py), so no rank applies a step another rank may
+   lack. `commit()` is local (no peer involved).
 
 Failures are values: any exception in 1-3 (a peer died, a collective timed out) is caught and
 returned as `StepResult(ok=False, error, phase, peer)`; weights, optimizer state and training
 state are untouched (the optimizer has not run), so the step can be replayed on a new plan.
 The engine never exits and never decides what to do about a failure.
 
-`abort()` (optional) is polled while the rank waits for communication (not in the final global
-all-reduce, the step's commit point): when it turns true the
-wait is given up and the step returns as failed (error `Aborted`); the elastic layer sets it when
-its agents opened a membership round, so that no survivor waits out the collective timeout on a
-peer that already left the step.
+`abort()` (optional) is polled while the rank waits for communication (the final all-reduce
+included): when it turns true the wait is given up and the step returns as failed (error
+`Aborted`); the elastic layer sets it when its agents opened a membership round, so that no
+survivor waits out the collective timeout on a peer that already left the step.
 
 `on_phase(phase, step)` (optional) is called when the step enters forward, backward,
-gradient_sync and optimizer: the elastic layer injects faults there. What it raises is not a
-communication failure and propagates out of `step()` unchanged.
+gradient_sync, reduce (the final all-reduce posted, not yet complete), optimizer (in `commit()`,
+before the update) and commit (after the update, before the state advances): the elastic layer
+injects faults there. What it raises is not a communication failure and propagates out of
+`step()` / `commit()` unchanged.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from oobleck_hpc.engine.schedule import Action, max_in_flight, pipeline_schedule
 from oobleck_hpc.models.base import LayerModel
 from oobleck_hpc.planning.plan import Plan
 
-PHASES = ("forward", "backward", "gradient_sync", "optimizer")
+PHASES = ("forward", "backward", "gradient_sync", "reduce", "optimizer", "commit")
 
 
 @dataclass
@@ -285,14 +289,22 @@ class Engine:
         result.seconds = time.perf_counter() - t0
         return result
 
+    @property
+    def prepared(self) -> StepResult | None:
+        """The step prepared by `step(commit=False)` and neither committed nor rolled back."""
+        return self._pending
+
     def commit(self) -> StepResult:
-        """Apply the prepared step: AdamW with this step's LR; the state advances."""
+        """Apply the prepared step: AdamW with this step's LR; the state advances. Purely
+        local: it needs no peer, so a step whose commit was agreed can be applied after the
+        groups are gone (the elastic layer's roll-forward)."""
         result, self._pending = self._pending, None
         if result is None:
             raise RuntimeError("commit() without a prepared step (call step(commit=False) first)")
         self._phase("optimizer")
         set_lr(self.optimizer, result.lr)
         self.optimizer.step()
+        self._phase("commit")
         self.state.step += 1
         self.state.cursor += self.sampler.global_batch
         return result
@@ -421,7 +433,7 @@ class Engine:
         if not self.first:
             self._outputs[("SEND_GRAD", k)] = grad
 
-    def _wait(self, work: dist.Work, abortable: bool = True) -> None:
+    def _wait(self, work: dist.Work) -> None:
         """Wait for `work`, bounded by the collective timeout. With `abort` given, the blocking
         wait runs on a helper thread while this one polls abort() (gloo's p2p works never report
         is_completed() and a gloo wait cannot be interrupted): when abort() turns true the step
@@ -433,7 +445,7 @@ class Engine:
             return
 
         def stop() -> BaseException | None:
-            if abortable and self.abort():
+            if self.abort():
                 return Aborted("the elastic layer aborted the step (a membership round opened)")
             return None
 
@@ -459,14 +471,18 @@ class Engine:
             if seg.counts_norm:
                 sq += seg.flat.double().square().sum()
         stats = torch.stack([loss_sum.double(), sq])
+        world = tuple(range(self.comm.world_size))
         try:
-            # Not abortable: once any rank completes this all-reduce it commits the step, so
-            # every rank that can complete it must (a rank that gave up here while its peers
-            # finished would leave the survivors on different steps).
-            self._wait(dist.all_reduce(stats, op=dist.ReduceOp.SUM, async_op=True),
-                       abortable=False)
+            work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, async_op=True)
         except Exception as e:
-            raise _Failure("gradient_sync", None, tuple(range(self.comm.world_size)), e) from e
+            raise _Failure("reduce", None, world, e) from e
+        self._phase("reduce")
+        try:
+            # Abortable like every other wait: completing it commits nothing by itself (with
+            # step(commit=False) the caller decides, after a vote, whether the step commits).
+            self._wait(work)
+        except Exception as e:
+            raise _Failure("reduce", None, world, e) from e
         return stats.cpu()
 
     # ------------------------------------------------------------------ cleanup
