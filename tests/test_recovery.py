@@ -8,7 +8,7 @@ workers (OOBLECK_DEFAULT_DTYPE) and in the reference: in fp32 AdamW turns roundi
 near-zero gradients into visible parameter differences (tests/test_engine.py), in fp64 any
 error in the replayed step, the re-split batch or the copied optimizer state shows at once.
 
-Cases: one node killed in each phase; f = 2 nodes killed at once; the node that hosts the
+Cases: one node killed in each window of the transactional step; f = 2 nodes killed at once; the node that hosts the
 store and coordinates generation 0 (node0) killed; a node killed while the survivors
 reconfigure; a node hung (SIGSTOP). Exceeding the guarantee raises the typed error at once
 (a unit test of the driver: with gpt-tiny's n0 = 1 no local job can lose every replica and keep
@@ -98,7 +98,11 @@ def check_equal_to_reference(code: int, rows: list[dict], run_dir: Path, referen
 
 # gpt-tiny on 5 nodes, global batch 4: pipelines of [2, 1, 1, 1] nodes (node0+node1, node2,
 # node3, node4); losing any node changes layouts, so layer state moves in every case.
-PHASES = [("forward", 3, 1), ("backward", 1, 2), ("gradient_sync", 2, 2), ("optimizer", 4, 3)]
+# The windows of the transactional step: compute, inside the final all-reduce (some ranks may
+# complete it), during the commit vote (some ranks may see it complete and commit), and after
+# the metrics writer (node0: rank 0) applied the update but before it recorded the step.
+PHASES = [("forward", 3, 1), ("backward", 1, 2), ("reduce", 2, 2), ("vote", 4, 3),
+          ("commit", 0, 3)]
 
 
 @pytest.mark.timeout(150)
