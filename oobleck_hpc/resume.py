@@ -58,10 +58,6 @@ Rank 0 also writes RUN_DIR/requeue.json (reason, step, the nodes still alive) so
 requeue role restarts the job on the nodes it has.
 
 Watchdog: rank 0 beats RUN_DIR/heartbeat (launch/watch.py) at most once a second and at the end.
-
-Test-only fault: OOBLECK_TEST_EXCEED_GUARANTEE="STEP:NODE[,NODE...]" makes the first attempt
-(`restart_count()` 0) behave, once STEP steps have committed, as if recovery had raised
-GuaranteeExceeded for those nodes; it exercises the fallback until real multi-node faults drive it.
 """
 
 from __future__ import annotations
@@ -86,7 +82,6 @@ if TYPE_CHECKING:
     from oobleck_hpc.profiling.profile import ModelProfile
 
 REQUEUE_RECORD = "requeue.json"
-TEST_EXCEED_ENV = "OOBLECK_TEST_EXCEED_GUARANTEE"
 BEAT_EVERY_S = 1.0
 
 
@@ -122,7 +117,6 @@ class Resume:
     _owners: tuple[str, dict[int, int]] | None = None
     _hooked: Any = None
     _last_beat: float = 0.0
-    _exceed_at: tuple[int, list[str]] | None = None
     faults: Any = None
     log: Any = field(default=_log, repr=False)
 
@@ -143,7 +137,6 @@ class Resume:
         if job.checkpoint.dir is not None:
             cp = Checkpointer(job.checkpoint, rank=rank, num_layers=plan.num_layers)
         self = cls(job, rank, Path(run_dir), device, cp, stop, profile, faults=faults)
-        self._exceed_at = _parse_test_exceed(os.environ.get(TEST_EXCEED_ENV))
         if cp is not None:
             try:
                 self._restore(plan, comm)
@@ -218,11 +211,6 @@ class Resume:
         self.rank = engine.comm.rank  # a reconfiguration may have renumbered the ranks
         if self.rank == 0:
             self._beat(step, final=step >= self.job.train.steps)
-        if self._exceed_at is not None and step == self._exceed_at[0] and restart_count() == 0:
-            lost = self._exceed_at[1]
-            return self.fallback(f"test fault: nodes {lost} lost after step {step} (more than "
-                                 f"f={self.job.fault_tolerance.f})",
-                                 nodes=[n for n in engine.plan.nodes if n not in lost])
         cp = self.checkpointer
         due = cp is not None and bool(cp.every_steps) and step % cp.every_steps == 0
         if agreed is None:
@@ -376,15 +364,6 @@ class Resume:
         if self.checkpointer is not None:
             self.checkpointer.wait()
         self.stop.uninstall()
-
-
-def _parse_test_exceed(text: str | None) -> tuple[int, list[str]] | None:
-    if not text:
-        return None
-    step, _, nodes = text.partition(":")
-    if not step.strip().isdigit():
-        raise ValueError(f"{TEST_EXCEED_ENV}={text!r}: expected STEP:NODE[,NODE...]")
-    return int(step), [n for n in nodes.split(",") if n]
 
 
 def read_requeue_record(run_dir: str | Path) -> dict[str, Any] | None:

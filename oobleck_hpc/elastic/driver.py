@@ -79,7 +79,7 @@ import torch
 
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Superseded
-from oobleck_hpc.errors import OobleckError
+from oobleck_hpc.errors import GuaranteeExceeded, OobleckError
 
 if TYPE_CHECKING:
     from oobleck_hpc.engine.engine import StepResult
@@ -345,9 +345,13 @@ class ElasticDriver:
                 lost = tuple(n for n in self.base_plan.nodes if n not in m.nodes)
                 if lost:
                     # The same (core-scaled) profile the templates were built from.
-                    new_plan = reconfigure(self.base_plan, lost, self.templates,
-                                           job_profile(self.job, self.profile),
-                                           self.job.fault_tolerance.f)
+                    try:
+                        new_plan = reconfigure(self.base_plan, lost, self.templates,
+                                               job_profile(self.job, self.profile),
+                                               self.job.fault_tolerance.f)
+                    except GuaranteeExceeded as e:
+                        e.survivors = m.nodes  # the requeued job starts on the nodes it has
+                        raise
                 else:  # nothing lost: retry the step on the same plan with fresh groups
                     self._retries += 1
                     if self._retries > MAX_RETRIES:
