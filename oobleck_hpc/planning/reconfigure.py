@@ -17,14 +17,13 @@ Among the valid candidates (every size has a template, at least min(f + 1, M // 
 candidate order above. The batch is re-split for whichever wins.
 
 What decides the outcome. The fresh candidate is the fastest plan with at least
-min_pipelines(M) pipelines (instantiate.py is exact) and the keep candidate is one such plan, so
-the new plan's step time depends only on M, the survivors' count; keep wins only ties (on bytes
-moved). Whether the keep candidate is valid depends only on how many nodes each pipeline loses;
-which layers survive (all of them for k <= f: a whole pipeline is left), the layouts and the
-bytes moved also on which of its nodes. `loss_patterns`
-enumerates one loss set per pattern of per-pipeline loss counts, up to permuting pipelines of the
-same size: the planner's survivability table and the property test use it, and the test checks
-it against every loss set on small jobs.
+min_pipelines(M) pipelines (instantiate.py is exact) and a valid keep candidate is one such plan,
+so for k <= f losses both whether reconfiguration succeeds and the new plan's step time depend
+only on M, the survivors' count (keep wins only ties, on bytes moved); the layouts and the bytes
+moved depend on which pipelines lose how many nodes, and which nodes. `loss_patterns` enumerates
+one loss set per pattern of per-pipeline loss counts, up to permuting pipelines of the same size:
+the planner's survivability table and the property test use it, and the test checks it against
+every loss set on small jobs.
 
 The f-failure guarantee. With at least f + 1 pipelines, k <= f lost nodes leave a whole pipeline,
 so every layer survives; and the fresh candidate is exact (instantiate.py), so reconfiguration
@@ -194,9 +193,9 @@ def check_reconfigurable(templates: Mapping[int, Template], profile: ModelProfil
             + (f"; no template for {_ranges(absent)} nodes: more nodes than the "
                f"{profile.num_layers} layers, or too little memory" if absent else "")
             + f") fed by train.global_microbatches = {B} (one microbatch at least per "
-            f"pipeline). Fix: use a node count whose survivors are covered, lower "
-            f"fault_tolerance.f to {k - 1}, or raise train.global_microbatches to at least "
-            f"{max(B + 1, M // n0)}")
+            f"pipeline). Fix: use a node count whose survivors are covered, or lower "
+            f"fault_tolerance.f to {k - 1}"
+            + (f", or raise train.global_microbatches to at least {M // n0}" if M // n0 > B else ""))
 
 
 def _ranges(values: Sequence[int]) -> str:
