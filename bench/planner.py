@@ -8,9 +8,10 @@ fwd 8 bwd 16, params 200e6 B, activations 100e6 B; gradient bytes = params, opti
 2 x params, output bytes = activation bytes, zero latency, 100 GB/s links, 80 GB memory --
 with templates generated for EVERY node count 1..N, for (L, N, G) = (32,16,1), (32,32,1),
 (96,64,1), (128,128,1), (96,16,8); the template objective uses m = 16 microbatches.
-And GPT-3 175B (analytic, H100-80G, microbatch 1, 96 blocks + embedding + head) on 1,024 nodes x
-8 GPUs with f = 3 and a global batch of 1,536 microbatches: node specification, templates
-n0 .. N - f n0 (as a job builds them) and instantiation, all timed together.
+And GPT-3 175B (analytic, H100-80G, microbatch 1, 96 blocks + embedding + head) on 1,024 and on
+56 nodes x 8 GPUs (56 = (f + 1) n0: after losses the survivors need larger pipelines) with f = 3
+and a global batch of 1,536 microbatches: node specification, templates n0 .. N (as a job builds
+them), instantiation and the check that every loss of k <= f nodes reconfigures, timed together.
 
 `seconds` is the best of --repeats runs (the machine is shared); `peak_rss_mib` is the process's
 peak resident memory over the whole benchmark.
@@ -26,6 +27,7 @@ import time
 
 from oobleck_hpc.planning import template_microbatches
 from oobleck_hpc.planning.instantiate import instantiate
+from oobleck_hpc.planning.reconfigure import check_reconfigurable
 from oobleck_hpc.planning.spec import node_specification
 from oobleck_hpc.planning.templates import build_templates
 from oobleck_hpc.profiling.analytic import analytic_profile
@@ -73,22 +75,25 @@ def main() -> int:
                       "templates": len(tm)})
 
     prof = analytic_profile("gpt3-175b", "H100-80G", 1, "bfloat16", 8)
-    N, f, B = 1024, 3, 1536
-    nodes = [f"node{i}" for i in range(N)]
+    f, B = 3, 1536
+    for N in (1024, 56):
+        nodes = [f"node{i}" for i in range(N)]
 
-    def job():
-        spec = node_specification(prof, N, f)
-        m = template_microbatches(B, N, spec.n0, f)
-        tm = build_templates(prof, spec.template_sizes, m)
-        plan = instantiate(tm, nodes, B, f, prof)
-        return tm, plan
+        def job():
+            spec = node_specification(prof, N, f)
+            m = template_microbatches(B, N, spec.n0, f)
+            tm = build_templates(prof, spec.template_sizes, m)
+            plan = instantiate(tm, nodes, B, f, prof)
+            check_reconfigurable(tm, prof, N, B, f)
+            return tm, plan
 
-    s, (tm, plan) = best_of(args.repeats, job)
-    cases.append({"layers": prof.num_layers, "nodes": N, "gpus_per_node": 8, "seconds": round(s, 4),
-                  "templates": len(tm), "model": "gpt3-175b (analytic, H100-80G)", "f": f,
-                  "includes": "node specification + templates + instantiation",
-                  "pipelines": len(plan.pipelines),
-                  "predicted_step_ms": round(plan.predicted_iteration_ms, 3)})
+        s, (tm, plan) = best_of(args.repeats, job)
+        cases.append({"layers": prof.num_layers, "nodes": N, "gpus_per_node": 8,
+                      "seconds": round(s, 4), "templates": len(tm),
+                      "model": "gpt3-175b (analytic, H100-80G)", "f": f,
+                      "includes": "node specification + templates + instantiation + loss check",
+                      "pipelines": len(plan.pipelines),
+                      "predicted_step_ms": round(plan.predicted_iteration_ms, 3)})
     for c in cases:
         target = TARGETS.get((c["layers"], c["nodes"], c["gpus_per_node"]))
         if target is not None:

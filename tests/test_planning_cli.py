@@ -63,3 +63,13 @@ def test_planning_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=60).stdout.strip()
     assert out == "[]"
+
+
+def test_survivability_covers_every_loss_pattern_of_the_issues_case(capsys):
+    # 6 nodes, n0 = 3, f = 1: the 5 survivors of any single loss run one 5-node pipeline
+    assert main(["plan", str(EXAMPLES / "gpt3-6.7b-paper.yaml"), "--nodes", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [t["nodes"] for t in out["templates"]] == [3, 4, 5, 6]
+    surv = out["survivability"]
+    assert [r["lost"] for r in surv] == [0, 1] and all("error" not in r for r in surv)
+    assert surv[1]["pipelines"] == [5] and surv[1]["patterns"] == 1

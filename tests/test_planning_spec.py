@@ -1,5 +1,5 @@
-"""Node specification: n0, template sizes, the covering property (proof in planning/spec.py)
-checked over random (n0, N, f), and refusals that carry the numbers."""
+"""Node specification: n0, template sizes (every feasible size up to N), the covering property
+(proof in planning/spec.py) checked over random (n0, N, f), and refusals that carry the numbers."""
 
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ from test_planning_templates import random_profile
 
 @settings(max_examples=300, deadline=None)
 @given(n0=st.integers(1, 40), f=st.integers(0, 6), extra=st.integers(0, 200))
-def test_every_count_is_covered_with_f_plus_1_pipelines(n0, f, extra):
+def test_every_survivor_count_is_covered_with_enough_pipelines(n0, f, extra):
+    # every count the job can be at after k <= f losses, including below (f + 1) * n0
     N = (f + 1) * n0 + extra
-    hi = min(2 * n0 - 1, N - f * n0)
-    for M in range((f + 1) * n0, N + 1):
-        parts = decompose(M, n0, N, f)
+    for M in range(N - f, N + 1):
+        parts = decompose(M, n0)
         assert sum(parts) == M
-        assert len(parts) >= f + 1
-        assert all(n0 <= p <= hi for p in parts), (M, parts)
+        assert len(parts) >= min(f + 1, M // n0) >= f + 1 - (N - M)
+        assert all(n0 <= p <= min(2 * n0 - 1, N) for p in parts), (M, parts)
 
 
-def test_decompose_rejects_counts_outside_the_range():
+def test_decompose_rejects_counts_below_n0():
     with pytest.raises(ValueError):
-        decompose(5, 3, 20, 1)
+        decompose(2, 3)
 
 
 def test_analytic_175b_spec():
@@ -56,8 +56,11 @@ def test_model_that_fits_nowhere_is_refused():
         node_specification(prof, 8, 1)
 
 
-def test_sizes_are_feasible_range():
-    prof = random_profile(random.Random(5), 10, 1, memory=400_000)
-    spec = node_specification(prof, 12, 1)
-    assert spec.template_sizes[0] == spec.n0
-    assert max(spec.template_sizes) <= min(10, 12 - spec.n0)
+def test_sizes_are_the_feasible_range_up_to_the_job_size():
+    prof = random_profile(random.Random(5), 10, 1, memory=600_000)  # n0 = 3
+    for N, f, sizes in [(6, 1, range(3, 7)), (9, 2, range(3, 10)), (12, 1, range(3, 11))]:
+        spec = node_specification(prof, N, f)
+        assert spec.n0 == 3
+        # up to N (and the 10 layers), not N - f * n0: after losses fewer, larger pipelines
+        # cover the survivors (6 nodes, f = 1: the 5 survivors need a 5-node pipeline)
+        assert spec.template_sizes == tuple(sizes)

@@ -2,7 +2,7 @@
 
 - `cost.py`         the cost model: every equation the planner optimises, in one place;
 - `templates.py`    the exact optimal pipeline for every node count;
-- `spec.py`         node specification (n0, template sizes) with the covering proof;
+- `spec.py`         node specification (n0, template sizes n0..N) with the covering proof;
 - `instantiate.py`  templates -> pipelines on named nodes + batch split, exact and polynomial;
 - `reconfigure.py`  the plan after node losses, and the state-transfer plan;
 - `plan.py`         the plain data every rank reads.
@@ -25,6 +25,7 @@ from oobleck_hpc.errors import PlanningError
 from oobleck_hpc.planning import cost
 from oobleck_hpc.planning.instantiate import instantiate
 from oobleck_hpc.planning.plan import Plan, Template
+from oobleck_hpc.planning.reconfigure import check_reconfigurable
 from oobleck_hpc.planning.spec import NodeSpec, node_specification
 from oobleck_hpc.planning.templates import build_templates
 from oobleck_hpc.profiling.profile import ModelProfile
@@ -37,7 +38,8 @@ def template_microbatches(global_microbatches: int, num_nodes: int, n0: int, f: 
 
 def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
              ) -> tuple[NodeSpec, dict[int, Template], Plan]:
-    """Node specification, templates and the initial plan of `job` on `nodes`.
+    """Node specification, templates and the initial plan of `job` on `nodes`; PlanningError
+    if some loss of k <= f nodes could not be reconfigured in place (reconfigure.py).
 
     The templates are built from `cost.job_profile(job, profile)`: on a CPU host with more
     workers than cores every time is scaled by the measured core-sharing slowdown (cost.py)."""
@@ -55,6 +57,10 @@ def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
         raise PlanningError(f"{job.source}: train.global_microbatches = {B} cannot feed f + 1 = "
                             f"{f + 1} pipelines (each needs at least one). Fix: raise it to >= {f + 1}")
     plan = instantiate(templates, nodes, B, f, profile)
+    try:  # every loss of k <= f nodes must reconfigure in place (spec.py, reconfigure.py)
+        check_reconfigurable(templates, profile, len(nodes), B, f)
+    except PlanningError as e:
+        raise PlanningError(f"{job.source}: {e}") from None
     return spec, templates, plan
 
 

@@ -4,10 +4,13 @@ would do after failures.
 Prints the templates (nodes, stages, predicted 1F1B time, peak memory per GPU), the plan
 (pipelines, microbatches each, predicted step time as the engine executes it, samples/s) and a
 survivability table (in the planner's objective, planning/cost.py): for
-k = 0..f lost nodes, the slowest plan reconfiguration reaches over the loss patterns tried
-(k nodes of the smallest pipeline, of the largest pipeline, one node from each of the k
-smallest / largest pipelines, the first k nodes of the job) and its throughput relative to
-k = 0. With --json: one object with keys templates, plan, survivability, planning_seconds.
+k = 0..f lost nodes, the slowest plan reconfiguration reaches over EVERY loss set of k nodes, its
+throughput relative to k = 0, and among the loss sets that reach it the one that moves the most
+bytes. The new plan's time depends only on the survivors' count, and which plan is valid only on
+how many nodes each pipeline loses, so one loss set per pattern of per-pipeline loss counts is
+tried (reconfigure.loss_patterns; `patterns` says how many; the bytes moved are those of that
+loss set, which loses each pipeline's first nodes). With --json: one object with keys
+templates, plan, survivability, planning_seconds.
 
 The profile comes from `oobleck_hpc.profiling.resolve_profile(job)` (explicit path, library,
 or analytic when the job sets profile.analytic).
@@ -41,52 +44,32 @@ def _layout(template) -> str:
     return " ".join(f"{n}x[{l}L/{g}g]" if n > 1 else f"[{l}L/{g}g]" for (l, g), n in runs)
 
 
-def _loss_patterns(plan, k: int) -> list[tuple[str, tuple[str, ...]]]:
-    if k == 0:
-        return [("none", ())]
-    pipes = sorted(range(len(plan.pipelines)), key=lambda i: (len(plan.pipelines[i].nodes), i))
-    out = []
-    small, large = plan.pipelines[pipes[0]], plan.pipelines[pipes[-1]]
-    if len(small.nodes) >= k:
-        out.append((f"{k} of the smallest pipeline", small.nodes[:k]))
-    if len(large.nodes) >= k:
-        out.append((f"{k} of the largest pipeline", large.nodes[:k]))
-    if len(pipes) >= k:
-        out.append((f"1 from each of the {k} smallest pipelines",
-                    tuple(plan.pipelines[i].nodes[0] for i in pipes[:k])))
-        out.append((f"1 from each of the {k} largest pipelines",
-                    tuple(plan.pipelines[i].nodes[-1] for i in pipes[-k:])))
-    out.append((f"the first {k} nodes", plan.nodes[:k]))
-    seen, uniq = set(), []
-    for name, lost in out:
-        if frozenset(lost) not in seen:
-            seen.add(frozenset(lost))
-            uniq.append((name, lost))
-    return uniq
-
-
 def survivability(plan, templates, profile, f: int, microbatch_size: int) -> list[dict]:
     from oobleck_hpc.errors import GuaranteeExceeded
     from oobleck_hpc.planning.cost import samples_per_second
-    from oobleck_hpc.planning.reconfigure import moved_bytes, reconfigure
+    from oobleck_hpc.planning.reconfigure import loss_patterns, moved_bytes, reconfigure
 
     base = plan.predicted_iteration_ms
     rows = []
     for k in range(0, f + 1):
+        patterns = loss_patterns(plan, k)
         worst = None
-        for name, lost in _loss_patterns(plan, k):
+        for name, lost in patterns:
             try:
                 new = plan if k == 0 else reconfigure(plan, lost, templates, profile, f)
             except GuaranteeExceeded as e:
-                worst = {"lost": k, "pattern": name, "error": str(e)}
+                worst = {"lost": k, "pattern": name, "patterns": len(patterns), "error": str(e)}
                 break
-            if worst is None or new.predicted_iteration_ms > worst["iteration_ms"]:
-                worst = {"lost": k, "pattern": name, "iteration_ms": new.predicted_iteration_ms,
+            moved = moved_bytes(plan, new, profile) if lost else 0
+            if worst is None or (new.predicted_iteration_ms, moved) > (worst["iteration_ms"],
+                                                                        worst["moved_bytes"]):
+                worst = {"lost": k, "pattern": name, "patterns": len(patterns),
+                         "iteration_ms": new.predicted_iteration_ms,
                          "samples_per_s": samples_per_second(new, microbatch_size,
                                                              new.predicted_iteration_ms),
                          "relative_throughput": base / new.predicted_iteration_ms,
                          "pipelines": [p.template.num_nodes for p in new.pipelines],
-                         "moved_bytes": 0 if k == 0 else moved_bytes(plan, new, profile)}
+                         "moved_bytes": moved}
         rows.append(worst)
     return rows
 
@@ -158,14 +141,17 @@ def _print(rep: dict) -> None:
           f"(the planner ranks plans by {p['iteration_ms']:.2f} ms: planning/cost.py)")
     for (n, m), c in sorted(groups.items(), key=lambda kv: (-kv[0][0], -kv[0][1])):
         print(f"  {c:>4} x pipeline of {n:>4} nodes, {m:>5} microbatches each")
-    print("\nsurvivability (worst over the loss patterns tried):")
-    print(f"{'lost':>4} {'step ms':>10} {'samples/s':>10} {'relative':>9} {'moved':>10}  pattern")
+    print("\nsurvivability (worst case over every loss set of each size):")
+    print(f"{'lost':>4} {'step ms':>10} {'samples/s':>10} {'relative':>9} {'moved':>10}  "
+          f"worst pattern (of how many)")
     for r in rep["survivability"]:
         if "error" in r:
-            print(f"{r['lost']:>4} {'beyond guarantee':>42}  {r['pattern']}: {r['error']}")
+            print(f"{r['lost']:>4} {'beyond guarantee':>42}  {r['pattern']} (of {r['patterns']}): "
+                  f"{r['error']}")
             continue
         print(f"{r['lost']:>4} {r['iteration_ms']:>10.2f} {r['samples_per_s']:>10.2f} "
-              f"{r['relative_throughput']:>9.3f} {_gb(r['moved_bytes']):>10}  {r['pattern']}")
+              f"{r['relative_throughput']:>9.3f} {_gb(r['moved_bytes']):>10}  {r['pattern']} "
+              f"(of {r['patterns']})")
     print(f"\nplanning took {rep['planning_seconds']:.2f} s")
 
 

@@ -12,9 +12,24 @@ surviving nodes. Candidates, each a list of node groups (one per new pipeline):
 - fresh: instantiate() on the survivors (the fastest plan), its pipelines mapped onto surviving
   groups so that a surviving pipeline whose size reappears keeps its nodes and layout.
 
-Among the valid candidates (every size has a template, at least min(f + 1, M // n0) pipelines)
-the new plan minimises (predicted step time, bytes of state to move), then the candidate order
-above. The batch is re-split for whichever wins.
+Among the valid candidates (every size has a template, at least min(f + 1, M // n0) pipelines:
+`min_pipelines`) the new plan minimises (predicted step time, bytes of state to move), then the
+candidate order above. The batch is re-split for whichever wins.
+
+What decides the outcome. The fresh candidate is the fastest plan with at least
+min_pipelines(M) pipelines (instantiate.py is exact) and a valid keep candidate is one such plan,
+so for k <= f losses both whether reconfiguration succeeds and the new plan's step time depend
+only on M, the survivors' count (keep wins only ties, on bytes moved); the layouts and the bytes
+moved depend on which pipelines lose how many nodes, and which nodes. `loss_patterns` enumerates
+one loss set per pattern of per-pipeline loss counts, up to permuting pipelines of the same size:
+the planner's survivability table and the property test use it, and the test checks it against
+every loss set on small jobs.
+
+The f-failure guarantee. With at least f + 1 pipelines, k <= f lost nodes leave a whole pipeline,
+so every layer survives; and the fresh candidate is exact (instantiate.py), so reconfiguration
+succeeds for k losses iff instantiate() succeeds on N - k nodes with min_pipelines(N - k) - 1
+failures to survive. `check_reconfigurable` makes exactly those calls for k = 1..f when the job is
+planned (a failure there refuses the job before allocation, exit 2).
 
 Beyond the guarantee -- some layer has no surviving replica, or fewer than n0 nodes remain --
 GuaranteeExceeded is raised: the job falls back to its last checkpoint.
@@ -146,6 +161,92 @@ def _fresh_groups(plan: Plan, fresh: Plan, lost: set[str]) -> list[list[str]]:
     return out
 
 
+def min_pipelines(num_nodes: int, n0: int, f: int) -> int:
+    """Pipelines a plan on `num_nodes` surviving nodes must have: f + 1, or as many as fit."""
+    return max(1, min(f + 1, num_nodes // n0))
+
+
+def check_reconfigurable(templates: Mapping[int, Template], profile: ModelProfile,
+                         num_nodes: int, global_microbatches: int, f: int) -> None:
+    """Refuse (PlanningError) a job of `num_nodes` nodes whose plan would not survive some loss of
+    k <= f nodes: for each k, spec.py's proof where its premise holds (every size in
+    [n0, 2 n0 - 1] has a template and the batch feeds M // n0 pipelines), else the exact call
+    reconfigure() makes as its fresh candidate (module docstring, "The f-failure guarantee")."""
+    n0, B = min(templates), global_microbatches
+    for k in range(1, f + 1):
+        M = num_nodes - k
+        need = min_pipelines(M, n0, f)
+        if M // n0 <= B and all(s in templates for s in range(n0, min(2 * n0 - 1, M) + 1)):
+            continue  # spec.py's proof: M // n0 >= need pipelines of sizes in [n0, 2 n0 - 1]
+        try:
+            instantiate(templates, [f"survivor{i}" for i in range(M)], B, need - 1, profile)
+        except PlanningError:
+            pass
+        else:
+            continue
+        sizes = sorted(templates)
+        absent = [s for s in range(n0, min(2 * n0 - 1, M) + 1) if s not in templates]
+        raise PlanningError(
+            f"the plan on {num_nodes} nodes would not survive {k} lost node(s) although "
+            f"fault_tolerance.f = {f}: no plan covers the {M} survivors with at least {need} "
+            f"pipelines of the template sizes {_ranges(sizes)} (n0 = {n0}"
+            + (f"; no template for {_ranges(absent)} nodes: more nodes than the "
+               f"{profile.num_layers} layers, or too little memory" if absent else "")
+            + f") fed by train.global_microbatches = {B} (one microbatch at least per "
+            f"pipeline). Fix: use a node count whose survivors are covered, or lower "
+            f"fault_tolerance.f to {k - 1}"
+            + (f", or raise train.global_microbatches to at least {M // n0}" if M // n0 > B else ""))
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """'3..5, 8' for [3, 4, 5, 8]."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def loss_patterns(plan: Plan, k: int) -> list[tuple[str, tuple[str, ...]]]:
+    """One loss set of `k` nodes per pattern of per-pipeline loss counts, up to permuting
+    pipelines of the same size (module docstring): (description, lost nodes). The counts given
+    to the pipelines of one size go in plan order, largest first; each pipeline loses its first
+    nodes."""
+    classes: dict[int, list[int]] = {}  # pipeline size -> pipeline indices, plan order
+    for i, p in enumerate(plan.pipelines):
+        classes.setdefault(len(p.nodes), []).append(i)
+    order = sorted(classes, reverse=True)
+    out: list[tuple[str, tuple[str, ...]]] = []
+
+    def per_class(c: int, left: int, acc: list[tuple[int, tuple[int, ...]]]) -> None:
+        if c == len(order):
+            if left == 0:
+                lost, words = [], []
+                for size, parts in acc:
+                    for i, n in zip(classes[size], parts):
+                        lost.extend(plan.pipelines[i].nodes[:n])
+                    words.append(f"{'+'.join(map(str, parts))} of {size}-node pipelines")
+                out.append((", ".join(words) if words else "none", tuple(lost)))
+            return
+        size = order[c]
+        for parts in _partitions(left, size, len(classes[size])):
+            per_class(c + 1, left - sum(parts), acc + ([(size, parts)] if parts else []))
+
+    per_class(0, k, [])
+    return out
+
+
+def _partitions(most: int, largest: int, count: int) -> list[tuple[int, ...]]:
+    """Non-increasing tuples of at most `count` parts in 1..`largest` summing to at most `most`."""
+    out: list[tuple[int, ...]] = []
+    if count > 0:
+        for first in range(min(most, largest), 0, -1):
+            out.extend((first,) + rest for rest in _partitions(most - first, first, count - 1))
+    return out + [()]
+
+
 def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Template],
                 profile: ModelProfile, f: int) -> Plan:
     """The next generation's plan after losing `lost` (see the module docstring)."""
@@ -159,7 +260,7 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
     n0 = min(templates)
     survivors = _check_guarantee(plan, lost_set, n0)
     B, gen = plan.global_microbatches, plan.generation + 1
-    need = max(1, min(f + 1, len(survivors) // n0))
+    need = min_pipelines(len(survivors), n0, f)
     sizes = set(templates)
     candidates: list[Plan] = []
     groups = _keep_groups(plan, lost_set, sizes, n0)

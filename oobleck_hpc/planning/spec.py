@@ -1,24 +1,31 @@
 """Node specification (paper section 4.1.1): which template sizes a job needs.
 
-n0 is the fewest nodes on which one replica of the model fits in memory. With f simultaneous
-failures to survive, the job keeps at least f + 1 pipelines, so no pipeline is ever larger than
-N - f * n0; templates are built for every size in [n0, N - f * n0] (that has one: a template
-never has more nodes than the model has layers, and every size's memory is checked).
+n0 is the fewest nodes on which one replica of the model fits in memory. The job starts with at
+least f + 1 pipelines (so no pipeline is larger than N - f * n0), but after k <= f losses it runs
+on M = N - k nodes, and M can fall below (f + 1) * n0: then fewer, larger pipelines must cover
+the survivors (reconfigure.py asks for min(f + 1, M // n0) of them, which is still at least
+f + 1 - k, so the remaining f - k failures stay covered). Sizes up to N - f * n0 are not enough
+for that (N = 6, n0 = 3, f = 1: the 5 survivors need one 5-node pipeline), so templates are built
+for every size in [n0, N] (that has one: a template never has more nodes than the model has
+layers, and every size's memory is checked).
 
-Claim. If every size in [n0, min(2 n0 - 1, N - f n0)] has a template, then every node count M in
-[(f + 1) n0, N] is a sum of at least f + 1 template sizes, so whatever nodes are lost (up to the
-guarantee) the survivors can be covered with no idle node.
+Claim. If every size in [n0, min(2 n0 - 1, N)] has a template, then every node count M in
+[n0, N] is a sum of q = floor(M / n0) template sizes, and q >= min(f + 1, q) is as many pipelines
+as reconfiguration asks for; in particular every M in [N - f, N] (all >= n0, since
+N >= (f + 1) n0) is covered with no idle node.
 
-Proof. Let q = floor(M / n0) >= f + 1 and r = M - q n0, so 0 <= r < n0. Take q parts of n0 and
-add r to them: one each to r of the parts when r <= q (parts n0 and n0 + 1), else spread r as
-evenly as possible (each part gets floor(r/q) or ceil(r/q) <= ceil((n0 - 1) / q) <= n0 - 1).
-Every part lies in [n0, 2 n0 - 1]. It remains to show no part exceeds N - f n0:
- - if q >= f + 2, then N >= M >= (f + 2) n0, so N - f n0 >= 2 n0 > any part;
- - if q = f + 1, put all of r on one part instead: the parts are n0 (f times) and n0 + r, and
-   n0 + r = M - f n0 <= N - f n0; also n0 + r <= 2 n0 - 1.
-In both cases every part is a size in [n0, min(2 n0 - 1, N - f n0)], and there are q >= f + 1
-parts. QED. `decompose` builds exactly this decomposition; the property test checks it over
-random (n0, N, f), and `node_specification` verifies the premise (refusing the job otherwise).
+Proof. Let r = M - q n0, so 0 <= r < n0. Take q parts of n0 and spread r over them as evenly as
+possible: each part is n0 + floor(r / q) or n0 + ceil(r / q). If q = 1 the part is M itself,
+with n0 <= M <= min(2 n0 - 1, N); if q >= 2 each part is at most n0 + ceil((n0 - 1) / 2)
+<= 2 n0 - 1 and less than M <= N. Every part lies in [n0, min(2 n0 - 1, N)]. QED. `decompose`
+builds exactly this decomposition; the property test checks it over random (n0, M).
+
+The premise can fail (a size in [n0, 2 n0 - 1] above the layer count, or one that does not fit
+in memory) without the guarantee failing (another decomposition may exist), and the proof does
+not bound the number of pipelines by the batch (each needs at least one of the B microbatches).
+So the job is not judged by the premise: `plan_job` checks the guarantee exactly, for every
+survivor count N - f .. N - 1, with the very call reconfiguration makes
+(reconfigure.check_reconfigurable), and refuses the job before allocation where one fails.
 """
 
 from __future__ import annotations
@@ -40,20 +47,14 @@ class NodeSpec:
     num_nodes: int
     """N: the job's nodes."""
     template_sizes: tuple[int, ...]
-    """Sizes templates are built for: every feasible size in [n0, N - f * n0]."""
+    """Sizes templates are built for: every feasible size in [n0, N] (up to the layer count)."""
 
 
-def template_size_range(n0: int, num_nodes: int, f: int) -> range:
-    return range(n0, num_nodes - f * n0 + 1)
-
-
-def decompose(M: int, n0: int, num_nodes: int, f: int) -> list[int]:
-    """The docstring's decomposition of M into >= f + 1 sizes in [n0, min(2n0-1, N - f n0)]."""
-    if not (f + 1) * n0 <= M <= num_nodes:
-        raise ValueError(f"M={M} is outside [(f+1)*n0, N] = [{(f + 1) * n0}, {num_nodes}]")
+def decompose(M: int, n0: int) -> list[int]:
+    """The docstring's decomposition of M >= n0 into M // n0 sizes in [n0, min(2 n0 - 1, M)]."""
+    if M < n0:
+        raise ValueError(f"M={M} is below n0={n0}: no pipeline fits")
     q, r = divmod(M, n0)
-    if q == f + 1:
-        return [n0] * f + [n0 + r]
     base, extra = divmod(r, q)
     return [n0 + base + (1 if i < extra else 0) for i in range(q)]
 
@@ -90,14 +91,4 @@ def node_specification(profile: ModelProfile, num_nodes: int, f: int,
             f"nodes, so surviving f = {f} failures needs at least (f + 1) * n0 = {(f + 1) * n0} "
             f"nodes. Fix: allocate >= {(f + 1) * n0} nodes, or lower fault_tolerance.f to "
             f"{max(0, num_nodes // n0 - 1)}")
-    sizes = tuple(n for n in template_size_range(n0, num_nodes, f) if n in set(feasible))
-    needed = range(n0, min(2 * n0 - 1, num_nodes - f * n0) + 1)
-    missing = [n for n in needed if n not in sizes]
-    if missing:
-        why = (f"the model has only {profile.num_layers} layers (a node holds at least one)"
-               if missing[0] > profile.num_layers else "those sizes do not fit in memory")
-        raise PlanningError(
-            f"no pipeline template exists for {missing[0]} nodes ({why}), so some node counts "
-            f"between {(f + 1) * n0} and {num_nodes} could not be covered without idle nodes "
-            f"(n0 = {n0}, f = {f}). Fix: use {(f + 1) * n0} nodes, or a model with more layers")
-    return NodeSpec(n0, f, num_nodes, sizes)
+    return NodeSpec(n0, f, num_nodes, tuple(feasible))  # every feasible size in [n0, min(N, L)]
