@@ -423,7 +423,7 @@ def test_retry_in_place_early_leave_and_bad_input(cluster_factory):
     codes = {m: c.wait_exit(m, timeout=15) for m in survivors}
     assert codes == {"node0": 2, "node1": 2, "node2": 2}
     print(f"\n[figures] bad input -> every agent gone in {time.time() - t:.3f} s")
-    assert not c.events("round_started", gen=3)
+    assert not c.events("round_started", gen=3), c.dump()
     (first,) = c.events("agent_exit", how="abort")
     assert first["source"] == "node1" and "model.name" in first["reason"]
     fenced = [e for e in c.events("fenced") if e["source"] in survivors]

@@ -146,6 +146,8 @@ class AgentClient:
         self._round: dict[str, Any] | None = None
         self._fenced: str | None = None
         self._fenced_code = EXIT_UNRECOVERABLE
+        self._working_gen = 0
+        """The generation wait_membership last returned: the one this worker works in."""
         self._exchanges: dict[tuple[int, str], dict[str, Any]] = {}
         self._reader = threading.Thread(target=self._read_loop, name="agent-link", daemon=True)
         self._reader.start()
@@ -171,10 +173,12 @@ class AgentClient:
     def report_failure(self, kind: str, detail: str = "", suspects: Sequence[str] = (),
                        gen: int | None = None) -> None:
         """Report an in-band failure (as a value; this call does not raise or wait). `gen`: the
-        generation it happened in (default: the latest received)."""
+        generation the failed work ran in -- default: the last one `wait_membership` returned
+        (not the latest received: a newer one may have arrived because of this very failure,
+        and a report under it would ask for a needless retry round)."""
         if gen is None:
-            m = self.membership
-            gen = m.gen if m is not None else 0
+            with self._cond:
+                gen = self._working_gen
         self._send({"type": "report", "kind": kind, "detail": detail,
                     "suspects": list(suspects), "gen": gen})
 
@@ -254,6 +258,7 @@ class AgentClient:
                     raise TimeoutError(f"node {self.node}: no membership newer than generation "
                                        f"{after_gen} within {timeout} s")
                 self._cond.wait(left)
+            self._working_gen = self._membership.gen
             return self._membership
 
     def hosts_store(self, m: Membership) -> bool:

@@ -52,6 +52,9 @@ suspected; a refused connection is not retried."""
 RETRY_PAUSE_S = 0.05
 """Pause before each retry: a reconnect costs milliseconds, so the retries stay far below a
 heartbeat."""
+CONFIRM_S = 0.1
+"""How long a connection opened to check a peer must stay open (and silent) to prove the peer
+alive."""
 
 
 class ControlPlane:
@@ -434,16 +437,23 @@ class _Link:
 
 
 def _reach(host: str, port: int, timeout: float, stop: threading.Event) -> OSError | None:
-    """Whether an agent still listens on host:port: None if a connection opens (it is closed at
-    once; the peer reads no HELLO and drops it), else the last error of SEND_ATTEMPTS tries (a
-    refusal at once: nobody listens)."""
+    """Whether an agent still listens on host:port: None if a connection opens and stays open
+    for CONFIRM_S (then it is closed; the peer reads no HELLO and drops it), else the last error
+    of SEND_ATTEMPTS tries (a refusal or a reset at once: nobody listens)."""
     error: OSError | None = None
     for attempt in range(SEND_ATTEMPTS):
         if attempt and stop.wait(RETRY_PAUSE_S):
             break
         try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            return None
+            with socket.create_connection((host, port), timeout=timeout) as sock:
+                # A dying agent's listener may still accept for a moment; the kernel resets
+                # what it accepted once the listener closes. A live agent waits for a HELLO.
+                sock.settimeout(CONFIRM_S)
+                try:
+                    if sock.recv(1) == b"":
+                        return ConnectionResetError(f"{host}:{port} closed the connection")
+                except TimeoutError:
+                    return None
         except ConnectionRefusedError as e:
             return e
         except OSError as e:

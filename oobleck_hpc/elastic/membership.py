@@ -167,6 +167,7 @@ class MembershipCore:
     suspects: dict[str, str] = field(init=False, default_factory=dict)
     left: set[str] = field(init=False, default_factory=set)
     fenced: str | None = field(init=False, default=None)
+    """Why this node no longer takes part: it was fenced (a "fenced" note says so) or it left."""
     fence_code: int = field(init=False, default=EXIT_UNRECOVERABLE)
     """The exit code the fencing asks for (see `Fenced`): 3, 75 (requeue) or 2 (bad input)."""
     outbox: list[tuple[str, dict[str, Any]]] = field(init=False, default_factory=list)
@@ -205,10 +206,14 @@ class MembershipCore:
           all stop for a requeue): peers stop expecting it; no round opens, nobody is fenced;
         - "early": it leaves while the others go on: peers treat it as lost (a round opens);
         - "abort": it rejected the job's input (`code` 2): every peer stops with that code."""
+        if self.fenced:
+            return
         for node in self.decided.nodes:
             if node != self.me:
                 self.outbox.append((node, {"type": "bye", "how": how, "code": code,
                                            "reason": reason}))
+        # From here on this node takes no part (no rounds over peers that exit after it).
+        self.fenced, self.fence_code, self.proposal = f"left the job ({how})", code, None
 
     def retry(self, why: str) -> bool:
         """Open a round although nobody is suspected (retry in place: a collective failed while
