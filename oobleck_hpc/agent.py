@@ -11,13 +11,22 @@ srun step per node). It
 4. relays what workers report (in-band communication errors) to the control plane, and what the
    control plane decides (a new generation: survivors, store address; an open round; fencing)
    to the workers;
-5. exits when its work is over:
-   - every worker said "done" and exited: tell the peers (BYE) and exit with the largest worker
-     exit code (0 finished, 2 bad input, 75 requeue: see oobleck_hpc/errors.py);
+5. exits when its work is over (exit codes: oobleck_hpc/errors.py):
+   - every worker said "done" and exited: tell the peers (BYE "finished" for 0 -- the last step
+     is done -- and 75 -- all stop for a requeue; BYE "early" otherwise) and exit with the
+     largest code;
+   - a worker said "leave" (it leaves the job early, e.g. the `exit` fault): the node leaves
+     now -- BYE "early", so that its peers recover without it at once -- the other workers
+     are told to stop (`fenced`) and killed after `--kill-grace-s`; exit 3 (this node is lost
+     to the job: it did not finish);
+   - a worker rejected the job's input ("done" 2, or any exit with code 2): BYE "abort" -- every
+     peer stops too, with 2 -- stop the other workers, exit 2;
    - a worker crashed (exit without "done"): the NODE is failed -- tell the peers (FAILED, so
      their event logs say why), kill the node's other workers, exit 3;
-   - this node was fenced (excluded by the survivors, or no quorum): tell the workers, give them
-     `--kill-grace-s` to exit, kill what is left, exit 3.
+   - this node was fenced: tell the workers (`fenced` with the exit code), give them
+     `--kill-grace-s` to exit, kill what is left, exit 3 when the peers excluded it, 75 when it
+     cannot prove it is in the majority (no quorum, no agreement: the job must fall back to
+     its checkpoint and be requeued), 2 when a peer aborted the job for bad input.
    SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (Slurm's pre-timeout signal) are forwarded to the
    workers; what they do then decides the exit as above.
 
@@ -55,10 +64,11 @@ from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Decision
 from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, recv_msg, send_msg
-from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_UNRECOVERABLE, OobleckError
+from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 EXIT_NODE_LOST = EXIT_UNRECOVERABLE
-"""Exit code of an agent whose node failed or was fenced (the job goes on without it)."""
+"""Exit code of an agent whose node failed, left early or was excluded (the job goes on
+without it)."""
 
 
 @dataclass
@@ -87,6 +97,10 @@ class _Worker:
     sock: socket.socket
     lock: threading.Lock = field(default_factory=threading.Lock)
     done_code: int | None = None
+    """The code the worker announced ("done"; 0 for "leave"), None until then."""
+    reason: str = ""
+    leaving: bool = False
+    """It said "leave": it leaves the job early, the others go on."""
     exit_code: int | None = None
 
 
@@ -211,9 +225,11 @@ class Agent:
                 for node in suspects:
                     self.cp.suspect(node, why)
             else:
-                self.cp.probe(why)
+                self.cp.probe(why, gen=msg.get("gen"))
         elif kind == "done":
-            w.done_code = int(msg.get("code", 0))
+            w.done_code, w.reason = int(msg.get("code", 0)), str(msg.get("reason", ""))
+        elif kind == "leave":
+            w.done_code, w.leaving = EXIT_OK, True
         elif kind == "exchange":
             gen, key = msg["gen"], msg["key"]
             if gen != self.cp.decided.gen or self.cp.core.proposal is not None or self.cp.fenced:
@@ -229,20 +245,45 @@ class Agent:
 
     def _on_worker_exit(self, w: _Worker, code: int) -> int | None:
         w.exit_code = code
+        if self.cp.fenced:
+            return None  # already going down
+        if w.done_code is None and code == EXIT_BAD_INPUT:  # exit 2 is bad input, "done" or not
+            w.done_code = EXIT_BAD_INPUT
+            w.reason = (f"worker {w.local_rank} (pid {w.proc.pid}) exited with code 2 (bad "
+                        "input) before it could say why; its error is in this agent's log")
+        if w.done_code == EXIT_BAD_INPUT:
+            reason = w.reason or f"worker {w.local_rank} reported bad input"
+            self.events.emit("worker_exited", local_rank=w.local_rank, code=code, reason=reason)
+            return self._stop_node("abort", EXIT_BAD_INPUT, reason)
+        if w.leaving:
+            self.events.emit("worker_exited", local_rank=w.local_rank, code=code, leaving=True)
+            return self._stop_node("early", EXIT_NODE_LOST, f"worker {w.local_rank} left the "
+                                   "job early")
         if w.done_code is not None:
             self.events.emit("worker_exited", local_rank=w.local_rank, code=code)
             if all(x.exit_code is not None for x in self.workers):
-                self.cp.leave()
-                codes = [x.exit_code if x.done_code is None else x.done_code for x in self.workers]
-                self.events.emit("agent_finished", codes=codes)
-                return max(int(c) for c in codes)  # type: ignore[arg-type]
+                codes = [x.done_code if x.done_code is not None else x.exit_code
+                         for x in self.workers]
+                code = max(int(c) for c in codes)  # type: ignore[arg-type]
+                how = "finished" if code in (EXIT_OK, EXIT_REQUEUE) else "early"
+                self.cp.leave(how, code, "; ".join(x.reason for x in self.workers if x.reason))
+                self.events.emit("agent_finished", codes=codes, how=how)
+                return code
             return None
-        if self.cp.fenced:
-            return None  # already going down
         how = f"worker {w.local_rank} (pid {w.proc.pid}) exited with {_describe(code)} without 'done'"
         self.events.emit("worker_failed", local_rank=w.local_rank, code=code, detail=how)
         self.cp.fail_self(how)
         return None  # the 'fenced' note that fail_self produced ends the loop
+
+    def _stop_node(self, how: str, code: int, reason: str) -> int:
+        """This node stops on purpose while others may go on: tell the peers (BYE `how`), tell
+        the node's other workers to stop, kill them after the grace period; returns `code`."""
+        self.cp.leave(how, code, reason)  # type: ignore[arg-type]
+        self._broadcast({"type": "fenced", "reason": f"node {self.opts.node} stops: {reason}",
+                         "exit_code": code})
+        self._kill_workers(grace=self.opts.kill_grace_s)
+        self.events.emit("agent_exit", code=code, reason=reason, how=how)
+        return code
 
     def _kill_workers(self, grace: float) -> None:
         deadline = time.monotonic() + grace
@@ -294,11 +335,12 @@ class Agent:
             self._broadcast({"type": "exchange_failed", "gen": fields["gen"], "key": fields["key"],
                              "reason": fields["reason"]})
         elif kind == "fenced":
-            self._broadcast({"type": "fenced", "reason": fields["reason"]})
+            code = int(fields["code"])
+            self._broadcast({"type": "fenced", "reason": fields["reason"], "exit_code": code})
             crashed = any(w.exit_code is not None and w.done_code is None for w in self.workers)
             self._kill_workers(grace=0.0 if crashed else self.opts.kill_grace_s)
-            self.events.emit("agent_exit", code=EXIT_NODE_LOST, reason=fields["reason"])
-            return EXIT_NODE_LOST
+            self.events.emit("agent_exit", code=code, reason=fields["reason"])
+            return code
         return None
 
     def _tell_membership(self, d: Decision) -> None:

@@ -41,6 +41,12 @@ class ModelConfig:
         if self.factory is not None and ":" not in self.factory:
             where.fail("factory", self.factory, "is not of the form package.module:function",
                        "write e.g. 'mypkg.models:build_layers'")
+        if self.factory is None:
+            from oobleck_hpc.models.configs import GPT_CONFIGS  # pure data, no torch
+
+            if self.name not in GPT_CONFIGS:
+                where.fail("name", self.name, "is not a built-in model",
+                           f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory")
 
 
 @dataclass

@@ -33,6 +33,7 @@ def test_bundled_examples_load(path):
     ("faults:\n  - {node: 1, step: 1, kind: explode}\n", "faults[0].kind", "kill, hang, exit"),
     ("fault_tolerance:\n  heartbeat_s: 2\n  lease_s: 1\n", "fault_tolerance.lease_s", "must exceed heartbeat_s"),
     ("model:\n  factory: mypkg.build\n", "model.factory", "package.module:function"),
+    ("model:\n  name: gpt-nonexistent\n", "model.name", "use one of: gpt-tiny, gpt-mini"),
     ("train: [1, 2]\n", "train", "not a mapping"),
     ("- just\n- a list\n", "<top>", "not a mapping"),
     ("train: {lr: [\n", "<file>", "not valid YAML"),

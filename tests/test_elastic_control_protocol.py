@@ -10,7 +10,8 @@ crashed node's last messages arrive). Checked on every run:
 - liveness: once detection is complete and the network is quiet, every node still running
   (neither crashed nor fenced) holds the same decision, whose view is exactly those nodes, and
   no round is left open;
-- no spurious generation: every decided generation loses at least one node;
+- no spurious generation: every decided generation loses at least one node, unless a node asked
+  for a retry in place of the generation before (`retry`: same view, fresh store);
 - a falsely suspected node ends fenced (it never silently stays in) unless the node that
   suspected it is itself gone.
 """
@@ -37,6 +38,7 @@ class SimNet:
         self.detected: set[tuple[str, str]] = set()  # (observer, crashed) pairs already told
         self.decisions: dict[str, dict[int, Decision]] = {m: {} for m in self.names}
         self.false_suspicions: set[tuple[str, str]] = set()  # (suspecter, suspected)
+        self.retried: set[int] = set()  # generations some node opened a retry round for
 
     def down(self, m: str) -> bool:
         return m in self.crashed or self.cores[m].fenced is not None
@@ -47,10 +49,13 @@ class SimNet:
             self.links[(m, dst)].append(msg)
         core.outbox.clear()
         for kind, fields in core.notes:
+            if kind == "retry":
+                self.retried.add(fields["gen"])
             if kind == "decided":
                 d = Decision.from_msg(fields)
                 assert d.gen not in self.decisions[m], f"{m} decided generation {d.gen} twice"
-                assert d.lost, f"{m}: generation {d.gen} loses no node (a spurious round)"
+                assert d.lost or d.gen in self.retried, \
+                    f"{m}: generation {d.gen} loses no node and nobody asked for a retry"
                 self.decisions[m][d.gen] = d
         core.notes.clear()
 
@@ -71,6 +76,7 @@ class SimNet:
             options += [("crash", m, "") for m in alive] * 1
             pairs = [("false", a, b) for a in alive for b in alive if a != b]
             options += self.rng.sample(pairs, min(3, len(pairs)))
+            options += [("retry", m, "") for m in alive]
         if not options:
             return False
         kind, a, b = self.rng.choice(options)
@@ -88,6 +94,9 @@ class SimNet:
                 for (x, _y), q in self.links.items():
                     if x == a and q and self.rng.random() < 0.5:
                         q.pop()
+        elif kind == "retry":
+            self.cores[a].retry("a collective failed, every peer answered the probe")
+            self.drain(a)
         elif kind == "false":
             self.false_suspicions.add((a, b))
             self.cores[a].suspect(b, "lease_expired")
@@ -225,3 +234,70 @@ def test_exchange_gathers_one_value_per_node_and_is_superseded_by_a_round():
         (failed,) = [f for k, f in notes[m] if k == "exchange_failed"]
         assert failed["key"] == "again" and "round" in failed["reason"]
         assert net.cores[m].decided.nodes == ("n0", "n1")
+
+
+def test_retry_in_place_decides_the_same_nodes_on_a_fresh_store():
+    """A failure with no dead node: one agent opens a retry round, the others join it, and all
+    decide the next generation with the same nodes, nothing lost and a fresh store port."""
+    net = SimNet(4, seed=7)
+    assert net.cores["n2"].retry("allreduce timed out, every peer answered")
+    net.drain("n2")
+    assert not net.cores["n2"].retry("a second report of the same failure")  # round already open
+    while net.step(chaos=False):
+        pass
+    decisions = {net.cores[m].decided for m in net.names}
+    assert len(decisions) == 1
+    (d,) = decisions
+    assert (d.gen, d.nodes, d.lost, d.store_node) == (1, net.names, (), "n0")
+    assert d.store_port != 999 and not any(net.cores[m].fenced for m in net.names)
+    # A crash during a retry round shrinks it like any other round.
+    net.cores["n0"].retry("again")
+    net.drain("n0")
+    net.crashed.add("n3")
+    while net.step(chaos=False):
+        pass
+    for m in ("n0", "n1", "n2"):
+        assert net.cores[m].decided.nodes == ("n0", "n1", "n2")
+        assert net.cores[m].decided.lost == ("n3",)
+
+
+def test_fence_codes_requeue_only_when_the_majority_cannot_be_proved():
+    """No quorum -> 75 (fall back to the checkpoint, requeue); excluded by the peers -> 3."""
+    net = SimNet(6, seed=8)  # 3 of 6 lost at once, node0 among them: exactly half, no first node
+    net.crashed.update({"n0", "n1", "n2"})
+    while net.step(chaos=False):
+        pass
+    assert all(net.cores[m].fenced and net.cores[m].fence_code == 75 for m in ("n3", "n4", "n5"))
+    net = SimNet(4, seed=9)
+    net.cores["n1"].suspect("n3", "lease_expired")
+    net.drain("n1")
+    while net.step(chaos=False):
+        pass
+    assert net.cores["n3"].fenced and net.cores["n3"].fence_code == 3
+    assert not any(net.cores[m].fenced for m in ("n0", "n1", "n2"))
+
+
+@pytest.mark.parametrize("how, expect", [("finished", "left"), ("early", "lost"),
+                                         ("abort", "stopped")])
+def test_bye_finished_early_and_abort(how, expect):
+    """BYE "finished" only marks the node as left; "early" is a loss (a round opens at once and
+    decides without it); "abort" (bad input) stops every peer with exit code 2."""
+    net = SimNet(4, seed=10)
+    net.cores["n2"].leave(how, 0 if how != "abort" else 2, "model.name unknown")
+    net.drain("n2")
+    net.crashed.add("n2")  # its agent exits right after
+    if how == "finished":  # the BYE explains its dropped connections: not a failure
+        net.detected.update((m, "n2") for m in net.names)
+    while net.step(chaos=False):
+        pass
+    others = ("n0", "n1", "n3")
+    if expect == "left":
+        assert all(net.cores[m].decided.gen == 0 and net.cores[m].left == {"n2"}
+                   and net.cores[m].proposal is None and not net.cores[m].fenced for m in others)
+    elif expect == "lost":
+        assert all(net.cores[m].decided.nodes == others and net.cores[m].decided.lost == ("n2",)
+                   for m in others)
+        assert any("left_early" in h for m in others for h in [net.cores[m].suspects.get("n2", "")])
+    else:
+        assert all(net.cores[m].fence_code == 2 and "bad input" in net.cores[m].fenced
+                   for m in others)

@@ -16,28 +16,39 @@ Agent -> worker:
         a decided generation. Generation 0 (the roster) is sent at start; later ones after each
         agreement. Every worker of every surviving node receives the same decision.
     {"type": "round", gen, suspects}
-        a membership round has opened (some node is suspected): abort in-flight communication
-        now (NCCL: abort the communicators; gloo: the short collective timeout) and wait for
-        the next "membership".
+        a membership round has opened (some node is suspected, or -- `suspects` empty -- a
+        retry in place after a failure that lost no node): abort in-flight communication now
+        (NCCL: abort the communicators; gloo: the short collective timeout) and wait for the
+        next "membership". A generation with empty `lost` has the same nodes on a fresh store:
+        rebuild the groups on it and replay the step.
     {"type": "exchange_done", gen, key, values} / {"type": "exchange_failed", gen, key, reason}
-    {"type": "fenced", reason}
-        this node was excluded (or lost its quorum): stop at once; the agent kills what is left
-        after its grace period.
+    {"type": "fenced", reason, exit_code}
+        stop at once; the agent kills what is left after its grace period. `exit_code` (also
+        `Fenced.exit_code`): 3 the peers excluded this node; 75 no quorum or no agreement --
+        this node cannot prove it is in the majority: fall back to the last checkpoint and
+        exit 75 so that the job is requeued; 2 a peer rejected the job's input.
 
 Worker -> agent:
-    {"type": "report", kind, detail, suspects}
-        a failure seen in-band, as a value (e.g. a gloo RuntimeError in a collective). `suspects`
-        names the nodes the worker knows to be at fault (e.g. the peer of a failed p2p, mapped
-        rank -> node through the plan); they are suspected at once. Without suspects, the agent
-        probes every peer agent and suspects those that do not answer within probe_s.
+    {"type": "report", kind, detail, suspects, gen}
+        a failure seen in-band, as a value (e.g. a gloo RuntimeError in a collective), in
+        generation `gen`. `suspects` names the nodes the worker knows to be at fault (e.g. the
+        peer of a failed p2p, mapped rank -> node through the plan); they are suspected at
+        once. Without suspects, the agent probes every peer agent and suspects those that do
+        not answer within probe_s; if all answer, it opens a retry round (same nodes, fresh
+        store). A report of a generation older than the agent's is ignored (already replaced).
     {"type": "exchange", gen, key, value}
         an all-gather among the current generation's nodes over the control plane (e.g. to
         confirm every survivor computed the same plan digest). The agent waits for all its
         local workers' values, then gathers one entry per node; the result maps
         node -> [value of local rank 0, 1, ...].
-    {"type": "done", code}
-        this worker is about to exit on purpose with `code` (job finished, beyond-guarantee
-        fallback, bad input). An exit WITHOUT a preceding "done" is a crash.
+    {"type": "done", code, reason}
+        this worker is about to exit on purpose with `code`: 0 it completed the job's last step,
+        75 checkpoint fallback / requeue, 2 bad input (`reason`: the error, shown on the
+        launcher's console; the agent stops the whole job with 2). An exit WITHOUT a preceding
+        "done" or "leave" is a crash -- except exit code 2, which always means bad input.
+    {"type": "leave"}
+        this worker leaves the job early, on purpose, while the others go on (it then exits 0):
+        its node leaves and the other nodes recover without it, as from any loss.
 
 A crashed worker (exit without "done", or killed by a signal) fails its whole node: the agent
 tells its peers (FAILED), kills its other workers and exits; the survivors re-plan without the
@@ -57,8 +68,9 @@ A worker's life with this link (the shape train.py / the reconfigure driver foll
         destroy the old groups; new store per `m`; new plan from the planner's reconfiguration
         client.exchange(f"plan-{m.gen}", plan.digest(), timeout)   # all equal, or stop
         Superseded (another failure meanwhile) -> back to wait_membership
-        Fenced -> exit 3 at once (the agent kills what is left after its grace period)
-    client.done(code); exit(code)
+        Fenced -> exit with Fenced.exit_code at once (75: after the checkpoint fallback; the
+                  agent kills what is left after its grace period)
+    client.done(code); exit(code)           # or, leaving early on purpose: client.leave(); exit(0)
 
 If the agent itself vanishes (the link reaches end of file), the worker exits at once with code
 3 (an orphaned worker must not keep talking to the survivors' process groups); pass
@@ -133,6 +145,9 @@ class AgentClient:
         self._membership: Membership | None = None
         self._round: dict[str, Any] | None = None
         self._fenced: str | None = None
+        self._fenced_code = EXIT_UNRECOVERABLE
+        self._working_gen = 0
+        """The generation wait_membership last returned: the one this worker works in."""
         self._exchanges: dict[tuple[int, str], dict[str, Any]] = {}
         self._reader = threading.Thread(target=self._read_loop, name="agent-link", daemon=True)
         self._reader.start()
@@ -155,13 +170,28 @@ class AgentClient:
 
     # ------------------------------------------------------------------ worker -> agent
 
-    def report_failure(self, kind: str, detail: str = "", suspects: Sequence[str] = ()) -> None:
-        """Report an in-band failure (as a value; this call does not raise or wait)."""
-        self._send({"type": "report", "kind": kind, "detail": detail, "suspects": list(suspects)})
+    def report_failure(self, kind: str, detail: str = "", suspects: Sequence[str] = (),
+                       gen: int | None = None) -> None:
+        """Report an in-band failure (as a value; this call does not raise or wait). `gen`: the
+        generation the failed work ran in -- default: the last one `wait_membership` returned
+        (not the latest received: a newer one may have arrived because of this very failure,
+        and a report under it would ask for a needless retry round)."""
+        if gen is None:
+            with self._cond:
+                gen = self._working_gen
+        self._send({"type": "report", "kind": kind, "detail": detail,
+                    "suspects": list(suspects), "gen": gen})
 
-    def done(self, code: int = 0) -> None:
-        """Announce an intended exit with `code` (call right before exiting)."""
-        self._send({"type": "done", "code": code})
+    def done(self, code: int = 0, reason: str = "") -> None:
+        """Announce an intended exit with `code` (call right before exiting): 0 only once the
+        job's last step is done. `reason`: why, for codes other than 0 (e.g. the bad input)."""
+        self._send({"type": "done", "code": code, "reason": reason})
+
+    def leave(self) -> None:
+        """Announce that this worker leaves the job early and on purpose (call right before
+        exiting 0): its node is then lost to the others, who recover without it. Not for the
+        job's end: that is `done(0)`."""
+        self._send({"type": "leave"})
 
     def exchange(self, key: str, value: Any, timeout: float, gen: int | None = None,
                  on_sent: Callable[[], None] | None = None) -> dict[str, list[Any]]:
@@ -213,6 +243,12 @@ class AgentClient:
         with self._cond:
             return self._fenced
 
+    @property
+    def fenced_code(self) -> int:
+        """How a fenced node ends (see `Fenced`): 3, 75 (requeue) or 2 (bad input)."""
+        with self._cond:
+            return self._fenced_code
+
     def wait_membership(self, after_gen: int = -1, timeout: float | None = None) -> Membership:
         """Block until a generation newer than `after_gen` is decided; return it. Raises Fenced
         if this node was excluded, TimeoutError after `timeout` seconds."""
@@ -225,6 +261,7 @@ class AgentClient:
                     raise TimeoutError(f"node {self.node}: no membership newer than generation "
                                        f"{after_gen} within {timeout} s")
                 self._cond.wait(left)
+            self._working_gen = self._membership.gen
             return self._membership
 
     def hosts_store(self, m: Membership) -> bool:
@@ -242,7 +279,7 @@ class AgentClient:
 
     def _raise_if_fenced(self) -> None:
         if self._fenced is not None:
-            raise Fenced(f"node {self.node}: {self._fenced}")
+            raise Fenced(f"node {self.node}: {self._fenced}", self._fenced_code)
 
     def _send(self, msg: dict[str, Any]) -> None:
         with self._send_lock:
@@ -278,6 +315,7 @@ class AgentClient:
                         self._round = {"gen": msg["gen"], "suspects": msg["suspects"]}
                 elif kind == "fenced":
                     self._fenced = msg["reason"]
+                    self._fenced_code = int(msg.get("exit_code", EXIT_UNRECOVERABLE))
                 elif kind in ("exchange_done", "exchange_failed"):
                     self._exchanges[(msg["gen"], msg["key"])] = msg
                 self._cond.notify_all()

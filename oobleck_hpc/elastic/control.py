@@ -8,17 +8,25 @@ sockets, with stdlib only. Per agent:
   to the core under one lock (the core is single-threaded by construction).
 - one outgoing link per peer: a queue and a sender thread that connects (retrying until
   `startup_s` has passed for a peer never reached), sends HELLO, then the queued messages.
-  Nothing ever blocks the core: sends are queued.
+  Nothing ever blocks the core: sends are queued. A failed send is retried on a fresh
+  connection (`SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart) before it becomes a suspicion, so
+  one flaky TCP connection does not exclude a healthy peer; a refused connection ends the
+  retries at once (nobody listens on the peer's port: its agent is gone).
+- an inbound connection that ends is checked the same way before it counts: the peer's
+  listening port is tried; if it accepts, the peer is alive and will reconnect.
 - one ticker thread, every heartbeat_s / 2: sends HEARTBEAT to the live members every heartbeat_s,
   suspects a member not heard from for lease_s ("lease_expired"), finishes a probe, fences this
   node if a round sat unchanged for agreement_timeout_s, and fences this node if the ticker
   itself was not scheduled for more than lease_s (the node was stopped: its peers have excluded
-  it by now, so it must not act on its old view).
+  it by now, so it must not act on its old view). A round stuck past agreement_timeout_s fences
+  for a requeue (exit 75): this node cannot prove it is in the majority.
 
 Detection sources, fastest first: a connection closed by the peer's kernel when its agent died
 (milliseconds; "connection_lost"), a failed send ("send_failed"), a FAILED message from a peer
-whose worker crashed, a worker's report naming a peer, a probe after a worker's unexplained
-communication error (probe_s), and the lease (lease_s) for hung nodes and partitions.
+whose worker crashed, a BYE of a node that leaves early, a worker's report naming a peer, a probe
+after a worker's unexplained communication error (probe_s), and the lease (lease_s) for hung
+nodes and partitions. A probe that every peer answers opens a retry round instead (the failure
+was not a lost node: the workers rebuild their groups on the same nodes; membership.py, 4b).
 
 Every note of the core becomes an event in the run's event log (see events.py) and is passed on
 to the owner (the agent) through `on_note(kind, fields)`, called with the lock held: the callback
@@ -34,8 +42,19 @@ import time
 from typing import Any, Callable
 
 from oobleck_hpc.elastic.events import EventLog
-from oobleck_hpc.elastic.membership import Decision, MembershipCore, Quorum
+from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, Quorum
 from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, free_port, recv_msg, send_msg
+from oobleck_hpc.errors import EXIT_REQUEUE
+
+SEND_ATTEMPTS = 3
+"""Tries of one message (or one liveness check) on fresh connections before the peer is
+suspected; a refused connection is not retried."""
+RETRY_PAUSE_S = 0.05
+"""Pause before each retry: a reconnect costs milliseconds, so the retries stay far below a
+heartbeat."""
+CONFIRM_S = 0.1
+"""How long a connection opened to check a peer must stay open (and silent) to prove the peer
+alive."""
 
 
 class ControlPlane:
@@ -68,7 +87,7 @@ class ControlPlane:
         self._t0 = time.monotonic()
         self._round_t: dict[int, float] = {}
         self._proposal_seen: tuple[Any, float] = (None, 0.0)
-        self._probe: tuple[float, float] | None = None  # (started, deadline)
+        self._probe: tuple[float, float, int, str] | None = None  # started, deadline, gen, why
         self._threads: list[threading.Thread] = []
         self._inbound: list[socket.socket] = []
 
@@ -103,6 +122,10 @@ class ControlPlane:
     def close(self) -> None:
         self._stop.set()
         if self._listener is not None:
+            try:  # shutdown wakes the accept() of the accept thread; close alone would not
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 self._listener.close()
             except OSError:
@@ -137,19 +160,28 @@ class ControlPlane:
     def fail_self(self, how: str) -> None:
         self._run(lambda: self.core.fail_self(how))
 
-    def leave(self) -> None:
-        self._run(self.core.leave)
+    def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
+        self._run(lambda: self.core.leave(how, code, reason))
 
     def exchange(self, key: str, value: Any) -> None:
         self._run(lambda: self.core.exchange(key, value))
 
-    def probe(self, why: str) -> None:
-        """Ping every member now; those not heard from within probe_s are suspected."""
+    def probe(self, why: str, gen: int | None = None) -> None:
+        """Ping every member now; those not heard from within probe_s are suspected. If every
+        member answers, a retry round opens (unless a round opened meanwhile). `gen`: the
+        generation the failure happened in; a failure of an older generation is ignored (the
+        newer generation already gave the workers fresh groups)."""
         with self._lock:
             if self.core.fenced:
                 return
+            current = self.core.decided.gen
+            if gen is not None and gen < current:
+                self.events.emit("probe_skipped", why=why, failed_gen=gen, gen=current)
+                return
+            if self._probe is not None:
+                return  # one probe at a time: the running one answers for this failure too
             now = time.monotonic()
-            self._probe = (now, now + self.probe_s)
+            self._probe = (now, now + self.probe_s, current, why)
             self.events.emit("probe", why=why, timeout_s=self.probe_s)
             for node in self.core.decided.nodes:
                 if node != self.me:
@@ -197,9 +229,12 @@ class ControlPlane:
                              round_s=None if started is None else round(now - started, 4))
             self._proposal_seen = (None, now)
         elif kind == "fenced":
-            self.events.emit("fenced", reason=fields["reason"], gen=fields["gen"])
+            self.events.emit("fenced", reason=fields["reason"], gen=fields["gen"],
+                             code=fields["code"])
         elif kind == "peer_left":
-            self.events.emit("peer_left", node=fields["node"])
+            self.events.emit("peer_left", node=fields["node"], code=fields["code"])
+        elif kind == "retry":
+            self.events.emit("retry_round", gen=fields["gen"], why=fields["why"])
         elif kind == "exchange_failed":
             self.events.emit("exchange_failed", key=fields["key"], gen=fields["gen"],
                              reason=fields["reason"])
@@ -216,6 +251,16 @@ class ControlPlane:
             if self._stop.is_set() or peer in self.core.left:
                 return
         self.suspect(peer, how)
+
+    def _connection_lost(self, peer: str) -> None:
+        """An inbound connection from `peer` ended: a failure only if its agent no longer
+        listens (a flaky connection is reopened by the peer's sender)."""
+        error = _reach(self.roster.address(peer).host, self.roster.address(peer).port,
+                       timeout=min(1.0, self.lease_s / 3), stop=self._stop)
+        if error is None:
+            self.events.emit("connection_reopened", node=peer)
+            return
+        self._link_failed(peer, "connection_lost")
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -240,7 +285,7 @@ class ControlPlane:
                 self._on_message(src, recv_msg(sock))
         except (ConnectionClosed, OSError, ValueError):
             if src is not None and not self._stop.is_set():
-                self._link_failed(src, "connection_lost")
+                self._connection_lost(src)
         finally:
             try:
                 sock.close()
@@ -278,18 +323,21 @@ class ControlPlane:
                         self._run(lambda n=node, s=now - heard: self.core.suspect(
                             n, f"lease_expired (silent {s:.2f} s)"))
                 if self._probe is not None and now >= self._probe[1]:
-                    started, _ = self._probe
+                    started, _, gen, why = self._probe
                     self._probe = None
-                    for node in members:
-                        if self._last_heard.get(node, 0.0) < started:
-                            self._run(lambda n=node: self.core.suspect(
-                                n, f"probe_unanswered (within probe_s={self.probe_s})"))
+                    silent = [n for n in members if self._last_heard.get(n, 0.0) < started]
+                    for node in silent:
+                        self._run(lambda n=node: self.core.suspect(
+                            n, f"probe_unanswered (within probe_s={self.probe_s})"))
+                    if not silent and self.core.decided.gen == gen:
+                        self._run(lambda: self.core.retry(f"every peer answered the probe "
+                                                          f"after: {why}"))
                 view, since = self._proposal_seen
                 if (self.core.proposal is not None and view == self.core.proposal
                         and now - since > self.agreement_timeout_s):
                     self._run(lambda: self.core.fence(
                         f"no agreement on {list(view)} within agreement_timeout_s="
-                        f"{self.agreement_timeout_s}"))
+                        f"{self.agreement_timeout_s}", code=EXIT_REQUEUE))
                     return
 
 
@@ -322,30 +370,57 @@ class _Link:
             except OSError:
                 pass
 
-    def _connect(self) -> bool:
+    def _connect(self) -> None:
+        """Open the connection and say HELLO. Until the first success, retries for startup_s
+        (agents start at different moments); after it, one try. Raises OSError."""
         deadline = self.cp._t0 + self.cp.startup_s
-        while not self.cp._stop.is_set():
+        while True:
             try:
                 sock = socket.create_connection(self.addr, timeout=max(1.0, self.cp.lease_s))
+                break
             except OSError:
-                if self.connected_once or time.monotonic() > deadline:
-                    return False
+                if self.connected_once or time.monotonic() > deadline or self.cp._stop.is_set():
+                    raise
                 time.sleep(0.05)
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock = sock
-            self.connected_once = True
-            return True
-        return False
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.connected_once = True
+        send_msg(sock, {"type": "hello", "src": self.cp.me})
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = None
+
+    def _deliver(self, msg: dict[str, Any]) -> OSError | None:
+        """Send `msg`, on a fresh connection if the current one fails (SEND_ATTEMPTS tries; a
+        refused connection ends them). Returns the last error, None once sent."""
+        error: OSError | None = None
+        for attempt in range(SEND_ATTEMPTS):
+            if attempt and self.cp._stop.wait(RETRY_PAUSE_S):
+                break
+            try:
+                if self.sock is None:
+                    self._connect()
+                assert self.sock is not None
+                send_msg(self.sock, {**msg, "src": self.cp.me})
+                return None
+            except OSError as e:
+                error = e
+                self._drop()
+                if isinstance(e, ConnectionRefusedError):
+                    break
+        return error
 
     def _loop(self) -> None:
         # Connect at once (not on the first message), so that peers start hearing from us.
         try:
-            if self._connect():
-                assert self.sock is not None
-                send_msg(self.sock, {"type": "hello", "src": self.cp.me})
+            self._connect()
         except OSError:
-            self.sock = None
+            self._drop()
         while True:
             if self.q.empty():
                 self.drained.set()
@@ -354,18 +429,33 @@ class _Link:
                 return
             if self.failed:
                 continue
-            try:
-                if self.sock is None:
-                    if not self._connect():
-                        raise OSError("cannot connect")
-                    send_msg(self.sock, {"type": "hello", "src": self.cp.me})
-                send_msg(self.sock, {**msg, "src": self.cp.me})
-            except OSError as e:
+            error = self._deliver(msg)
+            if error is not None:
                 self.failed = True
-                if self.sock is not None:
-                    try:
-                        self.sock.close()
-                    except OSError:
-                        pass
                 if not self.cp._stop.is_set():
-                    self.cp._link_failed(self.peer, f"send_failed ({e})")
+                    self.cp._link_failed(self.peer, f"send_failed ({error})")
+
+
+def _reach(host: str, port: int, timeout: float, stop: threading.Event) -> OSError | None:
+    """Whether an agent still listens on host:port: None if a connection opens and stays open
+    for CONFIRM_S (then it is closed; the peer reads no HELLO and drops it), else the last error
+    of SEND_ATTEMPTS tries (a refusal or a reset at once: nobody listens)."""
+    error: OSError | None = None
+    for attempt in range(SEND_ATTEMPTS):
+        if attempt and stop.wait(RETRY_PAUSE_S):
+            break
+        try:
+            with socket.create_connection((host, port), timeout=timeout) as sock:
+                # A dying agent's listener may still accept for a moment; the kernel resets
+                # what it accepted once the listener closes. A live agent waits for a HELLO.
+                sock.settimeout(CONFIRM_S)
+                try:
+                    if sock.recv(1) == b"":
+                        return ConnectionResetError(f"{host}:{port} closed the connection")
+                except TimeoutError:
+                    return None
+        except ConnectionRefusedError as e:
+            return e
+        except OSError as e:
+            error = e
+    return error

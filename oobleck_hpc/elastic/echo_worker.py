@@ -8,8 +8,10 @@ Used by the control-plane tests and as a template for a real worker, with no tor
   (`client.exchange`) and records what every node sent -- so a test can check that all
   survivors hold the same decision, the way the reconfigure driver checks its plan digest;
 - polls `<run_dir>/ctl/`: a file `<node>.<local_rank>.report` (JSON {kind, detail, suspects})
-  makes it report an in-band failure once; a file `STOP` makes it say "done" and exit 0;
-- exits 3 when fenced.
+  makes it report an in-band failure once; a file `<node>.<local_rank>.exit` (JSON {how:
+  "leave"} or {how: "done", code, reason}) makes it leave the job early (`client.leave()`, exit
+  0) or exit on purpose with `code`; a file `STOP` makes it say "done" and exit 0;
+- exits with the fencing's exit code when fenced (3 excluded, 75 requeue, 2 bad input).
 
 Run it under an agent:  python -m oobleck_hpc.agent ... -- python -m oobleck_hpc.elastic.echo_worker
 """
@@ -25,7 +27,6 @@ from pathlib import Path
 
 from oobleck_hpc.elastic.client import AgentClient, Membership
 from oobleck_hpc.elastic.membership import Fenced, Superseded
-from oobleck_hpc.errors import EXIT_UNRECOVERABLE
 
 
 def digest(m: Membership) -> str:
@@ -52,6 +53,15 @@ def main() -> int:
                 record("stop")
                 client.done(0)
                 return 0
+            leave = ctl / f"{me}.exit"
+            if leave.exists():
+                spec = json.loads(leave.read_text())
+                record("exit", spec=spec)
+                if spec["how"] == "leave":
+                    client.leave()
+                    return 0
+                client.done(spec["code"], spec.get("reason", ""))
+                return spec["code"]
             report = ctl / f"{me}.report"
             if not reported and report.exists():
                 reported = True
@@ -73,8 +83,8 @@ def main() -> int:
             except Superseded as e:
                 record("exchange_superseded", gen=m.gen, reason=str(e))
     except Fenced as e:
-        record("fenced", reason=str(e))
-        return EXIT_UNRECOVERABLE
+        record("fenced", reason=str(e), exit_code=e.exit_code)
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ State of one agent
   Generation 0 is the roster (every node, store on the first node, port from the launcher).
 - `suspects`: nodes this agent believes failed, each with how it learned it. Suspicion is
   permanent: a suspected node is never taken back (a falsely suspected node is fenced instead).
+- `left`: nodes that said BYE because they finished (the job is ending): no longer expected.
 - `proposal`: while a round for generation g = decided.gen + 1 is open, the agent's proposed view
-  P = decided.nodes - suspects. Within one generation an agent's proposals only shrink.
+  P = decided.nodes - suspects - left. Within one generation an agent's proposals only shrink.
 
 Message flow
 ------------
@@ -31,6 +32,17 @@ Message flow
 4. A new suspicion while a round is open simply shrinks the proposal (a failure during agreement
    supersedes the round); a suspicion of a node that is still in a just-decided view opens round
    g + 1 at once.
+4b. Retry in place (`retry`): a worker's collective failed but every peer answered the probe
+   (a slow rank, a port clash). The agent opens round g + 1 with nothing suspected: its first
+   proposal is the decided view itself. Peers join on its PROPOSE (step 2) with their own,
+   equal, proposals, and the round decides like any other: the same nodes, `lost` empty, a
+   fresh store port -- the workers rebuild their groups on the same members and replay the
+   step. A suspicion during that round shrinks it as usual.
+4c. Leaving (`leave`, BYE): "finished" (the node's workers ended the job, as every node's do:
+   the last step is done, or all stop for a requeue) only marks the node as left: no round, no
+   fencing, and later rounds leave it out. "early" (it leaves while the others go on) is a loss
+   like any other: the receivers suspect it. "abort" (a worker rejected the job's input) stops
+   every receiver with exit code 2: the input is the same everywhere.
 5. Adoption: an agent still in round g that receives DECIDED(g, V) (or a PROPOSE for g + 1,
    which carries its sender's decision of g) from a node it does not suspect, with itself in V,
    decides V too. This unblocks survivors when a member decided and then another failed.
@@ -43,6 +55,10 @@ Message flow
    fenced (the survivors cannot be told apart from a partitioned minority). A FENCE from a node
    that I excluded myself, and whose view excludes me, means we excluded each other (a partition,
    or two simultaneous false suspicions): I am fenced too, so that the job never splits in two.
+   How a fenced node ends (`fence_code`, carried to the workers as `Fenced.exit_code`): 3 when
+   its peers excluded it (they go on without it); 75 when it cannot prove it is in the majority
+   -- no quorum, an agreement timeout (control.py), a mutual exclusion -- because then nobody
+   may be going on: it falls back to the last checkpoint and the job is requeued.
 
 Why two survivors cannot decide differently
 -------------------------------------------
@@ -53,7 +69,10 @@ decides, so A's decided V is the last (smallest) of A's chain, which contains W:
 likewise W <= V. For an adopted decision (A adopts V from r, where r is not suspected by A, so r
 is in A's last proposal C_A), A in W means A proposed W before adopting, so W >= C_A contains r;
 the pair (r, B) then satisfies the claim's premise with adoption depth one less, and V = W by
-induction. So survivors (nodes that stay in each other's decided views) agree exactly. The only
+induction. So survivors (nodes that stay in each other's decided views) agree exactly. A
+retry round changes nothing here: its first proposal is the decided view, which every later
+proposal of the generation is a subset of, so proposals still form shrinking chains; it only
+allows a decided generation that loses no node. The only
 disagreement possible is asymmetric -- A decided V containing B while B decided W without A
 (A was suspected after its proposal had left) -- and then A is fenced as soon as any message of
 B reaches it (B's proposals exclude A), or, if none does, when its next round finds no quorum or
@@ -72,9 +91,10 @@ What each timeout bounds (control.py)
   (crashes are seen at once through the dropped connection). Also bounds how long a round waits
   for an unresponsive member.
 - probe_s: after a worker reports a communication error without naming a peer, every peer not
-  heard from within probe_s of a PING is suspected (faster than the lease for hung nodes).
+  heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
+  every peer answered, the agent opens a retry round (4b).
 - agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
-  proposal and no decision; an agent that hits it fences itself (never hang).
+  proposal and no decision; an agent that hits it fences itself for a requeue (never hang).
 - startup_s: how long agents wait for each other's first connection at start.
 """
 
@@ -83,13 +103,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from oobleck_hpc.errors import OobleckError
+from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 Quorum = Literal["majority", "none"]
+LeaveKind = Literal["finished", "early", "abort"]
 
 
 class Fenced(OobleckError):
-    """This node was excluded from the job (or lost its quorum): its workers must stop."""
+    """This node must stop taking part in the job; its workers must stop. `exit_code` says how
+    the node ends (oobleck_hpc/errors.py): 3 when its peers excluded it (they go on without it),
+    75 when it cannot prove that it belongs to the majority (no quorum, an agreement timeout, a
+    mutual exclusion): then it falls back to the last checkpoint and the job is requeued, and
+    2 when a peer stopped the job for bad input."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_UNRECOVERABLE):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    @property
+    def requeue(self) -> bool:
+        """Fall back to the last checkpoint and requeue (rather than leave the job for good)."""
+        return self.exit_code == EXIT_REQUEUE
 
 
 class Superseded(OobleckError):
@@ -133,6 +167,9 @@ class MembershipCore:
     suspects: dict[str, str] = field(init=False, default_factory=dict)
     left: set[str] = field(init=False, default_factory=set)
     fenced: str | None = field(init=False, default=None)
+    """Why this node no longer takes part: it was fenced (a "fenced" note says so) or it left."""
+    fence_code: int = field(init=False, default=EXIT_UNRECOVERABLE)
+    """The exit code the fencing asks for (see `Fenced`): 3, 75 (requeue) or 2 (bad input)."""
     outbox: list[tuple[str, dict[str, Any]]] = field(init=False, default_factory=list)
     notes: list[tuple[str, dict[str, Any]]] = field(init=False, default_factory=list)
 
@@ -163,11 +200,31 @@ class MembershipCore:
         self.notes.append(("suspect", {"node": node, "how": how, "gen": self.decided.gen}))
         self._update_round()
 
-    def leave(self) -> None:
-        """This node leaves cleanly (job done): peers stop expecting heartbeats from it."""
+    def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
+        """This node leaves the job on purpose (BYE). `how`:
+        - "finished": its workers ended the job as every node does (the last step is done, or
+          all stop for a requeue): peers stop expecting it; no round opens, nobody is fenced;
+        - "early": it leaves while the others go on: peers treat it as lost (a round opens);
+        - "abort": it rejected the job's input (`code` 2): every peer stops with that code."""
+        if self.fenced:
+            return
         for node in self.decided.nodes:
             if node != self.me:
-                self.outbox.append((node, {"type": "bye"}))
+                self.outbox.append((node, {"type": "bye", "how": how, "code": code,
+                                           "reason": reason}))
+        # From here on this node takes no part (no rounds over peers that exit after it).
+        self.fenced, self.fence_code, self.proposal = f"left the job ({how})", code, None
+
+    def retry(self, why: str) -> bool:
+        """Open a round although nobody is suspected (retry in place: a collective failed while
+        every peer is alive): the next generation keeps the same nodes with a fresh store, and
+        the workers rebuild their groups on it. False (nothing done) when fenced or when a
+        round is already open -- that round gives the workers their fresh generation."""
+        if self.fenced or self.proposal is not None:
+            return False
+        self.notes.append(("retry", {"gen": self.round, "why": why}))
+        self._update_round(join=True)
+        return True
 
     def fail_self(self, how: str) -> None:
         """This node declares itself failed (e.g. one of its workers crashed)."""
@@ -200,10 +257,14 @@ class MembershipCore:
             return
         kind = msg.get("type")
         if src not in self.decided.nodes:
+            if kind == "bye" and msg.get("how") == "abort" and src in self.roster:
+                self._on_bye(src, msg)  # bad input stops the job, even if src was excluded
+                return
             if kind == "fence" and self.me not in msg.get("nodes", ()):
                 # We excluded each other (a partition, or two false suspicions at once): neither
                 # side may go on alone, or the job would split in two.
-                self.fence(f"{src} and this node excluded each other (split brain averted)")
+                self.fence(f"{src} and this node excluded each other (split brain averted)",
+                           code=EXIT_REQUEUE)
                 return
             # Not (or no longer) a member of my view: tell it, once, that it is fenced.
             if kind not in ("fence", "bye", "failed") and src not in self._fence_sent and src in self.roster:
@@ -225,8 +286,7 @@ class MembershipCore:
         if kind == "failed":
             self.suspect(src, f"{msg.get('how', 'failed')} (reported by {src})")
         elif kind == "bye":
-            self.left.add(src)
-            self.notes.append(("peer_left", {"node": src}))
+            self._on_bye(src, msg)
         elif src in self.suspects:
             return  # a node I suspect: only its exclusion of me (above) matters
         elif kind == "propose":
@@ -236,6 +296,16 @@ class MembershipCore:
         elif kind == "exchange":
             self._on_exchange(src, msg)
         # heartbeat / hello / ping / pong: liveness only (tracked by the caller)
+
+    def _on_bye(self, src: str, msg: dict[str, Any]) -> None:
+        how, code, reason = msg.get("how", "early"), msg.get("code"), msg.get("reason", "")
+        if how == "finished":
+            self.left.add(src)
+            self.notes.append(("peer_left", {"node": src, "code": code}))
+        elif how == "abort":
+            self.fence(f"{src} stopped the job: bad input: {reason}", code=EXIT_BAD_INPUT)
+        else:
+            self.suspect(src, f"left_early (exit {code}{': ' + reason if reason else ''})")
 
     # ------------------------------------------------------------------ protocol
 
@@ -272,7 +342,7 @@ class MembershipCore:
             return
         if not self._has_quorum(new):
             self.fence(f"no quorum: proposal {list(new)} of generation {g} holds too few of "
-                        f"{list(self.decided.nodes)} (quorum={self.quorum})")
+                        f"{list(self.decided.nodes)} (quorum={self.quorum})", code=EXIT_REQUEUE)
             return
         self.proposal = new
         self._chain.setdefault(g, []).append(new)
@@ -365,13 +435,16 @@ class MembershipCore:
             if xg == d.gen:
                 self._check_exchange(xg, key)
 
-    def fence(self, reason: str) -> None:
-        """Stop taking part: this node is excluded (or must behave as if it were)."""
+    def fence(self, reason: str, code: int = EXIT_UNRECOVERABLE) -> None:
+        """Stop taking part: this node is excluded (or must behave as if it were). `code`: how
+        the node ends (see `Fenced`): 3 excluded by its peers, 75 it cannot prove it is in the
+        majority (fall back to the checkpoint, requeue), 2 a peer stopped the job (bad input)."""
         if self.fenced:
             return
         self.fenced = reason
+        self.fence_code = code
         self.proposal = None
-        self.notes.append(("fenced", {"reason": reason, "gen": self.decided.gen}))
+        self.notes.append(("fenced", {"reason": reason, "gen": self.decided.gen, "code": code}))
         for (xg, key) in sorted(self._my_exchanges):
             self.notes.append(("exchange_failed", {"gen": xg, "key": key, "reason": reason}))
         self._my_exchanges.clear()

@@ -76,6 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(job.source, "cluster.launch", f"value {job.cluster.launch!r} is not "
                           "run on this machine", "use `oobleck-hpc submit` for Slurm jobs, or "
                           "set cluster.launch: local")
+    check_local_inputs(job)
     if args.max_requeues < 0:
         raise ConfigError("<command line>", "--max-requeues", f"value {args.max_requeues} is "
                           "negative", "use 0 to never requeue")
@@ -90,6 +91,31 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             record_exit(run_dir, code, _EXIT_REASONS.get(code, f"exit {code}"))
         return code
+
+
+def check_local_inputs(job) -> None:
+    """What every worker of a local job would reject, checked here before any process starts:
+    the parts of the job that name things on this machine (a model factory's module, a corpus
+    path). load_job cannot check them, as a Slurm job is loaded where they may not exist."""
+    import importlib.util
+    from pathlib import Path
+
+    from oobleck_hpc.errors import ConfigError
+
+    if job.model.factory is not None:
+        module = job.model.factory.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(job.source, "model.factory", f"value {job.model.factory!r}: module "
+                              f"{module!r} is not importable here",
+                              "put its package on PYTHONPATH (the workers inherit it)")
+    corpus = job.data.corpus
+    if corpus != "stdlib" and not Path(corpus).expanduser().exists():
+        raise ConfigError(job.source, "data.corpus", f"value {corpus!r} is neither 'stdlib' nor "
+                          "an existing file or directory", "use 'stdlib' or the path of your text")
 
 
 _EXIT_REASONS = {0: "finished", 2: "bad input: not requeued", 3: "unrecoverable error",

@@ -7,12 +7,18 @@ plane runs between the agents and generation 0's rendezvous store is hosted by a
 first node (later ones by a survivor), so the launcher is no single point of failure either.
 
 - A node lost mid-run (a `faults:` entry, `oobleck-hpc kill-node RUN_DIR NODE` from another
-  shell) is recovered in place by the survivors; its agent's exit (a signal, or 3 when fenced)
+  shell, a node that leaves early) is recovered in place by the survivors; its agent's exit (a
+  signal, 3 when it was lost or excluded, 75 when it could not prove it was in the majority)
   does not end the job.
-- Exit code: 0 when the job finished (some agent finished with 0 and every other exit is a lost
-  node); otherwise the largest intended code (2 bad input, 75 requeue: oobleck_hpc/errors.py), or
-  3 when every node was lost. Once one agent finished, the others get `kill_grace_s` to finish
-  too; a node still around after that (e.g. a SIGSTOPped one) is killed.
+- The job is over when every agent has exited or is stopped (SIGSTOP: a stopped node outliving
+  the others can never finish alone), or `kill_grace_s` after the first agent that finished
+  (its workers completed the last step; the others finish within moments), or
+  `kill_grace_s` after a forwarded stop signal. What is left then is killed.
+- Exit code (`job_exit_code`, from the agents' codes: oobleck_hpc/agent.py): 0 if any node
+  finished training (an agent exited 0: its workers completed the last step), whoever was
+  lost on the way; else 2 if any node reported bad input; else 75 if any node asked for a
+  requeue (checkpoint fallback, no quorum, a stop signal); else 3. A node that left early
+  exits 3: it does not count as finished. On 2 the bad input's error is printed.
 - Ctrl-C / SIGTERM: forwarded to every agent (which forward them to their workers), then as above.
 - RUN_DIR/agents.json names each node's agent pid (its process group): what kill-node uses.
 - After the run, a summary of the recoveries (what died, when, how long to the first committed
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +38,7 @@ from typing import Any
 
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.elastic.local import _state
-
-EXIT_NODE_LOST = 3
+from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 
 
 @dataclass
@@ -87,6 +93,9 @@ class LocalRun:
             signal.signal(s, forward)
         try:
             code = self._wait()
+            if code == EXIT_BAD_INPUT:
+                print(bad_input_message(self.run_dir, since=t_start), file=sys.stderr,
+                      flush=True)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -98,30 +107,49 @@ class LocalRun:
 
     def _wait(self) -> int:
         procs = self.agents.procs
+        over_at: float | None = None  # when the job is over at the latest (module docstring)
         while True:
             codes = {m: p.poll() for m, p in procs.items()}
-            finished = [c for c in codes.values() if c is not None]
-            if 0 in finished or len(finished) == len(codes) or self._stopping_since(5.0):
-                # The job is over: the other survivors finish within moments; a stopped (hung)
-                # node never will and is not waited for.
-                deadline = time.monotonic() + self.kill_grace_s
-                while time.monotonic() < deadline and any(
-                        p.poll() is None and _state(p.pid) not in ("T", "t")
-                        for p in procs.values()):
-                    time.sleep(0.05)
-                codes = {m: p.poll() for m, p in procs.items()}
-                return job_exit_code(codes)
+            running = [m for m, c in codes.items() if c is None]
+            if not running or all(_state(procs[m].pid) in ("T", "t") for m in running):
+                break  # nobody left who could train (a stopped node never finishes alone)
+            if over_at is None and (EXIT_OK in codes.values() or self._stopping_since(5.0)):
+                over_at = time.monotonic() + self.kill_grace_s
+            if over_at is not None and time.monotonic() > over_at:
+                break
             time.sleep(0.05)
+        return job_exit_code({m: p.poll() for m, p in procs.items()})
 
 
 def job_exit_code(codes: dict[str, int | None]) -> int:
-    """The job's exit code from its agents' (module docstring). None: still running (killed)."""
-    intended = [c for c in codes.values() if c is not None and c > 0 and c != EXIT_NODE_LOST]
-    if intended:
-        return max(intended)
-    if any(c == 0 for c in codes.values()):
-        return 0
-    return EXIT_NODE_LOST
+    """The job's exit code from its agents' (module docstring): 0 if any node finished, else 2
+    if any reported bad input, else 75 if any asked for a requeue, else 3. None (still running
+    when the job ended: killed) and signals count as lost nodes."""
+    seen = set(codes.values())
+    for code in (EXIT_OK, EXIT_BAD_INPUT, EXIT_REQUEUE):
+        if code in seen:
+            return code
+    return EXIT_UNRECOVERABLE
+
+
+def bad_input_message(run_dir: Path, since: float = 0.0) -> str:
+    """The console line for a job that ended with 2: the first node's reason (its `agent_exit`
+    event) and the last error line of its log (the worker's own message)."""
+    from oobleck_hpc.elastic.events import read_events
+
+    path = Path(run_dir) / "events.jsonl"
+    evs = [e for e in read_events(str(path)) if e.get("t", 0) >= since] if path.exists() else []
+    first = next((e for e in evs if e.get("kind") == "agent_exit"
+                  and e.get("code") == EXIT_BAD_INPUT and e.get("how") == "abort"), None)
+    if first is None:
+        return f"oobleck-hpc run: error: bad input (exit 2); see {Path(run_dir) / 'logs'}"
+    node = first.get("source", "?")
+    log = Path(run_dir) / "logs" / f"agent-{node}.log"
+    lines = [x for x in log.read_text(errors="replace").splitlines() if "error:" in x] \
+        if log.exists() else []
+    detail = f"\n  {lines[-1].strip()}" if lines else ""
+    return (f"oobleck-hpc run: error: bad input on {node}: {first.get('reason')} (log: {log})"
+            + detail)
 
 
 def recovery_summary(events_path: Path, since: float = 0.0) -> str:

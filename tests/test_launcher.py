@@ -1,0 +1,143 @@
+"""The local launcher's end of a job (oobleck_hpc/launch/local.py): its exit-code rule, a job
+file rejected before any process starts, never waiting forever on a stopped node, and a node
+that leaves cleanly mid-run handled as a loss (the others finish every step).
+
+Multi-process tests have a hard timeout and kill every process they started.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from oobleck_hpc.launch.local import LocalRun, job_exit_code
+
+ROOT = Path(__file__).resolve().parents[1]
+KILLED, SIGKILLED = None, -9
+
+
+@pytest.mark.parametrize("codes, want", [
+    ({"a": 0, "b": 0}, 0),                      # everyone finished
+    ({"a": 0, "b": 3, "c": SIGKILLED}, 0),      # survivors finished, others lost on the way
+    ({"a": 0, "b": 75}, 0),                     # one finished: the job is done, no requeue
+    ({"a": 0, "b": 2}, 0),                      # finished wins over a late bad-input report
+    ({"a": 3, "b": 0, "c": KILLED}, 0),         # a stopped node killed after the others finished
+    ({"a": 2, "b": 2, "c": 3}, 2),              # bad input: never requeue
+    ({"a": 2, "b": 75}, 2),
+    ({"a": 75, "b": 3, "c": SIGKILLED}, 75),    # no quorum / fallback: requeue
+    ({"a": 75, "b": KILLED}, 75),
+    ({"a": 3, "b": 3}, 3),                      # every node lost or excluded
+    ({"a": 3, "b": SIGKILLED, "c": KILLED}, 3),
+    ({"a": 1}, 3),                              # an unknown code is no success
+])
+def test_job_exit_code_rule(codes, want):
+    assert job_exit_code(codes) == want
+
+
+class _Agents:
+    """What LocalRun._wait reads: `procs`, node -> Popen."""
+
+    def __init__(self, procs: dict[str, subprocess.Popen]):
+        self.procs = procs
+
+    def cleanup(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=10)
+
+
+def _wait_for(procs: dict[str, subprocess.Popen], kill_grace_s: float) -> int:
+    from oobleck_hpc.config import JobConfig
+
+    run = LocalRun(JobConfig(), Path("job.yaml"), Path("unused"), kill_grace_s=kill_grace_s)
+    run.agents = _Agents(procs)
+    try:
+        return run._wait()
+    finally:
+        run.agents.cleanup()
+
+
+def _stopped(p: subprocess.Popen) -> subprocess.Popen:
+    from oobleck_hpc.elastic.local import _state
+
+    p.send_signal(signal.SIGSTOP)
+    while _state(p.pid) not in ("T", "t"):
+        time.sleep(0.001)
+    return p
+
+
+@pytest.mark.timeout(60)
+def test_launcher_never_waits_on_a_stopped_node():
+    """A stopped node that outlives the others ends the wait (no grace period applies: a long
+    one would hang this test into its timeout); its code counts as a lost node."""
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    procs = {"node0": subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"]),
+             "node1": _stopped(subprocess.Popen(sleep))}
+    procs["node0"].wait(timeout=30)
+    assert _wait_for(procs, kill_grace_s=600) == 0
+    procs = {"node0": subprocess.Popen([sys.executable, "-c", "raise SystemExit(75)"]),
+             "node1": _stopped(subprocess.Popen(sleep))}
+    assert _wait_for(procs, kill_grace_s=600) == 75
+    # A running (not stopped) node after one finished: waited for kill_grace_s, then killed.
+    procs = {"node0": subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"]),
+             "node1": subprocess.Popen(sleep)}
+    assert _wait_for(procs, kill_grace_s=0.5) == 0
+    # Nothing finished yet and nothing stopped: the launcher waits for the agents' own verdict.
+    procs = {"node0": subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]),
+             "node1": subprocess.Popen([sys.executable, "-c",
+                                        "import time; time.sleep(1); raise SystemExit(75)"])}
+    assert _wait_for(procs, kill_grace_s=0.0) == 75
+
+
+@pytest.mark.timeout(60)
+def test_run_rejects_an_unknown_model_before_any_process_starts(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text((ROOT / "examples" / "gpt-tiny-local.yaml").read_text()
+                   .replace("name: gpt-tiny\n", "name: gpt-nonexistent\n")
+                   + f"run_dir: {tmp_path / 'run'}\n")
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "oobleck_hpc", "run", str(job)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=50)
+    print(f"\n[figures] unknown model rejected in {time.monotonic() - t:.2f} s")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{job}: key 'model.name': value 'gpt-nonexistent'" in r.stderr, r.stderr
+    assert "Fix: use one of: gpt-tiny" in r.stderr
+    assert not (tmp_path / "run").exists()  # no agent, no worker, not even a run directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_node_that_leaves_cleanly_mid_run_is_a_loss_and_the_others_finish(tmp_path):
+    """4 nodes x 1 worker; node2 leaves cleanly (the `exit` fault) in step 3's backward pass:
+    its peers recover in place at once, every step is committed, every loss equals the
+    single-process reference, the job exits 0 and node2's agent 3 (it did not finish)."""
+    from test_resume import finish, job_output, losses_by_step, reference, start_run, write_job
+
+    steps = 8
+    job = write_job(tmp_path, "leave", every_steps=0, steps=steps)
+    text = job.read_text() + "faults:\n- {node: 2, step: 3, phase: backward, kind: exit}\n"
+    job.write_text(text)
+    run_dir = tmp_path / "leave"
+    code, out, err = finish(start_run(job), 180)
+    logs = job_output(out, err, run_dir)
+    assert code == 0, logs
+    got = losses_by_step(run_dir / "metrics.jsonl")
+    assert sorted(got) == list(range(steps)), logs
+    want = reference(job, steps)
+    for step, losses in got.items():
+        for loss in losses:
+            assert abs(loss - want[step]) <= 1e-5 * max(1.0, abs(want[step])), (step, loss, want)
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["kind"] == "agreement_reached" and e["lost"] == ["node2"]]
+    assert lost, logs  # seen in-band by its pipeline peer, or from its BYE: either is a loss
+    assert not [e for e in events if e["kind"] == "retry_round"], logs  # nothing else failed
+    exits = {e["source"]: e["code"] for e in events if e["kind"] in ("agent_exit",)}
+    assert exits.get("node2") == 3, exits
