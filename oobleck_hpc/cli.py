@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "oobleck_hpc.launch.cli_watch",  # watch
     "oobleck_hpc.launch.cli_slurm",  # submit
     "oobleck_hpc.launch.cli",  # run
+    "oobleck_hpc.chaos",  # chaos
 ]
 
 

@@ -34,8 +34,16 @@ class ModelConfig:
     """`package.module:function` returning the user's own layer list (see oobleck_hpc/models)."""
     seed: int = 0
     """Every layer is built from (seed, layer index): replicas start bit-identical."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype is float32; bfloat16 turns on autocast for the compute."""
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """float32: parameters and compute in fp32; bfloat16: fp32 parameters, autocast to bf16 for
+    the compute; float64: the model is built in fp64 -- for exact comparisons with the fp64
+    single-process reference (`engine.reference_run`; tests, `oobleck-hpc chaos`). A float64 job
+    is profiled and planned as its float32 twin (`profile_dtype`): same profile, same plan."""
+
+    @property
+    def profile_dtype(self) -> str:
+        """The dtype the job's profile is measured in and looked up by (float64 -> float32)."""
+        return "float32" if self.dtype == "float64" else self.dtype
 
     def check(self, where: _Where) -> None:
         if self.factory is not None and ":" not in self.factory:
@@ -81,6 +89,9 @@ class TrainConfig:
     """Clip by the global gradient norm over all layers (0 disables)."""
     log_every: int = 5
     """Outside a TTY: one log line every this many steps."""
+    save_final_params: bool = False
+    """After the last step the lowest holder of each layer writes that layer's parameters to
+    RUN_DIR/final/layer-<i>.pt (a dict name -> tensor), to compare a run with a reference."""
 
     def check(self, where: _Where) -> None:
         for key in ("steps", "microbatch_size", "global_microbatches"):

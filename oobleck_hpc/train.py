@@ -8,9 +8,9 @@ the metrics file (OOBLECK_METRICS, optional). The membership the agent sends nam
 who hosts the rendezvous store. Every rank computes the same plan from the same profile and node
 list; its rank is derived from the plan (node order, GPU index). A lost node is recovered in
 place by the elastic driver (elastic/driver.py) inside `driver.step()`; beyond the guarantee the
-checkpoint fallback takes over (resume.py). For tests and benchmarks: OOBLECK_FINAL_STATE=DIR
-makes the final parameters land in DIR (one file per layer), OOBLECK_DEFAULT_DTYPE=float64 builds
-the model in fp64 -- for exact comparisons with a reference.
+checkpoint fallback takes over (resume.py). For exact comparisons with a reference (tests,
+`oobleck-hpc chaos`): `model.dtype: float64` builds the model in fp64, and
+`train.save_final_params: true` writes the final parameters to RUN_DIR/final (one file per layer).
 
     python -m oobleck_hpc.train        # with the environment above; `oobleck-hpc run` sets it
 """
@@ -173,7 +173,7 @@ def main() -> int:
     job = load_job(env.extra["job"])
     run_dir = Path(env.extra.get("run_dir") or job.resolved_run_dir)
     device = pick_device(job, env)
-    if os.environ.get("OOBLECK_DEFAULT_DTYPE") == "float64":  # tests: exact comparisons
+    if job.model.dtype == "float64":  # exact comparisons with the fp64 reference
         import torch
 
         torch.set_default_dtype(torch.float64)
@@ -224,7 +224,7 @@ def main() -> int:
         code = EXIT_OK
         ckpt.finish(driver.engine)
         wall = time.perf_counter() - t0
-        save_final_state(driver)
+        save_final_state(driver, job, run_dir)
         progress.close()
         if driver.rank == 0:
             print(summary(job, driver.plan, progress, wall, run_dir, driver.recoveries),
@@ -247,22 +247,23 @@ def main() -> int:
             client.done(code)
 
 
-def save_final_state(driver) -> None:
-    """With OOBLECK_FINAL_STATE=DIR (tests, benchmarks): the lowest holder of each layer writes
-    its final parameters to DIR/layer-<i>.pt, to compare with a failure-free reference."""
-    out = os.environ.get("OOBLECK_FINAL_STATE")
-    if not out:
+def save_final_state(driver, job, run_dir: Path) -> None:
+    """With `train.save_final_params` (tests, `oobleck-hpc chaos`): the lowest holder of each
+    layer writes its final parameters to RUN_DIR/final/layer-<i>.pt, to compare with a
+    failure-free reference."""
+    if not job.train.save_final_params:
         return
     import torch
 
-    Path(out).mkdir(parents=True, exist_ok=True)
+    out = run_dir / "final"
+    out.mkdir(parents=True, exist_ok=True)
     engine, plan, rank = driver.engine, driver.plan, driver.rank
     for layer, module in engine.layers.items():
         if plan.layer_owners(layer)[0] == rank:
             state = {n: p.detach().cpu() for n, p in module.named_parameters()}
-            tmp = Path(out) / f".layer-{layer}.pt.{rank}"
+            tmp = out / f".layer-{layer}.pt.{rank}"
             torch.save(state, tmp)
-            os.replace(tmp, Path(out) / f"layer-{layer}.pt")
+            os.replace(tmp, out / f"layer-{layer}.pt")
 
 
 def summary(job, plan, progress: Progress, wall: float, run_dir: Path, recoveries=()) -> str:

@@ -4,7 +4,7 @@ Each case is one local job (`LocalRun`: one agent per pretend node, 2 workers ea
 faults; training must continue on the survivors, and the losses of every step and the final
 parameters must equal ONE failure-free single-process reference of the same job (computed once
 per session, `engine.Reference`), within 1e-5 relative. The model is built in float64 in the
-workers (OOBLECK_DEFAULT_DTYPE) and in the reference: in fp32 AdamW turns rounding noise of
+workers (`model.dtype: float64`) and in the reference: in fp32 AdamW turns rounding noise of
 near-zero gradients into visible parameter differences (tests/test_engine.py), in fp64 any
 error in the replayed step, the re-split batch or the copied optimizer state shows at once.
 
@@ -36,9 +36,9 @@ TOL = 1e-5
 def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=()) -> dict:
     return {
         "name": "recovery-test",
-        "model": {"name": "gpt-tiny", "seed": 0},
+        "model": {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
         "train": {"steps": STEPS, "microbatch_size": 2, "global_microbatches": 4, "lr": 1e-3,
-                  "warmup_steps": 2, "log_every": 1},
+                  "warmup_steps": 2, "log_every": 1, "save_final_params": True},
         "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 2, "device": "cpu"},
         "fault_tolerance": {"f": f, "collective_timeout_s": 10.0, "heartbeat_s": 0.5,
                             "lease_s": 3.0},
@@ -65,9 +65,7 @@ def run_job(tmp_path: Path, **kw) -> tuple[int, list[dict], Path]:
     path.write_text(yaml.safe_dump(data))
     job = job_from_dict(data, str(path))
     metrics = run_dir / "metrics.jsonl"
-    run = LocalRun(job, path, run_dir, metrics, kill_grace_s=10.0, console=False,
-                   extra_env={"OOBLECK_DEFAULT_DTYPE": "float64",
-                              "OOBLECK_FINAL_STATE": str(run_dir / "final")})
+    run = LocalRun(job, path, run_dir, metrics, kill_grace_s=10.0, console=False)
     code = run.run()
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return code, rows, run_dir

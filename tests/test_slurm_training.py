@@ -9,10 +9,9 @@ Each test submits ONE small 4-node job (1 worker per node, CPU, gloo) and checks
   events show the recovery, every loss (before and after) equals the reference within 1e-5;
 - a node frozen (`freeze-node n2`, SIGSTOP): found by the agents' lease expiry, same outcome.
 
-The workers build the model in float64 (OOBLECK_DEFAULT_DTYPE, as tests/test_recovery.py does
+The workers build the model in float64 (`model.dtype: float64`, as tests/test_recovery.py does
 and for the same reason: in fp64 any error in the replayed step, the re-split batch or the moved
-optimizer state shows at once). The job inherits the test's environment (sbatch exports it):
-OOBLECK_DEFAULT_DTYPE and OOBLECK_FINAL_STATE reach the workers that way.
+optimizer state shows at once) and write their final parameters (`train.save_final_params`).
 """
 
 from __future__ import annotations
@@ -43,9 +42,9 @@ def job_dict(run_dir: Path, name: str) -> dict:
     return {
         "name": name,
         "run_dir": str(run_dir),
-        "model": {"name": "gpt-tiny", "seed": 0},
+        "model": {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
         "train": {"steps": STEPS, "microbatch_size": 2, "global_microbatches": 8, "lr": 1e-3,
-                  "warmup_steps": 2, "log_every": 1},
+                  "warmup_steps": 2, "log_every": 1, "save_final_params": True},
         "cluster": {"launch": "slurm", "nodes": 4, "gpus_per_node": 1, "device": "cpu"},
         "fault_tolerance": {"f": 1, "collective_timeout_s": 5.0, "heartbeat_s": 0.5,
                             "lease_s": 3.0},
@@ -67,8 +66,6 @@ def write_job(tmp_path: Path, name: str, monkeypatch) -> tuple[Path, Path]:
     run_dir = tmp_path / name
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job_dict(run_dir, name)))
-    monkeypatch.setenv("OOBLECK_DEFAULT_DTYPE", "float64")
-    monkeypatch.setenv("OOBLECK_FINAL_STATE", str(run_dir / "final"))
     return path, run_dir
 
 

@@ -65,7 +65,7 @@ def library_file(job: JobConfig) -> Path:
     from oobleck_hpc.profiling.store import library_path_for
 
     return library_path_for(job.profile.library, job.model.name, job_device_name(job),
-                            job.model.dtype, job.train.microbatch_size)
+                            job.model.profile_dtype, job.train.microbatch_size)
 
 
 def check_profile(profile: ModelProfile, job: JobConfig, origin: str) -> ModelProfile:
@@ -75,7 +75,7 @@ def check_profile(profile: ModelProfile, job: JobConfig, origin: str) -> ModelPr
     expected = {
         "architecture hash (model.name / model.factory)": (fp.arch_hash, job_arch_hash(job)),
         "microbatch size (train.microbatch_size)": (fp.microbatch_size, job.train.microbatch_size),
-        "dtype (model.dtype)": (fp.dtype, job.model.dtype),
+        "dtype (model.dtype)": (fp.dtype, job.model.profile_dtype),
         "GPUs per node (cluster.gpus_per_node)": (fp.gpus_per_node, job.cluster.gpus_per_node),
     }
     for what, (have, want) in expected.items():
@@ -115,11 +115,11 @@ def resolve_profile(job: JobConfig) -> ModelProfile:
                                f"set. Fix: set profile.device to the GPU the analytic profile "
                                f"describes (A40, A100-80G or H100-80G)")
         profile = analytic_profile(job.model.name, job.profile.device, job.train.microbatch_size,
-                                   dtype=job.model.dtype, gpus_per_node=job.cluster.gpus_per_node)
+                                   dtype=job.model.profile_dtype, gpus_per_node=job.cluster.gpus_per_node)
         return check_profile(profile, job, f"analytic({job.model.name}, {job.profile.device})")
     raise ProfileError(
         f"no profile for job {job.source}: looked for {path} (model {job.model.name!r}, device "
-        f"{job_device_name(job)!r}, dtype {job.model.dtype!r}, microbatch "
+        f"{job_device_name(job)!r}, dtype {job.model.profile_dtype!r}, microbatch "
         f"{job.train.microbatch_size}). Fix: measure it with `oobleck-hpc profile {job.source}`, "
         f"set profile.path to an existing file, or set profile.analytic: true and profile.device")
 

@@ -581,7 +581,7 @@ def profile_job(job: JobConfig, options: ProfilerOptions = ProfilerOptions(), qu
     seq_len = job.data.seq_len or model.seq_len
     report = None if quiet else _reporter(model.num_layers)
     with _cpu_threads(device, options.cpu_threads):
-        layers = profile_layers(model, job.train.microbatch_size, seq_len, job.model.dtype, device,
+        layers = profile_layers(model, job.train.microbatch_size, seq_len, job.model.profile_dtype, device,
                                 options, report)
     p2p, allreduce, what = measure_links(device, options)
     sharing = measure_core_sharing(job, options) if device.type == "cpu" else ()
@@ -600,7 +600,7 @@ def profile_job(job: JobConfig, options: ProfilerOptions = ProfilerOptions(), qu
         nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     fingerprint = Fingerprint(
         model_name=model.name, arch_hash=model.arch_hash(), microbatch_size=job.train.microbatch_size,
-        dtype=job.model.dtype, device_name=machine.device_name, gpus_per_node=gpn,
+        dtype=job.model.profile_dtype, device_name=machine.device_name, gpus_per_node=gpn,
         interconnect=interconnect, source="measured", torch_version=str(torch.__version__),
         cuda_version=torch.version.cuda or "", nccl_version=nccl,
         tool_version=f"oobleck_hpc {oobleck_hpc.__version__}",
@@ -616,7 +616,7 @@ def profile_and_save(job: JobConfig, out_dir: str | Path | None = None, overwrit
 
     out = Path(out_dir or job.profile.library)
     planned = library_path_for(out, build_model(job.model, job.source).name, job_device_name(job),
-                               job.model.dtype, job.train.microbatch_size)
+                               job.model.profile_dtype, job.train.microbatch_size)
     if planned.exists() and not overwrite:  # before measuring; checked again atomically on save
         raise ProfileError(f"{planned} already exists; refusing to overwrite it. Fix: pass --force "
                            f"to replace it, or --out another directory")

@@ -1,0 +1,210 @@
+"""`oobleck-hpc chaos`: the fault-set generator (pure: reproducible, covers what it claims), the
+expected outcome against a brute force on the plan, and one small seeded campaign end to end
+(real local jobs, compared with the fp64 single-process reference)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oobleck_hpc.chaos import (KINDS, PHASES, RECOVERY_PHASES, START_PHASES, STEP_PHASES,
+                               draw_campaign, episodes, expected_outcome, trial_job)
+from oobleck_hpc.config import FaultConfig, job_from_dict
+from oobleck_hpc.errors import GuaranteeExceeded
+from oobleck_hpc.planning.instantiate import instantiate
+from oobleck_hpc.planning.reconfigure import reconfigure
+from oobleck_hpc.planning.spec import node_specification
+from oobleck_hpc.planning.templates import build_templates
+from test_planning_templates import random_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_same_seed_same_trials_and_trials_independent_of_count():
+    a = draw_campaign(7, 40, nodes=5, steps=12, f=1, kinds=KINDS)
+    assert a == draw_campaign(7, 40, nodes=5, steps=12, f=1, kinds=KINDS)
+    assert a[:10] == draw_campaign(7, 10, nodes=5, steps=12, f=1, kinds=KINDS)
+    assert a != draw_campaign(8, 40, nodes=5, steps=12, f=1, kinds=KINDS)
+
+
+@pytest.mark.parametrize("nodes,steps,f", [(5, 12, 1), (8, 6, 2), (4, 3, 0)])
+def test_draws_are_valid_and_cover_nodes_steps_phases_kinds_counts(nodes, steps, f):
+    sets = draw_campaign(1, 600, nodes=nodes, steps=steps, f=f, kinds=KINDS)
+    seen = Counter()
+    for faults in sets:
+        # every set is a valid `faults:` list of a job with these nodes and steps
+        job_from_dict({"cluster": {"nodes": nodes}, "train": {"steps": steps},
+                       "fault_tolerance": {"f": f},
+                       "faults": [vars(x) for x in faults]})
+        assert len({x.node for x in faults}) == len(faults), faults  # distinct nodes
+        assert 1 <= len(faults) <= nodes - 1
+        first = faults[0]
+        assert first.phase not in RECOVERY_PHASES
+        for x in faults:
+            if x.phase in START_PHASES:
+                assert x.step == 0
+            if x.phase in RECOVERY_PHASES:  # anchored on an earlier in-step fault
+                assert any(y.step == x.step and y.phase in STEP_PHASES for y in faults)
+            seen["node", x.node] += 1
+            seen["step", x.step] += 1
+            seen["phase", x.phase] += 1
+            seen["kind", x.kind] += 1
+        seen["count", len(faults)] += 1
+        seen["beyond"] += len(faults) > f
+        seen["later"] += any(x.step > first.step for x in faults[1:])
+        seen["simultaneous"] += any((x.step, x.phase) == (first.step, first.phase)
+                                    for x in faults[1:])
+    assert all(seen["node", n] for n in range(nodes))
+    assert seen["step", 0] and seen["step", steps - 1]
+    assert all(seen["step", s] for s in range(steps))
+    assert all(seen["phase", p] for p in PHASES), [p for p in PHASES if not seen["phase", p]]
+    assert all(seen["kind", k] for k in KINDS)
+    assert all(seen["count", c] for c in range(max(1, f), nodes))  # within f and beyond
+    assert seen["beyond"] > 0 and (f == 0 or seen["beyond"] < len(sets))
+    if f >= 1:
+        assert seen["later"] and seen["simultaneous"]
+
+
+def test_kinds_restrict_the_draw():
+    sets = draw_campaign(3, 100, nodes=5, steps=12, f=1, kinds=["kill"])
+    assert {x.kind for s in sets for x in s} == {"kill"}
+
+
+def test_episodes_group_by_recovery():
+    F = FaultConfig
+    a, b = F(1, 3, "backward"), F(2, 3, "transfer")
+    c, d = F(3, 5, "checkpoint"), F(4, 0, "rendezvous")
+    e = F(0, 7, "reconfiguration")  # no in-step fault at step 7: never fires
+    assert episodes([a, b, c, d, e]) == [[d], [a, b], [c]]
+
+
+def _plan(seed: int, memory: int, f: int, extra: int):
+    profile = random_profile(random.Random(seed), 10, 2, memory=memory)
+    n0 = node_specification(profile, 10, 0).n0
+    n = (f + 1) * n0 + extra
+    spec = node_specification(profile, n, f)
+    templates = build_templates(profile, spec.template_sizes, 4)
+    plan = instantiate(templates, [f"node{i}" for i in range(n)], 24, f, profile)
+    return profile, templates, plan
+
+
+def _covered(plan, lost: set[str]) -> bool:
+    """Brute force: every layer is in some stage whose node survives."""
+    return all(any(s.layer_start <= layer < s.layer_end and p.nodes[s.node] not in lost
+                   for p in plan.pipelines for s in p.template.stages)
+               for layer in range(plan.num_layers))
+
+
+# plans of pipelines [2, 1], [3, 2], [2, 2, 2], [3, 2, 2], [5, 4] nodes (n0 = 1, 2, 2, 2, 3)
+@pytest.mark.parametrize("seed,memory,f,extra", [
+    (4, 10**9, 1, 1), (1, 450_000, 1, 1), (2, 450_000, 1, 3), (0, 450_000, 1, 3),
+    pytest.param(2, 450_000, 2, 0, marks=pytest.mark.xfail(strict=True, reason=(
+        "planner hole: 6 nodes, f = 2, n0 = 2 get templates of size 2 only "
+        "(spec.node_specification), so 5 survivors of one loss have no plan")))])
+def test_expected_outcome_against_brute_force_on_the_plan(seed, memory, f, extra):
+    profile, templates, plan = _plan(seed, memory, f, extra)
+    n0, nodes = min(templates), list(plan.nodes)
+    outcomes = Counter()
+    for k in range(1, len(nodes)):
+        for lost in itertools.combinations(range(len(nodes)), k):
+            names = {f"node{i}" for i in lost}
+            faults = [FaultConfig(i, 2, "backward", "kill") for i in lost]
+            got = expected_outcome(faults, plan, templates, profile, f)
+            outcomes[got] += 1
+            if k <= f:
+                assert got == "in_place", (lost, plan)  # the guarantee
+            if not _covered(plan, names) or len(nodes) - k < n0:
+                assert got == "fallback", (lost, plan)
+            else:  # covered: in place unless the planner has no plan for the survivors
+                try:
+                    reconfigure(plan, names, templates, profile, f)
+                    assert got == "in_place", (lost, plan)
+                except GuaranteeExceeded:
+                    assert got == "fallback", (lost, plan)
+    assert outcomes["in_place"] and outcomes["fallback"]
+
+
+def test_expected_outcome_follows_the_plan_across_recoveries():
+    """A second episode is judged on the plan after the first recovery: losing the nodes one by
+    one (each a later step) never falls back while a replica of every layer is left."""
+    profile, templates, plan = _plan(0, 10**9, 1, 3)
+    nodes = len(plan.nodes)
+    one_by_one = [FaultConfig(i, i, "forward", "kill") for i in range(nodes - 1)]
+    assert expected_outcome(one_by_one[:1], plan, templates, profile, 1) == "in_place"
+    current, expected = plan, "in_place"
+    for x in one_by_one:
+        try:
+            current = reconfigure(current, {f"node{x.node}"}, templates, profile, 1)
+        except GuaranteeExceeded:
+            expected = "fallback"
+            break
+    assert expected_outcome(one_by_one, plan, templates, profile, 1) == expected
+
+
+def test_trial_job_is_fp64_with_its_own_dirs_and_faults(tmp_path):
+    base = job_from_dict({"name": "x", "cluster": {"nodes": 5}, "train": {"steps": 40},
+                          "checkpoint": {"dir": "/elsewhere", "every_steps": 10}})
+    faults = [FaultConfig(2, 3, "vote", "hang")]
+    d = trial_job(base, faults, tmp_path / "trial-000", steps=6, checkpoint_every=2)
+    job = job_from_dict(yaml.safe_load(yaml.safe_dump(d)))
+    assert job.model.dtype == "float64" and job.train.save_final_params
+    assert job.train.steps == 6 and job.faults == faults
+    assert job.run_dir == str(tmp_path / "trial-000" / "run")
+    assert job.checkpoint.dir == str(tmp_path / "trial-000" / "ckpt")
+    assert job.checkpoint.every_steps == 2
+
+
+def _live_group_members(groups: set[int]) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_small_seeded_campaign_of_kills(tmp_path, capsys):
+    """Three seeded trials of kills on the 5-node gpt-tiny job, 4 steps each (seed 727: node0,
+    the store host, at step 0; two nodes at step 3, the second while the survivors reconfigure,
+    beyond f = 1; another node at step 0): every trial ends as expected with final parameters
+    equal to the fp64 reference, and leaves no process."""
+    from oobleck_hpc.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "chaos-test",
+        "model": {"name": "gpt-tiny", "seed": 0},
+        "train": {"steps": 4, "microbatch_size": 2, "global_microbatches": 4, "lr": 1e-3,
+                  "warmup_steps": 1, "log_every": 1},
+        "cluster": {"launch": "local", "nodes": 5, "gpus_per_node": 2, "device": "cpu"},
+        "fault_tolerance": {"f": 1, "collective_timeout_s": 5.0, "heartbeat_s": 0.5,
+                            "lease_s": 3.0},
+        "profile": {"library": str(ROOT / "profiles")}}))
+    out = tmp_path / "campaign"
+    code = main(["chaos", str(job), "--trials", "3", "--seed", "727", "--kinds", "kill",
+                 "--steps", "4", "--trial-timeout", "150", "--out", str(out), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result == json.loads((out / "result.json").read_text())
+    assert len(result["trials"]) == 3
+    for t in result["trials"]:
+        assert {x["kind"] for x in t["faults"]} == {"kill"}
+        groups = set(json.loads((Path(t["dir"]) / "run" / "agents.json").read_text()).values())
+        assert not _live_group_members(groups), f"processes left by {t['dir']}"
+        assert t["outcome"] == t["expected"], (t, f"logs: {t['dir']}/out.log")
+        assert t["max_rel_diff"] is not None and t["max_rel_diff"] <= 1e-9, t
+        assert t["recovery_s"] or not t["fired"], t
+    assert code == 0
+    s = result["summary"]
+    assert s["within_f"] + s["beyond_f"] == 3
+    assert s["in_place_exact"] + s["fallback_exact"] == 3
