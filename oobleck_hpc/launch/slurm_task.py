@@ -17,7 +17,7 @@ of the run's agents that started after Unix time T (`run_verdict`).
    DIR/launch-TAG.json (finished_by=NODE) and requeues the job (`scontrol requeue`): for 75 the
    next run resumes from the checkpoint; for any other verdict the next run only publishes the
    recorded outcome (`recorded_outcome`; the driver returns it, slurm/train.sbatch exits with it)
-   and asks for one node (`scontrol update NumNodes=1-1`). A new batch script is the only way a
+   and asks for one node (`scontrol update NumNodes=1-1 NumTasks=1`). A new batch script is the only way a
    user can end a Slurm job with its real exit code: `scancel` shows CANCELLED (an `afterok`
    dependency never fires), and 22.05 has no command that completes a job. Measured on the local
    cluster: RESIZING, then COMPLETED with ExitCode 0:0, the requeued run over in ~1 s once started.
@@ -184,7 +184,8 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
     if rc != EXIT_REQUEUE:
         # One node is enough to publish the outcome. Best effort: should Slurm kill this
         # process first (the requeue ends the job's steps), the next run asks for MIN-MAX nodes.
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=1-1"], timeout=60)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=1-1", "NumTasks=1"],
+                       timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
