@@ -9,8 +9,9 @@ The only module that imports submitit. The shape of a submitted job:
         2. srun --no-kill --kill-on-bad-exit=0 -N N --ntasks-per-node=1 AGENT_COMMAND
               one agent per node, no MPI; per-node logs RUN_DIR/logs/agent-JOB-rR-TASK.out (task t = roster node t)
               (each agent wrapped by oobleck_hpc.launch.slurm_task, which records its exit code)
-        3. verdict over the nodes still in the job: 0 -> done (the submitit result); 75 ->
-           `scontrol requeue` (same job id comes back and resumes from its checkpoint); else error
+        3. verdict (slurm_task.verdict): 0 -> done (the submitit result); 75 -> `scontrol
+           requeue` (same job id comes back and resumes from its checkpoint); else the batch
+           script exits with it (sacct: FAILED with that code; `wait_result` reads the record)
 
 Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py):
 - `--no-kill`: without it Slurm ends the whole job when one node fails; with it the job stays
@@ -21,8 +22,9 @@ Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py)
 - `--requeue`: lets `scontrol requeue` (the agents' exit 75: checkpoint on disk, guarantee
   exceeded or pre-timeout signal) bring the same job id back; SLURM_RESTART_COUNT tells the runs
   apart. Losing the batch node does NOT end a --no-kill job (measured): the agents elsewhere go on
-  and the last one to exit takes the verdict and ends the job (slurm_task.finish_without_driver);
-  submitit then has no result (the job shows CANCELLED) and RUN_DIR/launch-JOB-rK.json holds it.
+  and the last one to exit records the verdict and requeues the job; its next run only publishes
+  the recorded outcome (slurm_task.finish_without_driver): COMPLETED, with submitit's result.
+- `--nodes=MIN-MAX` (MIN = `min_nodes`, (f + 1) * n0): a requeued job starts on fewer nodes.
 - `--signal=USR2@90` (slurm.signal / slurm.signal_delay_s): sent to every agent before the time
   limit so that they checkpoint and ask to be requeued (exit 75); not to the batch script.
 - submitit's SlurmExecutor is chosen explicitly: once slurm-wlm is installed `srun` is on PATH
