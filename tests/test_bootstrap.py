@@ -96,20 +96,57 @@ def test_discovery_record_round_trip_and_roster_format(tmp_path):
         wait_for_discovery(tmp_path, "42", 2, timeout_s=0.3)
 
 
-@pytest.mark.parametrize("lost, codes, expected", [
-    ([], {"a": 0, "b": 0, "c": 0}, 0),
-    (["b"], {"a": 0, "c": 0}, 0),               # b died: its missing code does not count
-    (["b"], {"a": 0, "b": 137, "c": 0}, 0),     # b was fenced (killed by Slurm): ignored
-    ([], {"a": 0, "b": 75, "c": 0}, 75),        # a requeue request wins
-    ([], {"a": 0, "b": 3, "c": 75}, 75),
-    ([], {"a": 0, "b": 3, "c": 0}, 0),         # b was fenced by the other agents: they finished
-    ([], {"a": 3, "b": 2, "c": 3}, 3),          # nobody finished: the first failure
-    ([], {"a": 1}, 1),
-    ([], {}, 1),                                # nothing recorded: failure
-    (["a", "b", "c"], {"a": 0}, 1),             # every node lost
+@pytest.mark.parametrize("codes, left, expected", [
+    ({"a": 0, "b": 0, "c": 0}, set(), 0),
+    ({"a": 0, "c": 0}, set(), 0),                # b died with its node: no code recorded
+    ({"a": 0, "b": 137, "c": 0}, set(), 0),      # b was killed (fenced by Slurm)
+    ({"a": 0, "b": 75, "c": 0}, set(), 0),       # someone finished: whoever was lost, done
+    ({"a": 0, "b": 3, "c": 75}, set(), 0),
+    ({"a": 3, "b": 75, "c": 2}, set(), 2),       # nobody finished: bad input first...
+    ({"a": 3, "b": 75, "c": 3}, set(), 75),      # ...then a requeue request...
+    ({"a": 3, "b": 1, "c": 137}, set(), 3),      # ...else 3
+    ({"a": 0, "b": 75, "c": 75}, {"a"}, 75),     # a left early (clean leave): not finished
+    ({"a": 0, "b": 3}, {"a"}, 3),
+    ({"a": 0, "b": 0}, {"a"}, 0),                # a left, b finished
+    ({}, set(), 3),                              # nothing recorded: every node lost
 ])
-def test_verdict_counts_only_survivors(lost, codes, expected):
-    assert verdict(["a", "b", "c"], lost, codes) == expected
+def test_verdict_is_the_local_launchers_rule(codes, left, expected):
+    assert verdict(codes, left) == expected
+
+
+def test_left_early_reads_this_runs_agreements(tmp_path):
+    from oobleck_hpc.launch.slurm_task import left_early, run_verdict
+
+    events = [{"t": 10.0, "kind": "agreement_reached", "lost": ["a"]},   # an earlier run
+              {"t": 20.0, "kind": "agreement_reached", "lost": ["b"]},
+              {"t": 21.0, "kind": "recovered", "lost": ["c"]}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events)
+                                           + '{"t": 22.0, "ki')  # a line being written
+    assert left_early(tmp_path, since=15.0) == {"b"}
+    (tmp_path / "exit" / "7-r1").mkdir(parents=True)
+    for node, code in {"a": 0, "b": 0, "c": 75}.items():
+        (tmp_path / "exit" / "7-r1" / node).write_text(f"{code}\n")
+    assert run_verdict(tmp_path, "7-r1", since=15.0) == (0, {"a": 0, "b": 0, "c": 75}, {"b"})
+    assert run_verdict(tmp_path, "7-r1", since=5.0)[0] == 75  # a and b both left early
+
+
+def test_recorded_outcome_is_published_unless_it_asks_to_resume(tmp_path):
+    from oobleck_hpc.launch.slurm import LaunchResult
+    from oobleck_hpc.launch.slurm_task import recorded_outcome
+
+    record = {"job_id": "7", "restart_count": 0, "nodes": ["n1", "n2"], "lost_nodes": ["n1"],
+              "exit_code": 0, "finished_by": "n2", "batch_host_lost": "n1"}
+    (tmp_path / "launch-7-r0.json").write_text(json.dumps(record))
+    assert recorded_outcome(tmp_path, "7", 0) is None       # the first run publishes nothing
+    assert recorded_outcome(tmp_path, "7", 2) is None       # only the run right before counts
+    assert recorded_outcome(tmp_path, "7", 1) == record
+    result = LaunchResult.from_record(record, "/logs")
+    assert (result.exit_code, result.lost_nodes, result.restart_count) == (0, ["n1"], 0)
+    (tmp_path / "launch-7-r0.json").write_text(json.dumps({**record, "exit_code": 75}))
+    assert recorded_outcome(tmp_path, "7", 1) is None       # 75: the next run resumes
+    del record["finished_by"]
+    (tmp_path / "launch-7-r0.json").write_text(json.dumps(record))
+    assert recorded_outcome(tmp_path, "7", 1) is None       # written by a driver: a normal run
 
 
 def test_sbatch_parameters_and_agent_command():
@@ -120,6 +157,7 @@ def test_sbatch_parameters_and_agent_command():
         "signal_delay_s": 300, "extra": {"qos": "high"}, "setup": ["module load cuda"]}})
     p = sbatch_parameters(job)
     assert (p["nodes"], p["time"], p["partition"], p["gpus_per_node"]) == (8, 120, "gpu", 4)
+    assert sbatch_parameters(job, 3)["nodes"] == "3-8" and sbatch_parameters(job, 8)["nodes"] == 8
     assert p["use_srun"] is False and p["setup"] == ["module load cuda"]
     extra = p["additional_parameters"]
     assert extra["no-kill"] is True and extra["requeue"] is True
@@ -160,5 +198,6 @@ def test_submit_dry_run_prints_flags(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
-    assert shown["sbatch"]["nodes"] == 3 and shown["sbatch"]["additional_parameters"]["no-kill"]
+    # a requeued job may start on the fewest nodes the plan accepts, (f + 1) * n0 = 2
+    assert shown["sbatch"]["nodes"] == "2-3" and shown["sbatch"]["additional_parameters"]["no-kill"]
     assert shown["agent"][1:3] == ["-m", "oobleck_hpc.agent"]

@@ -9,7 +9,13 @@
                                   DIR/probe/NODE.json, then beats (DIR/probe/NODE.beats, one line
                                   every 0.2 s) for S seconds, noting any SIGUSR2/SIGTERM it gets;
                                   exits CODE on a job's first run (restart 0), else 0
+    discover-step --run-dir DIR --nodes A,B,.. [--min-nodes K] [--mpi M] [--log F]
+                                  run the discovery step from the batch script, leaving out
+                                  nodes that cannot run a step (discovery.run_discovery_step);
+                                  prints the nodes it ran on; exit 75 with fewer than K left
     run-dir JOB.yaml              print the job's run directory (for slurm/train.sbatch)
+    min-nodes JOB.yaml            print the fewest nodes the job's plan accepts, (f + 1) * n0
+                                  (for sbatch --nodes=MIN-MAX)
 """
 
 from __future__ import annotations
@@ -82,6 +88,32 @@ def _run_dir(args: argparse.Namespace) -> int:
     return 0
 
 
+def _discover_step(args: argparse.Namespace) -> int:
+    from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step
+    from oobleck_hpc.errors import EXIT_REQUEUE, EXIT_UNRECOVERABLE
+
+    try:
+        nodes = run_discovery_step(args.run_dir, args.nodes.split(","), python=sys.executable,
+                                   mpi=args.mpi, log=args.log or "/dev/null",
+                                   min_nodes=args.min_nodes)
+    except TooFewNodes as e:
+        print(f"discovery: {e}; asking for a requeue", file=sys.stderr)
+        return EXIT_REQUEUE
+    except RuntimeError as e:
+        print(f"discovery: {e}", file=sys.stderr)
+        return EXIT_UNRECOVERABLE
+    print(",".join(nodes))
+    return 0
+
+
+def _min_nodes(args: argparse.Namespace) -> int:
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.launch.slurm import min_nodes
+
+    print(min_nodes(load_job(args.job)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oobleck_hpc.bootstrap",
                                      description=__doc__.splitlines()[0])
@@ -96,9 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-run-exit", type=int, default=0,
                    help="exit code on the job's first run (75: ask for a requeue)")
     p.set_defaults(func=_probe)
+    p = sub.add_parser("discover-step", help="run the discovery step (from a batch script)")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--nodes", required=True, help="comma-separated node names")
+    p.add_argument("--min-nodes", type=int, default=1)
+    p.add_argument("--mpi", default="pmix")
+    p.add_argument("--log", default=None, help="the step's output file")
+    p.set_defaults(func=_discover_step)
     p = sub.add_parser("run-dir", help="print a job's run directory")
     p.add_argument("job")
     p.set_defaults(func=_run_dir)
+    p = sub.add_parser("min-nodes", help="print the fewest nodes a job's plan accepts")
+    p.add_argument("job")
+    p.set_defaults(func=_min_nodes)
     args = parser.parse_args(argv)
     return args.func(args)
 

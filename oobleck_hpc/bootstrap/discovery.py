@@ -28,6 +28,8 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -171,3 +173,50 @@ def wait_for_discovery(run_dir: str | Path, job_id: str, restart_count: int,
             raise TimeoutError(f"{path}: no discovery for job {job_id} restart {restart_count} "
                                f"after {timeout_s:.0f} s; did the discovery step run?")
         time.sleep(0.1)
+
+
+class TooFewNodes(RuntimeError):
+    """Fewer nodes than the job accepts can run the discovery: requeue (exit 75) and wait for more."""
+
+
+def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mpi: str,
+                       log: str | Path, min_nodes: int = 1, timeout_s: float = 300,
+                       attempts: int = 3) -> list[str]:
+    """Run the discovery step (`srun --mpi=MPI ... python -m oobleck_hpc.bootstrap discover`) on
+    `nodes`; returns the nodes it ran on. When it fails, each node is tried alone with a trivial
+    step (`srun -w NODE true`) and the ones that fail are left out of the next attempt: measured
+    after a requeue, a node that was frozen and thawed can refuse the job's steps ("Job credential
+    revoked") while its slurmd answers the controller. Raises TooFewNodes when fewer than
+    `min_nodes` remain, RuntimeError when the step fails on nodes that each run alone."""
+    nodes = list(nodes)
+    for attempt in range(attempts):
+        argv = ["srun", f"--mpi={mpi}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+                "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
+                f"--output={log}", python, "-m", "oobleck_hpc.bootstrap", "discover",
+                "--run-dir", str(run_dir)]
+        rc = subprocess.run(argv, timeout=timeout_s).returncode
+        if rc == 0:
+            return nodes
+        tries = {n: subprocess.Popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={n}",
+                                      "true"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL) for n in nodes}
+        bad = [n for n, p in tries.items() if _wait(p, 60) != 0]
+        print(f"discovery: attempt {attempt + 1} on {nodes} exited {rc}; nodes that cannot run "
+              f"a step: {bad or 'none'}", file=sys.stderr, flush=True)
+        if not bad:
+            raise RuntimeError(f"discovery step failed (exit {rc}) on nodes {nodes}, each of "
+                               f"which runs a step alone; see {log}")
+        nodes = [n for n in nodes if n not in bad]
+        if len(nodes) < min_nodes:
+            raise TooFewNodes(f"only {len(nodes)} nodes ({nodes}) can run the job's steps; it "
+                              f"needs at least {min_nodes}")
+    raise RuntimeError(f"discovery step failed {attempts} times; see {log}")
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return -1

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         run_dir = job.resolved_run_dir.absolute()
         print(json.dumps({
-            "sbatch": slurm.sbatch_parameters(job),
+            "sbatch": slurm.sbatch_parameters(job, slurm.job_min_nodes(job)),
             "agent": slurm.agent_argv(job.slurm.agent_command, python=sys.executable,
                                       job_file=run_dir / "job.yaml", run_dir=run_dir),
         }, indent=1))
@@ -43,6 +43,6 @@ def run(args: argparse.Namespace) -> int:
           f"logs {run_dir}/logs and {run_dir}/submitit", flush=True)
     if not args.wait:
         return 0
-    result = submitted.result()
+    result = slurm.wait_result(submitted, run_dir)
     print(json.dumps(result.to_dict(), indent=1))
     return result.exit_code

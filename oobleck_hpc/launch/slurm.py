@@ -9,8 +9,9 @@ The only module that imports submitit. The shape of a submitted job:
         2. srun --no-kill --kill-on-bad-exit=0 -N N --ntasks-per-node=1 AGENT_COMMAND
               one agent per node, no MPI; per-node logs RUN_DIR/logs/agent-JOB-rR-TASK.out (task t = roster node t)
               (each agent wrapped by oobleck_hpc.launch.slurm_task, which records its exit code)
-        3. verdict over the nodes still in the job: 0 -> done (the submitit result); 75 ->
-           `scontrol requeue` (same job id comes back and resumes from its checkpoint); else error
+        3. verdict (slurm_task.verdict): 0 -> done (the submitit result); 75 -> `scontrol
+           requeue` (same job id comes back and resumes from its checkpoint); else the batch
+           script exits with it (sacct: FAILED with that code; `wait_result` reads the record)
 
 Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py):
 - `--no-kill`: without it Slurm ends the whole job when one node fails; with it the job stays
@@ -21,8 +22,9 @@ Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py)
 - `--requeue`: lets `scontrol requeue` (the agents' exit 75: checkpoint on disk, guarantee
   exceeded or pre-timeout signal) bring the same job id back; SLURM_RESTART_COUNT tells the runs
   apart. Losing the batch node does NOT end a --no-kill job (measured): the agents elsewhere go on
-  and the last one to exit takes the verdict and ends the job (slurm_task.finish_without_driver);
-  submitit then has no result (the job shows CANCELLED) and RUN_DIR/launch-JOB-rK.json holds it.
+  and the last one to exit records the verdict and requeues the job; its next run only publishes
+  the recorded outcome (slurm_task.finish_without_driver): COMPLETED, with submitit's result.
+- `--nodes=MIN-MAX` (MIN = `min_nodes`, (f + 1) * n0): a requeued job starts on fewer nodes.
 - `--signal=USR2@90` (slurm.signal / slurm.signal_delay_s): sent to every agent before the time
   limit so that they checkpoint and ask to be requeued (exit 75); not to the batch script.
 - submitit's SlurmExecutor is chosen explicitly: once slurm-wlm is installed `srun` is on PATH
@@ -48,10 +50,11 @@ from pathlib import Path
 
 import submitit
 
+from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wait_for_discovery
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
-from oobleck_hpc.launch.slurm_task import read_codes, verdict
+from oobleck_hpc.launch.slurm_task import recorded_outcome, run_verdict
 
 DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}"
 """The per-node command (the elastic agent). Override per job with `slurm.agent_command`."""
@@ -82,6 +85,18 @@ class LaunchResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_record(cls, record: dict, log_dir: str) -> LaunchResult:
+        """From RUN_DIR/launch-JOB-rK.json, written by the driver or by the last agent
+        (slurm_task.finish_without_driver, which records no timings)."""
+        return cls(job_id=record["job_id"], restart_count=record["restart_count"],
+                   nodes=record["nodes"], lost_nodes=record["lost_nodes"],
+                   exit_code=record["exit_code"], discovery_s=record.get("discovery_s", 0.0),
+                   run_s=record.get("run_s", 0.0), log_dir=record.get("log_dir", log_dir),
+                   events=record.get("events", [f"finished by the agent on "
+                                                f"{record.get('finished_by')} after the batch "
+                                                f"host {record.get('batch_host_lost')} was lost"]))
+
 
 def agent_argv(template: str | None, *, python: str, job_file: str | Path,
                run_dir: str | Path) -> list[str]:
@@ -103,6 +118,8 @@ class SlurmDriver:
     agent: list[str]
     mpi: str = "pmix"
     python: str = sys.executable
+    min_nodes: int = 1
+    """The fewest nodes the job's plan accepts (`min_nodes`): below it, requeue and wait."""
 
     def __call__(self) -> LaunchResult:
         env = detect()
@@ -112,26 +129,27 @@ class SlurmDriver:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         tag = f"{env.job_id}-r{env.restart_count}"
+        recorded = recorded_outcome(run_dir, env.job_id, env.restart_count)
+        if recorded is not None:  # the last agent requeued the job to publish this (slurm_task)
+            return self._end(LaunchResult.from_record(recorded, str(logs)))
         nodes = current_job_nodes(env.job_id)  # fresh even if SLURM_JOB_NODELIST is stale
         events = [f"start job {env.job_id} restart {env.restart_count} nodes {nodes}"]
 
         t0 = time.monotonic()
-        discover = ["srun", f"--mpi={self.mpi}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
-                    "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
-                    f"--output={logs}/discovery-{tag}.out", self.python, "-m",
-                    "oobleck_hpc.bootstrap", "discover", "--run-dir", str(run_dir)]
-        rc = subprocess.run(discover, timeout=DISCOVERY_TIMEOUT_S).returncode
-        if rc != 0:
-            raise RuntimeError(f"discovery step failed (exit {rc}); see {logs}/discovery-{tag}.out")
-        from oobleck_hpc.bootstrap.discovery import wait_for_discovery
+        try:
+            nodes = run_discovery_step(run_dir, nodes, python=self.python, mpi=self.mpi,
+                                       log=logs / f"discovery-{tag}.out",
+                                       min_nodes=self.min_nodes, timeout_s=DISCOVERY_TIMEOUT_S)
+        except TooFewNodes as e:
+            print(f"oobleck: {e}; requeueing job {env.job_id}", file=sys.stderr, flush=True)
+            self._requeue(env.job_id)
         found = wait_for_discovery(run_dir, env.job_id, env.restart_count, timeout_s=30)
         roster = list(found.roster.names)
         discovery_s = time.monotonic() - t0
         events.append(f"discovery {discovery_s:.2f} s: {roster}, digest {found.digest}")
 
-        t1 = time.monotonic()
-        exits = run_dir / "exit" / tag  # one file per node: its agent's exit code (slurm_task)
-        exits.mkdir(parents=True, exist_ok=True)
+        t1, since = time.monotonic(), time.time()
+        (run_dir / "exit" / tag).mkdir(parents=True, exist_ok=True)  # one file per node (slurm_task)
         agents = ["srun", "--no-kill", "--kill-on-bad-exit=0", f"--nodes={len(roster)}",
                   f"--ntasks={len(roster)}", "--ntasks-per-node=1", f"--nodelist={','.join(roster)}",
                   f"--output={logs}/agent-{tag}-%t.out", self.python, "-m",
@@ -141,19 +159,26 @@ class SlurmDriver:
         run_s = time.monotonic() - t1
         survivors = set(current_job_nodes(env.job_id))
         lost = [n for n in roster if n not in survivors]
-        codes = read_codes(exits)
-        rc = verdict(roster, lost, codes)
+        rc, codes, left = run_verdict(run_dir, tag, since)
         events.append(f"agents step exited {step_rc} after {run_s:.1f} s; lost nodes {lost}; "
-                      f"exit codes {codes}; verdict {rc}")
+                      f"exit codes {codes}; left early {sorted(left)}; verdict {rc}")
         result = LaunchResult(env.job_id, env.restart_count, roster, lost, rc, discovery_s, run_s,
                               str(logs), events)
         _write_json(run_dir / f"launch-{tag}.json", result.to_dict())
-        if rc == EXIT_OK:
-            return result
         if rc == EXIT_REQUEUE:
             self._requeue(env.job_id)
-        raise RuntimeError(f"agents exited {codes} (job {env.job_id}, lost nodes {lost}); "
-                           f"see {logs}/agent-{tag}-*.out")
+        return self._end(result)
+
+    @staticmethod
+    def _end(result: LaunchResult) -> LaunchResult:
+        """Return the result (submitit publishes it; the job ends COMPLETED), or leave with the
+        verdict as the batch script's exit code (sacct: FAILED with that code; `wait_result`
+        reads the result from RUN_DIR/launch-JOB-rK.json)."""
+        if result.exit_code == EXIT_OK:
+            return result
+        print(f"oobleck: job {result.job_id} ended with exit {result.exit_code} (lost nodes "
+              f"{result.lost_nodes}); see {result.log_dir}", file=sys.stderr, flush=True)
+        raise SystemExit(result.exit_code)  # not an Exception: submitit lets it end the process
 
     @staticmethod
     def _requeue(job_id: str) -> None:
@@ -206,12 +231,29 @@ class _DriverExecutor(submitit.SlurmExecutor):
         return 1
 
 
-def sbatch_parameters(job: JobConfig) -> dict:
-    """The submitit parameters of a job (also what `oobleck-hpc submit --dry-run` prints)."""
+def min_nodes(job: JobConfig) -> int:
+    """The fewest nodes the job's plan accepts: (f + 1) * n0 (n0 from the planner's node
+    specification of the job's profile). A requeued job asks Slurm for MIN-MAX nodes with
+    MIN = this, so that it starts again while some of its nodes are down. Raises the planner's
+    or the profile's error (exit 2) when the job has no plan at all."""
+    from oobleck_hpc.planning import cost
+    from oobleck_hpc.planning.spec import node_specification
+    from oobleck_hpc.profiling import resolve_profile
+
+    profile = cost.job_profile(job, resolve_profile(job))
+    spec = node_specification(profile, job.cluster.nodes, job.fault_tolerance.f)
+    return (job.fault_tolerance.f + 1) * spec.n0
+
+
+def sbatch_parameters(job: JobConfig, fewest_nodes: int | None = None) -> dict:
+    """The submitit parameters of a job (also what `oobleck-hpc submit --dry-run` prints).
+    `fewest_nodes` (default: cluster.nodes) < cluster.nodes asks for --nodes=MIN-MAX."""
     s = job.slurm
+    fewest = fewest_nodes or job.cluster.nodes
     params: dict = {
         "job_name": job.name,
-        "nodes": job.cluster.nodes,
+        "nodes": job.cluster.nodes if fewest >= job.cluster.nodes
+        else f"{fewest}-{job.cluster.nodes}",
         "time": s.time_min,
         "signal_delay_s": s.signal_delay_s,
         "use_srun": False,
@@ -247,13 +289,38 @@ def submit(job: JobConfig, *, python: str | None = None) -> submitit.Job:
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / "job.yaml"
     _write_job(job_file, job, run_dir)
+    fewest = job_min_nodes(job)
     executor = _DriverExecutor(folder=run_dir / "submitit", python=shlex.quote(python))
-    executor.update_parameters(**sbatch_parameters(job))
+    executor.update_parameters(**sbatch_parameters(job, fewest))
     driver = SlurmDriver(job_file=str(job_file), run_dir=str(run_dir),
                          agent=agent_argv(job.slurm.agent_command, python=python,
                                           job_file=job_file, run_dir=run_dir),
-                         mpi=job.slurm.mpi, python=python)
+                         mpi=job.slurm.mpi, python=python, min_nodes=fewest)
     return executor.submit(driver)
+
+
+def job_min_nodes(job: JobConfig) -> int:
+    """`min_nodes` for the training agent; a job with its own `slurm.agent_command` (and maybe
+    no model or profile) asks for all cluster.nodes."""
+    return job.cluster.nodes if job.slurm.agent_command else min_nodes(job)
+
+
+def wait_result(submitted: submitit.Job, run_dir: str | Path) -> LaunchResult:
+    """The run's result once the job ended: submitit's, or, when the job ended without one (a
+    non-zero verdict, or a job ended by hand), the latest RUN_DIR/launch-JOB-rK.json. Raises
+    OobleckError (no traceback of submitit's) when neither exists."""
+    try:
+        return submitted.result()
+    except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as e:
+        records = sorted(Path(run_dir).glob(f"launch-{submitted.job_id}-r*.json"),
+                         key=lambda p: int(p.stem.rpartition("-r")[2]))
+        if not records:
+            raise OobleckError(f"job {submitted.job_id} ended ({submitted.state}) without a "
+                               f"result and without {run_dir}/launch-{submitted.job_id}-r*.json; "
+                               f"see {run_dir}/submitit and {run_dir}/logs "
+                               f"({str(e).splitlines()[0]})") from None
+        return LaunchResult.from_record(json.loads(records[-1].read_text()),
+                                        str(Path(run_dir) / "logs"))
 
 
 def _write_job(path: Path, job: JobConfig, run_dir: Path) -> None:

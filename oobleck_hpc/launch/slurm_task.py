@@ -1,9 +1,11 @@
 """The wrapper around each node's agent in a Slurm job: `python -m oobleck_hpc.launch.slurm_task
 --run-dir DIR --tag JOB-rK -- AGENT...` (stdlib only; started by srun, one per node).
+For slurm/train.sbatch: `... --run-dir DIR --tag JOB-rK --recorded` prints the exit code recorded
+for this run to publish (`recorded_outcome`), or nothing; `--verdict-since T` prints the verdict
+of the run's agents that started after Unix time T (`run_verdict`).
 
 1. Runs the agent and records its exit code in DIR/exit/TAG/NODE: `srun` reports only the highest
-   code of a step, and the code of a node that Slurm fenced (dropped from the job, then killed)
-   must not count, so the verdict is taken per node over the nodes still in the job (`verdict`).
+   code of a step, while the job's outcome is a rule over every node's code (`verdict`).
 2. Survives the pre-timeout signal and SIGTERM itself (no-op handlers): Slurm signals every
    process of a task, so the agent gets them directly; the wrapper only waits for it.
 3. Finishes the job when the batch script is gone. Measured on Slurm 22.05 with `--no-kill`: when
@@ -11,9 +13,14 @@
    the other nodes keep running (to them it is one more node loss), and once they exit the job
    would sit RUNNING, without a driver, until its time limit. So after its agent exits, the
    wrapper asks the controller whether the batch host is still in the job; if not, and every
-   surviving node has recorded its exit code, it takes the verdict itself: 75 -> `scontrol
-   requeue` (resume from the checkpoint), else `scancel` (sacct then shows CANCELLED; the truth
-   is in DIR/launch-TAG.json, written by this wrapper with finished_by=NODE).
+   surviving node has recorded its exit code, it takes the verdict itself, writes it to
+   DIR/launch-TAG.json (finished_by=NODE) and requeues the job (`scontrol requeue`): for 75 the
+   next run resumes from the checkpoint; for any other verdict the next run only publishes the
+   recorded outcome (`recorded_outcome`; the driver returns it, slurm/train.sbatch exits with it)
+   and asks for one node (`scontrol update NumNodes=1-1 NumTasks=1`). A new batch script is the only way a
+   user can end a Slurm job with its real exit code: `scancel` shows CANCELLED (an `afterok`
+   dependency never fires), and 22.05 has no command that completes a job. Measured on the local
+   cluster: RESIZING, then COMPLETED with ExitCode 0:0, the requeued run over in ~1 s once started.
 4. Points the training's per-step metrics at DIR/metrics.jsonl (OOBLECK_METRICS, unless the
    environment already names a file), as `oobleck-hpc run` does for a local job: the current
    plan's rank 0 appends one JSON line per committed step, on whichever node it runs.
@@ -31,26 +38,69 @@ import sys
 import time
 from pathlib import Path
 
+# oobleck_hpc.errors' exit codes (kept import-free: this wraps every agent)
 EXIT_OK = 0
-EXIT_REQUEUE = 75  # oobleck_hpc.errors.EXIT_REQUEUE (kept import-free: this wraps every agent)
+EXIT_BAD_INPUT = 2
+EXIT_UNRECOVERABLE = 3
+EXIT_REQUEUE = 75
 
 
-def verdict(roster: list[str], lost: list[str], codes: dict[str, int]) -> int:
-    """The job's outcome from its agents' exit codes, counting only nodes still in the job.
+def verdict(codes: dict[str, int], left: set[str] = frozenset()) -> int:
+    """The job's outcome from its agents' exit codes (node -> code; nodes that recorded none,
+    e.g. killed with their node, are absent), the same rule as the local launcher's:
 
-    Nodes the controller dropped (dead or hung, then fenced by Slurm) are ignored: the survivors
-    carried on without them. Among the rest: any agent asking for a requeue (75) -> 75; else any
-    agent that finished (0) -> 0, because an elastic job finishes on its final membership and an
-    agent that exited 3 had its node failed or fenced by the others along the way (the agents'
-    exit convention, oobleck_hpc/agent.py); else the first failure (1 when none was recorded).
+    0 if any node finished training, whoever was lost; else 2 if any node reported bad input;
+    else 75 (requeue) if any asked for one; else 3. A node in `left` exited 0 while the job went
+    on without it (a clean leave: the others agreed it away, `left_early`): it did not finish.
     """
-    survivors = [n for n in roster if n not in lost]
-    mine = [codes.get(n) for n in survivors]
-    if EXIT_REQUEUE in mine:
-        return EXIT_REQUEUE
-    if EXIT_OK in mine:
+    if any(code == EXIT_OK and node not in left for node, code in codes.items()):
         return EXIT_OK
-    return next((c for c in mine if c is not None), 1)
+    if EXIT_BAD_INPUT in codes.values():
+        return EXIT_BAD_INPUT
+    if EXIT_REQUEUE in codes.values():
+        return EXIT_REQUEUE
+    return EXIT_UNRECOVERABLE
+
+
+def left_early(run_dir: Path, since: float) -> set[str]:
+    """Nodes the others agreed away since `since` (Unix time: this run's start), from the run's
+    events (`agreement_reached`, written by every agent). An agent that exits 0 and is among
+    them left while the job went on; the last agents to finish are never agreed away."""
+    path = run_dir / "events.jsonl"
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return set()
+    left: set[str] = set()
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if event.get("kind") == "agreement_reached" and event.get("t", 0) >= since:
+            left.update(event.get("lost", []))
+    return left
+
+
+def run_verdict(run_dir: Path, tag: str, since: float) -> tuple[int, dict[str, int], set[str]]:
+    """(verdict, exit codes, nodes that left early) of the run `tag` that started at `since`."""
+    codes = read_codes(run_dir / "exit" / tag)
+    left = left_early(run_dir, since)
+    return verdict(codes, left), codes, left
+
+
+def recorded_outcome(run_dir: Path, job_id: str, restart: int) -> dict | None:
+    """The outcome the previous run of this job recorded when it ended without its batch script
+    (`finish_without_driver`), unless it asked to resume (75): then this run only publishes it."""
+    if restart < 1:
+        return None
+    try:
+        outcome = json.loads((run_dir / f"launch-{job_id}-r{restart - 1}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "finished_by" not in outcome or outcome.get("exit_code") == EXIT_REQUEUE:
+        return None
+    return outcome
 
 
 def read_codes(exit_dir: Path) -> dict[str, int]:
@@ -100,15 +150,15 @@ def _slurmd_alive(node: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def finish_without_driver(run_dir: Path, tag: str, node: str) -> None:
-    """If the batch host left the job and every survivor has exited, end the job (module doc)."""
+def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> None:
+    """If the batch host left the job and every survivor has exited, take the verdict and requeue
+    the job, to resume (75) or to end with the verdict (module docstring, point 3)."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return
     fields = _job_fields(job_id)
     current = _hostnames(fields.get("NodeList", "")) if fields.get("NodeList") else []
-    exit_dir = run_dir / "exit" / tag
-    codes = read_codes(exit_dir)
+    codes = read_codes(run_dir / "exit" / tag)
     # The controller drops a dead node only after SlurmdTimeout (~10 s here), and agents that
     # fall back (exit 75) right after a node loss are faster: a node whose slurmd refuses
     # connections is dead already, batch host included (else nobody would requeue the job).
@@ -120,18 +170,22 @@ def finish_without_driver(run_dir: Path, tag: str, node: str) -> None:
     roster = json.loads((run_dir / "roster.json").read_text())
     names = [n["name"] for n in roster["nodes"]]
     lost = [n for n in names if n not in current]
-    rc = verdict(names, lost, codes)
+    rc, codes, left = run_verdict(run_dir, tag, since)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     _write_atomic(run_dir / f"launch-{tag}.json", json.dumps({
         "job_id": job_id, "restart_count": restart, "nodes": names, "lost_nodes": lost,
-        "exit_code": rc, "codes": codes, "batch_host_lost": fields.get("BatchHost"),
-        "finished_by": node, "time": time.time()}, indent=1) + "\n")
+        "exit_code": rc, "codes": codes, "left_early": sorted(left),
+        "batch_host_lost": fields.get("BatchHost"), "finished_by": node,
+        "time": time.time()}, indent=1) + "\n")
     print(f"slurm_task {node}: batch host {fields.get('BatchHost')} is gone; survivors "
-          f"{current} exited {codes}: verdict {rc}", flush=True)
-    if rc == EXIT_REQUEUE:
-        subprocess.run(["scontrol", "requeue", job_id], timeout=60)
-    else:
-        subprocess.run(["scancel", job_id], timeout=60)
+          f"{current} exited {codes}: verdict {rc}; requeueing the job to "
+          f"{'resume' if rc == EXIT_REQUEUE else 'end with it'}", flush=True)
+    subprocess.run(["scontrol", "requeue", job_id], timeout=60)
+    if rc != EXIT_REQUEUE:
+        # One node is enough to publish the outcome. Best effort: should Slurm kill this
+        # process first (the requeue ends the job's steps), the next run asks for MIN-MAX nodes.
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=1-1", "NumTasks=1"],
+                       timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,17 +193,33 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--tag", required=True, help="JOBID-rRESTART")
+    parser.add_argument("--recorded", action="store_true",
+                        help="print the exit code recorded for this run to publish, if any")
+    parser.add_argument("--verdict-since", type=float, default=None, metavar="T",
+                        help="print the verdict over the agents of the run started at Unix time T")
     parser.add_argument("agent", nargs=argparse.REMAINDER, help="-- AGENT COMMAND...")
     args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if args.recorded:
+        job_id, _, restart = args.tag.rpartition("-r")
+        outcome = recorded_outcome(run_dir, job_id, int(restart))
+        if outcome is not None:
+            print(outcome["exit_code"])
+        return 0
+    if args.verdict_since is not None:
+        rc, codes, left = run_verdict(run_dir, args.tag, args.verdict_since)
+        print(f"oobleck: agents exited {codes}; left early {sorted(left)}", file=sys.stderr)
+        print(rc)
+        return 0
     agent = args.agent[1:] if args.agent[:1] == ["--"] else args.agent
     if not agent:
         parser.error("give the agent command after --")
     node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
-    run_dir = Path(args.run_dir)
     exit_dir = run_dir / "exit" / args.tag
     exit_dir.mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # the agent got it too (same task)
+    since = time.time()
     env = dict(os.environ)
     env.setdefault("OOBLECK_METRICS", str(run_dir / "metrics.jsonl"))
     child = subprocess.Popen(agent, env=env)
@@ -162,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 128 - rc if rc < 0 else rc
     _write_atomic(exit_dir / node, f"{rc}\n")
     try:
-        finish_without_driver(run_dir, args.tag, node)
+        finish_without_driver(run_dir, args.tag, node, since)
     except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
         print(f"slurm_task {node}: could not check the batch host ({e})", file=sys.stderr)
     return rc
