@@ -170,6 +170,8 @@ def main() -> int:
 
     # Who am I, and what is the job. The node agent started this process and owns its link.
     env = detect()
+    global _client
+    client = _client = AgentClient.from_env()  # first: bad input below is reported through it
     job = load_job(env.extra["job"])
     run_dir = Path(env.extra.get("run_dir") or job.resolved_run_dir)
     device = pick_device(job, env)
@@ -178,8 +180,6 @@ def main() -> int:
 
         torch.set_default_dtype(torch.float64)
     model = build_model(job.model, job.source)
-    global _client
-    client = _client = AgentClient.from_env()
     events = EventLog(run_dir / "events.jsonl", source=f"{env.node}/{env.local_rank}")
     faults = FaultInjector.for_node(job.faults, int(os.environ.get("OOBLECK_NODE_INDEX", "-1")),
                                     env.node, env.local_rank, events, client)
@@ -287,7 +287,7 @@ def entry() -> int:
         print(f"oobleck-hpc worker: error: {e}", file=sys.stderr, flush=True)
         if _client is not None:
             try:
-                _client.done(e.exit_code)
+                _client.done(e.exit_code, reason=str(e))
             except OobleckError:
                 pass
         return e.exit_code

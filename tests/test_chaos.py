@@ -105,9 +105,7 @@ def _covered(plan, lost: set[str]) -> bool:
 # plans of pipelines [2, 1], [3, 2], [2, 2, 2], [3, 2, 2], [5, 4] nodes (n0 = 1, 2, 2, 2, 3)
 @pytest.mark.parametrize("seed,memory,f,extra", [
     (4, 10**9, 1, 1), (1, 450_000, 1, 1), (2, 450_000, 1, 3), (0, 450_000, 1, 3),
-    pytest.param(2, 450_000, 2, 0, marks=pytest.mark.xfail(strict=True, reason=(
-        "planner hole: 6 nodes, f = 2, n0 = 2 get templates of size 2 only "
-        "(spec.node_specification), so 5 survivors of one loss have no plan")))])
+    (2, 450_000, 2, 0)])
 def test_expected_outcome_against_brute_force_on_the_plan(seed, memory, f, extra):
     profile, templates, plan = _plan(seed, memory, f, extra)
     n0, nodes = min(templates), list(plan.nodes)

@@ -191,7 +191,7 @@ class ElasticDriver:
         self.events.emit("rendezvous_failed", generation=gen, error=repr(error)[:300])
         if not isinstance(error, Superseded):
             self.client.report_failure("comm_error", f"start on generation {gen}: "
-                                       f"{error!r}"[:300])
+                                       f"{error!r}"[:300], gen=gen)
         self._teardown()
         return self._wait_membership(gen)
 
@@ -318,7 +318,8 @@ class ElasticDriver:
         suspects = [s for s in suspects if s != self.node]
         self.events.emit("step_failed", step=step, phase=phase, peer=peer, suspects=suspects,
                          error=why[:300], generation=self.gen)
-        self.client.report_failure("comm_error", f"step {step} {phase}: {why[:200]}", suspects)
+        self.client.report_failure("comm_error", f"step {step} {phase}: {why[:200]}", suspects,
+                                   gen=self.gen)
         if self.faults is not None:
             self.faults.on_failed_step(step)
         engine, self.engine = self.engine, None
@@ -425,7 +426,7 @@ class ElasticDriver:
                 # same base (module docstring).
                 self.events.emit("reconfiguration_failed", generation=m.gen, error=repr(e)[:300])
                 self.client.report_failure("comm_error", f"reconfiguration of generation "
-                                           f"{m.gen}: {e!r}"[:300])
+                                           f"{m.gen}: {e!r}"[:300], gen=m.gen)
                 self._teardown()
                 rec.rounds += 1
                 continue

@@ -21,8 +21,9 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
   dies (peers see dropped connections).
 - hang: SIGSTOP to the node's process group: everything stops and nothing is closed (peers see
   silence: lease expiry, collective timeouts). Whoever runs the test resumes or kills it.
-- exit: a clean exit: every worker of the node that reaches the fault (or whose step fails at the
-  fault's step) says `done(0)` to its agent and exits 0; the agent then leaves the job (BYE).
+- exit: a clean early exit: every worker of the node that reaches the fault (or whose step fails
+  at the fault's step) says `leave()` to its agent and exits 0; the agent leaves the job (BYE
+  "early") and its peers recover without the node, as from any other loss.
 - crash: SIGKILL to this worker process alone, on a live node: its agent sees a worker exit
   without "done" and fails the whole node (agent.py).
 
@@ -88,7 +89,7 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind == "exit":
             if self.client is not None:
-                self.client.done(0)
+                self.client.leave()
             os._exit(0)
         else:  # config validation admits only the three kinds above
             raise ValueError(f"unknown fault kind {f.kind!r}")
