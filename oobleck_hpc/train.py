@@ -235,6 +235,7 @@ def main() -> int:
         # survivors could not prove a quorum (exit_code 75) falls back too; one excluded by its
         # peers (they go on without it) just stops.
         if e.exit_code != EXIT_REQUEUE:
+            code = None  # entry() reports it
             raise
         code = (ckpt or Resume.unstarted(job, run_dir, device)).fallback(e)
         return code
