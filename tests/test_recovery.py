@@ -172,7 +172,7 @@ def test_guarantee_exceeded_raises_at_once():
         node, local_rank = "node0", 0
         reports: list = []
 
-        def report_failure(self, kind, detail="", suspects=()):
+        def report_failure(self, kind, detail="", suspects=(), gen=None):
             self.reports.append((kind, list(suspects)))
 
         def wait_membership(self, after_gen=-1, timeout=None):

@@ -287,7 +287,7 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
 
 
 def test_restart_count_takes_the_largest_source(monkeypatch):
-    from oobleck_hpc.resume import _parse_test_exceed, restart_count
+    from oobleck_hpc.resume import restart_count
 
     for key in ("SLURM_RESTART_COUNT", "OOBLECK_REQUEUE_COUNT", "OOBLECK_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)
@@ -297,7 +297,6 @@ def test_restart_count_takes_the_largest_source(monkeypatch):
     assert restart_count() == 2
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     assert restart_count() == 3
-    assert _parse_test_exceed("5:node3,node1") == (5, ["node3", "node1"])
     assert _parse_test_exceed(None) is None
     with pytest.raises(ValueError, match="STEP:NODE"):
         _parse_test_exceed("x:node1")
