@@ -297,6 +297,4 @@ def test_restart_count_takes_the_largest_source(monkeypatch):
     assert restart_count() == 2
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     assert restart_count() == 3
-    assert _parse_test_exceed(None) is None
     with pytest.raises(ValueError, match="STEP:NODE"):
-        _parse_test_exceed("x:node1")
