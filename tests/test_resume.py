@@ -297,4 +297,3 @@ def test_restart_count_takes_the_largest_source(monkeypatch):
     assert restart_count() == 2
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     assert restart_count() == 3
-    with pytest.raises(ValueError, match="STEP:NODE"):
