@@ -38,7 +38,7 @@ from typing import Any
 
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.elastic.local import _state
-from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
+from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
 @dataclass
@@ -125,11 +125,9 @@ def job_exit_code(codes: dict[str, int | None]) -> int:
     """The job's exit code from its agents' (module docstring): 0 if any node finished, else 2
     if any reported bad input, else 75 if any asked for a requeue, else 3. None (still running
     when the job ended: killed) and signals count as lost nodes."""
-    seen = set(codes.values())
-    for code in (EXIT_OK, EXIT_BAD_INPUT, EXIT_REQUEUE):
-        if code in seen:
-            return code
-    return EXIT_UNRECOVERABLE
+    from oobleck_hpc.launch.slurm_task import verdict  # one rule for both launchers
+
+    return verdict({node: code for node, code in codes.items() if code is not None})
 
 
 def bad_input_message(run_dir: Path, since: float = 0.0) -> str:
