@@ -37,4 +37,30 @@ def slurm_cluster() -> Iterator[Path]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # Idempotent: restarts a slurmd that a test killed and waits for all nodes to be usable.
         subprocess.run([str(DEV_CLUSTER), "up"], check=True, timeout=120, capture_output=True)
+        _quiet_cluster()
         yield DEV_CLUSTER
+
+
+def _quiet_cluster(timeout_s: float = 60.0) -> None:
+    """No job of an earlier test left (e.g. the one-node run that publishes a lost batch
+    node's outcome) and every node idle, so that the next test's job starts at once on all of
+    them. The cluster belongs to the tests (under the lock above): what an earlier test left
+    behind is cancelled by job id."""
+    import time
+
+    def queue() -> list[str]:
+        return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,
+                              timeout=30).stdout.split()
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        jobs = queue()
+        states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True,
+                                text=True, timeout=30).stdout.split()
+        if not jobs and states and all(s == "idle" for s in states):
+            return
+        if jobs and time.monotonic() > deadline - timeout_s / 2:
+            subprocess.run(["scancel", *jobs], timeout=30)
+        time.sleep(0.5)
+    pytest.fail(f"the local Slurm cluster did not become idle within {timeout_s:.0f} s "
+                f"(jobs {queue()})")

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         run_dir = job.resolved_run_dir.absolute()
         print(json.dumps({
-            "sbatch": slurm.sbatch_parameters(job, slurm.job_min_nodes(job)),
+            "sbatch": slurm.sbatch_parameters(job),
             "agent": slurm.agent_argv(job.slurm.agent_command, python=sys.executable,
                                       job_file=run_dir / "job.yaml", run_dir=run_dir),
         }, indent=1))

@@ -24,7 +24,12 @@ Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py)
   apart. Losing the batch node does NOT end a --no-kill job (measured): the agents elsewhere go on
   and the last one to exit records the verdict and requeues the job; its next run only publishes
   the recorded outcome (slurm_task.finish_without_driver): COMPLETED, with submitit's result.
-- `--nodes=MIN-MAX` (MIN = `min_nodes`, (f + 1) * n0): a requeued job starts on fewer nodes.
+- `--nodes=N` (cluster.nodes), not MIN-MAX: with `--nodes=2-4 --ntasks-per-node=1` Slurm 22.05
+  started every job on 2 nodes of an idle 4-node cluster (measured). MIN = `min_nodes`,
+  (f + 1) * n0, bounds the discovery step instead: nodes that cannot run a step are left out
+  while at least MIN remain. A requeued job asks for N again (it waits for a DOWN node); a
+  pending job can be shrunk from outside (`scontrol update JobId=J NumNodes=K NumTasks=K`,
+  measured to work only once the job is PENDING, so not from inside the job being requeued).
 - `--signal=USR2@90` (slurm.signal / slurm.signal_delay_s): sent to every agent before the time
   limit so that they checkpoint and ask to be requeued (exit 75); not to the batch script.
 - submitit's SlurmExecutor is chosen explicitly: once slurm-wlm is installed `srun` is on PATH
@@ -233,8 +238,8 @@ class _DriverExecutor(submitit.SlurmExecutor):
 
 def min_nodes(job: JobConfig) -> int:
     """The fewest nodes the job's plan accepts: (f + 1) * n0 (n0 from the planner's node
-    specification of the job's profile). A requeued job asks Slurm for MIN-MAX nodes with
-    MIN = this, so that it starts again while some of its nodes are down. Raises the planner's
+    specification of the job's profile). The discovery step leaves out nodes that cannot run
+    a step as long as this many remain; below it the job is requeued. Raises the planner's
     or the profile's error (exit 2) when the job has no plan at all."""
     from oobleck_hpc.planning import cost
     from oobleck_hpc.planning.spec import node_specification
@@ -245,15 +250,12 @@ def min_nodes(job: JobConfig) -> int:
     return (job.fault_tolerance.f + 1) * spec.n0
 
 
-def sbatch_parameters(job: JobConfig, fewest_nodes: int | None = None) -> dict:
-    """The submitit parameters of a job (also what `oobleck-hpc submit --dry-run` prints).
-    `fewest_nodes` (default: cluster.nodes) < cluster.nodes asks for --nodes=MIN-MAX."""
+def sbatch_parameters(job: JobConfig) -> dict:
+    """The submitit parameters of a job (also what `oobleck-hpc submit --dry-run` prints)."""
     s = job.slurm
-    fewest = fewest_nodes or job.cluster.nodes
     params: dict = {
         "job_name": job.name,
-        "nodes": job.cluster.nodes if fewest >= job.cluster.nodes
-        else f"{fewest}-{job.cluster.nodes}",
+        "nodes": job.cluster.nodes,
         "time": s.time_min,
         "signal_delay_s": s.signal_delay_s,
         "use_srun": False,
@@ -291,7 +293,7 @@ def submit(job: JobConfig, *, python: str | None = None) -> submitit.Job:
     _write_job(job_file, job, run_dir)
     fewest = job_min_nodes(job)
     executor = _DriverExecutor(folder=run_dir / "submitit", python=shlex.quote(python))
-    executor.update_parameters(**sbatch_parameters(job, fewest))
+    executor.update_parameters(**sbatch_parameters(job))
     driver = SlurmDriver(job_file=str(job_file), run_dir=str(run_dir),
                          agent=agent_argv(job.slurm.agent_command, python=python,
                                           job_file=job_file, run_dir=run_dir),

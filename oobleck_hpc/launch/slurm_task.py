@@ -183,7 +183,7 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
     subprocess.run(["scontrol", "requeue", job_id], timeout=60)
     if rc != EXIT_REQUEUE:
         # One node is enough to publish the outcome. Best effort: should Slurm kill this
-        # process first (the requeue ends the job's steps), the next run asks for MIN-MAX nodes.
+        # process first (the requeue ends the job's steps), the next run asks for all its nodes.
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=1-1", "NumTasks=1"],
                        timeout=60)
 
