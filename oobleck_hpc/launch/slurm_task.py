@@ -17,7 +17,9 @@ of the run's agents that started after Unix time T (`run_verdict`).
    DIR/launch-TAG.json (finished_by=NODE) and requeues the job (`scontrol requeue`): for 75 the
    next run resumes from the checkpoint; for any other verdict the next run only publishes the
    recorded outcome (`recorded_outcome`; the driver returns it, slurm/train.sbatch exits with it)
-   and asks for one node (`scontrol update NumNodes=1-1 NumTasks=1`). A new batch script is the only way a
+   and asks for one node (`shrink_when_pending`: a detached helper runs `scontrol update
+   NumNodes=1 NumTasks=1` once the job is PENDING, the only state that takes it). A new batch
+   script is the only way a
    user can end a Slurm job with its real exit code: `scancel` shows CANCELLED (an `afterok`
    dependency never fires), and 22.05 has no command that completes a job. Measured on the local
    cluster: RESIZING, then COMPLETED with ExitCode 0:0, the requeued run over in ~1 s once started.
@@ -180,12 +182,29 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
     print(f"slurm_task {node}: batch host {fields.get('BatchHost')} is gone; survivors "
           f"{current} exited {codes}: verdict {rc}; requeueing the job to "
           f"{'resume' if rc == EXIT_REQUEUE else 'end with it'}", flush=True)
-    subprocess.run(["scontrol", "requeue", job_id], timeout=60)
     if rc != EXIT_REQUEUE:
-        # One node is enough to publish the outcome. Best effort: should Slurm kill this
-        # process first (the requeue ends the job's steps), the next run asks for all its nodes.
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=1-1", "NumTasks=1"],
-                       timeout=60)
+        # One node is enough to publish the outcome, and the lost batch host may never come
+        # back. Slurm takes a new node count only once the requeued job is PENDING (measured),
+        # when this process is gone: a detached helper (double fork, outside the step's process
+        # tree) waits for that. Best effort: where Slurm tracks the job's processes by cgroup it
+        # dies with the step, and the publishing run asks for all the job's nodes.
+        subprocess.run(["sh", "-c", f'"$0" -m oobleck_hpc.launch.slurm_task --run-dir '
+                        f'"$1" --tag "$2" --shrink-when-pending >/dev/null 2>&1 </dev/null &',
+                        sys.executable, str(run_dir), tag], timeout=30)
+    subprocess.run(["scontrol", "requeue", job_id], timeout=60)
+
+
+def shrink_when_pending(job_id: str, timeout_s: float = 300.0) -> bool:
+    """Wait until the requeued job `job_id` is PENDING, then make it ask for one node (to
+    publish its recorded outcome). True when the update was taken."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _job_fields(job_id).get("JobState") == "PENDING":
+            done = subprocess.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=1",
+                                   "NumTasks=1"], capture_output=True, timeout=60)
+            return done.returncode == 0
+        time.sleep(0.5)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the exit code recorded for this run to publish, if any")
     parser.add_argument("--verdict-since", type=float, default=None, metavar="T",
                         help="print the verdict over the agents of the run started at Unix time T")
+    parser.add_argument("--shrink-when-pending", action="store_true",
+                        help="(internal) once the requeued job is pending, ask for one node")
     parser.add_argument("agent", nargs=argparse.REMAINDER, help="-- AGENT COMMAND...")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
+    if args.shrink_when_pending:
+        return 0 if shrink_when_pending(args.tag.rpartition("-r")[0]) else 1
     if args.recorded:
         job_id, _, restart = args.tag.rpartition("-r")
         outcome = recorded_outcome(run_dir, job_id, int(restart))
