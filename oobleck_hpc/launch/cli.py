@@ -149,6 +149,9 @@ def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir
             job_path = Path(name)
         return launch_local(this, job_path, metrics=metrics, run_dir=run_dir)
 
+    from oobleck_hpc.launch.slurm import min_nodes
+
     code, _ = run_with_requeue(launch, nodes=job.cluster.nodes, run_dir=run_dir,
-                               max_requeues=args.max_requeues, metrics=metrics)
+                               max_requeues=args.max_requeues, metrics=metrics,
+                               min_nodes=min_nodes(job))
     return code

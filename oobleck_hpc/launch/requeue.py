@@ -94,9 +94,13 @@ def _read_record(run_dir: Path) -> dict | None:
 
 def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: str | Path,
                      max_requeues: int = 3, metrics: str | Path | None = None,
-                     log: Callable[[str], None] = _log) -> tuple[int, list[Attempt]]:
+                     log: Callable[[str], None] = _log,
+                     min_nodes: int = 1) -> tuple[int, list[Attempt]]:
     """Run `launch(attempt)` until it returns something other than 75, at most
-    `max_requeues` + 1 times. Returns (the last exit code, the attempts)."""
+    `max_requeues` + 1 times. Returns (the last exit code, the attempts). A requeue runs on
+    the nodes left alive, but never on fewer than `min_nodes` (the fewest the job's plan
+    accepts, (f + 1) * n0: below it the planner would refuse the job -- as a requeued Slurm job
+    gets the nodes it asks for, a local one gets that many pretend nodes)."""
     if max_requeues < 0:
         raise ValueError(f"max_requeues={max_requeues}: use 0 to never requeue")
     run_dir = Path(run_dir)
@@ -129,7 +133,7 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
             attempt.reason = str(record.get("reason") or "exit 75")
             alive = record.get("nodes")
             if alive:
-                nodes = len(alive)
+                nodes = max(len(alive), min_nodes)
             if index == max_requeues:
                 break
             log(f"attempt {index} exited 75 after {attempt.seconds:.1f} s ({attempt.reason}); "
