@@ -121,13 +121,11 @@ def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) ->
     job.write_text(yaml.safe_dump(job_dict(run_dir, nodes, steps, work / f"ckpt-{mode}",
                                            every_steps=3)))
     metrics = run_dir / "metrics.jsonl"
+    # The hog runs from the start: the whole job (and its recovery) competes for every core.
+    hog = cpu_hog(os.cpu_count() or 2) if mode == "kill_under_hog" else []
     proc = start(job, run_dir, metrics, work / f"oobleck-{mode}.log")
-    hog: list[subprocess.Popen] = []
     try:
         wait_steps(metrics, kill_at, proc, 300)
-        if mode == "kill_under_hog":
-            hog = cpu_hog(os.cpu_count() or 2)
-            time.sleep(1.0)  # the hog is running before the fault
         sig = signal.SIGSTOP if mode == "hang" else signal.SIGKILL
         t_kill = kill_node(run_dir, "node1", sig)
         rows = wait_steps(metrics, kill_at + 2, proc, 120)
@@ -197,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kill-at", type=int, default=4, help="committed steps before the kill")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     a = p.parse_args(argv)
     if a.nodes < 4:
