@@ -15,7 +15,7 @@
                                   prints the nodes it ran on; exit 75 with fewer than K left
     run-dir JOB.yaml              print the job's run directory (for slurm/train.sbatch)
     min-nodes JOB.yaml            print the fewest nodes the job's plan accepts, (f + 1) * n0
-                                  (for sbatch --nodes=MIN-MAX)
+                                  (discover-step's --min-nodes)
 """
 
 from __future__ import annotations
