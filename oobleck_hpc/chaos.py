@@ -142,8 +142,21 @@ def layers_kept(plan, lost: set[str]) -> bool:
     return len(kept) == plan.num_layers
 
 
-def expected_outcome(faults: Sequence[FaultConfig], plan, templates, profile, f: int) -> str:
-    """'in_place' or 'fallback' for `faults` on the job's initial `plan` (module docstring)."""
+def has_quorum(view: Sequence[str], survivors: Sequence[str], quorum: str) -> bool:
+    """The membership rule (elastic/membership.py): with "majority", more than half of the
+    view, or exactly half including its first node, may go on; otherwise everyone falls back."""
+    if quorum == "none":
+        return bool(survivors)
+    return (2 * len(survivors) > len(view)
+            or (2 * len(survivors) == len(view) and view[0] in survivors))
+
+
+def expected_outcome(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
+                     quorum: str = "majority") -> str:
+    """'in_place' or 'fallback' for `faults` on the job's initial `plan` (module docstring).
+    The faults of one episode are lost in one membership round (a hung node is waited for
+    until its lease expires, so it joins the round of a kill at the same moment): the
+    survivors must hold the quorum of the view before it."""
     from oobleck_hpc.errors import GuaranteeExceeded
     from oobleck_hpc.planning.reconfigure import reconfigure
 
@@ -152,7 +165,9 @@ def expected_outcome(faults: Sequence[FaultConfig], plan, templates, profile, f:
         lost = {f"node{x.node}" for x in group} & set(plan.nodes)
         if not lost:
             continue
-        if not layers_kept(plan, lost) or len(plan.nodes) - len(lost) < n0:
+        survivors = [n for n in plan.nodes if n not in lost]
+        if (not layers_kept(plan, lost) or len(survivors) < n0
+                or not has_quorum(plan.nodes, survivors, quorum)):
             return "fallback"
         try:
             plan = reconfigure(plan, lost, templates, profile, f)
@@ -293,7 +308,7 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
              for e in events if e.get("kind") == "fault_injected"}
     trial.fired = [x for x in trial.faults if (f"node{x.node}", x.step, x.phase, x.kind) in fired]
     trial.expected = expected_outcome(trial.fired, plan, templates, profile,
-                                      base.fault_tolerance.f)
+                                      base.fault_tolerance.f, base.fault_tolerance.quorum)
     trial.requeues = len(_REQUEUED.findall((trial_dir / "out.log").read_text(errors="replace")))
     if trial.exit is None:
         trial.outcome = "hung"

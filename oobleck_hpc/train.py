@@ -40,7 +40,8 @@ class Progress:
     0 (`active`: it changes when a node is lost) writes and prints. The metrics file holds every
     step committed by this run exactly once, whoever dies: a rank that becomes the writer first
     reads the last step the file has, then writes the steps after it that it kept (the previous
-    writer may have died between committing a step and writing it). A requeued run starts a
+    writer may have died between committing a step and writing it), all under a lock on the
+    file, and every rank does the same after the last step. A requeued run starts a
     fresh file (launch/requeue.py keeps the earlier attempts' lines) and records the steps it
     replays after its checkpoint."""
 
@@ -53,7 +54,7 @@ class Progress:
     samples: int = 0
     seconds: float = 0.0
     _rows: deque = field(default_factory=lambda: deque(maxlen=KEEP_ROWS))
-    _written: int = -1
+    _printed: int = -1
 
     def __post_init__(self) -> None:
         if self.metrics is not None:
@@ -68,26 +69,15 @@ class Progress:
             self._rows.append({"step": r.step, "loss": r.loss, "samples": r.samples,
                                "seconds": r.seconds, "grad_norm": r.grad_norm, "lr": r.lr,
                                "plan": plan_id, "generation": generation, "time": time.time()})
-        if active and not self.active:
-            self._written = _last_step(self.metrics)
-            if self.metrics is not None and self.metrics.exists():
-                with open(self.metrics, "rb+") as f:  # a writer killed mid-line: end its line
-                    if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
-                        f.write(b"\n")
-            if self.bar is None and sys.stdout.isatty():
-                from tqdm import tqdm
+        if active and not self.active and self.bar is None and sys.stdout.isatty():
+            from tqdm import tqdm
 
-                self.bar = tqdm(total=self.total, initial=self._written + 1, unit="step",
-                                dynamic_ncols=True)
+            self.bar = tqdm(total=self.total, initial=len(self.losses) - len(results),
+                            unit="step", dynamic_ncols=True)
         self.active = active
         if not active:
             return
-        new = [row for row in self._rows if row["step"] > self._written]
-        if new and self.metrics is not None:
-            with open(self.metrics, "a") as f:
-                f.write("".join(json.dumps(row) + "\n" for row in new))
-        for row in new:
-            self._written = row["step"]
+        for row in self._append_missing():
             if self.bar is not None:
                 self.bar.update(1)
                 self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
@@ -95,23 +85,70 @@ class Progress:
                 print(f"step {row['step'] + 1}/{self.total}  loss {row['loss']:.4f}  "
                       f"{row['samples'] / max(row['seconds'], 1e-9):.1f} samples/s", flush=True)
 
-    def close(self) -> None:
+    def finish(self) -> None:
+        """Every rank, after the last step: write what the file lacks (the writer may have died
+        after the last commit, before writing it)."""
+        self._append_missing()
         if self.bar is not None:
             self.bar.close()
+
+    def _append_missing(self) -> list[dict]:
+        """Under an exclusive lock on the file: append the kept steps after the last one it
+        records (a torn last line, from a writer killed mid-write, is ended first). Returns
+        the rows written (without a file: the rows not reported yet)."""
+        if self.metrics is None:
+            new = [row for row in self._rows if row["step"] > self._printed]
+        else:
+            with open(self.metrics, "a+b") as f:
+                _lock(f, LOCK_WAIT_S)
+                end = f.seek(0, os.SEEK_END)
+                f.seek(max(0, end - TAIL_BYTES))
+                tail = f.read()
+                if tail and not tail.endswith(b"\n"):
+                    f.write(b"\n")
+                last = _last_step_in(tail)
+                new = [row for row in self._rows if row["step"] > last]
+                f.write("".join(json.dumps(row) + "\n" for row in new).encode())
+        if new:
+            self._printed = new[-1]["step"]
+        return new
+
+
+TAIL_BYTES = 8192
+"""How much of the metrics file's end is read to find the last step it records."""
+
+
+LOCK_WAIT_S = 5.0
+"""Longest wait for the metrics file's lock: a writer frozen (SIGSTOP) while holding it must
+not stop the others; after that they write without it."""
+
+
+def _lock(f, wait_s: float) -> None:
+    import fcntl
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
+
+def _last_step_in(tail: bytes) -> int:
+    """The step of the last complete JSON line in `tail` (-1: none)."""
+    for line in reversed(tail.split(b"\n")):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return -1
 
 
 KEEP_ROWS = 1000
 """Committed steps a rank keeps for the metrics file in case it becomes the writer."""
-
-
-def _last_step(metrics: Path | None) -> int:
-    """The last step the metrics file records (-1: none, or no file)."""
-    from oobleck_hpc.elastic.events import read_jsonl
-
-    if metrics is None or not metrics.exists():
-        return -1
-    return max((int(row["step"]) for row in read_jsonl(str(metrics)) if "step" in row),
-               default=-1)
 
 
 def describe_plan(plan) -> str:
@@ -225,7 +262,7 @@ def main() -> int:
         ckpt.finish(driver.engine)
         wall = time.perf_counter() - t0
         save_final_state(driver, job, run_dir)
-        progress.close()
+        progress.finish()
         if driver.rank == 0:
             print(summary(job, driver.plan, progress, wall, run_dir, driver.recoveries),
                   flush=True)
@@ -249,18 +286,19 @@ def main() -> int:
 
 
 def save_final_state(driver, job, run_dir: Path) -> None:
-    """With `train.save_final_params` (tests, `oobleck-hpc chaos`): the lowest holder of each
-    layer writes its final parameters to RUN_DIR/final/layer-<i>.pt, to compare with a
-    failure-free reference."""
+    """With `train.save_final_params` (tests, `oobleck-hpc chaos`): each layer's final
+    parameters land in RUN_DIR/final/layer-<i>.pt, to compare with a failure-free reference.
+    Every holder of a layer writes it unless it is there already (replicas are equal after a
+    committed step): a holder that died after the last commit leaves no layer missing."""
     if not job.train.save_final_params:
         return
     import torch
 
     out = run_dir / "final"
     out.mkdir(parents=True, exist_ok=True)
-    engine, plan, rank = driver.engine, driver.plan, driver.rank
+    engine, rank = driver.engine, driver.rank
     for layer, module in engine.layers.items():
-        if plan.layer_owners(layer)[0] == rank:
+        if not (out / f"layer-{layer}.pt").exists():
             state = {n: p.detach().cpu() for n, p in module.named_parameters()}
             tmp = out / f".layer-{layer}.pt.{rank}"
             torch.save(state, tmp)

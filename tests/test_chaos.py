@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from oobleck_hpc.chaos import (KINDS, PHASES, RECOVERY_PHASES, START_PHASES, STEP_PHASES,
-                               draw_campaign, episodes, expected_outcome, trial_job)
+                               draw_campaign, episodes, expected_outcome, has_quorum, trial_job)
 from oobleck_hpc.config import FaultConfig, job_from_dict
 from oobleck_hpc.errors import GuaranteeExceeded
 from oobleck_hpc.planning.instantiate import instantiate
@@ -114,7 +114,7 @@ def test_expected_outcome_against_brute_force_on_the_plan(seed, memory, f, extra
         for lost in itertools.combinations(range(len(nodes)), k):
             names = {f"node{i}" for i in lost}
             faults = [FaultConfig(i, 2, "backward", "kill") for i in lost]
-            got = expected_outcome(faults, plan, templates, profile, f)
+            got = expected_outcome(faults, plan, templates, profile, f, quorum="none")
             outcomes[got] += 1
             if k <= f:
                 assert got == "in_place", (lost, plan)  # the guarantee
@@ -127,6 +127,23 @@ def test_expected_outcome_against_brute_force_on_the_plan(seed, memory, f, extra
                 except GuaranteeExceeded:
                     assert got == "fallback", (lost, plan)
     assert outcomes["in_place"] and outcomes["fallback"]
+
+
+def test_expected_outcome_falls_back_without_a_quorum():
+    """Losing half of the view or more at once (the first node among them) leaves no majority:
+    the survivors fall back although every layer kept a replica; one by one they go on."""
+    profile, templates, plan = _plan(0, 10**9, 1, 3)
+    nodes = list(plan.nodes)
+    half = [FaultConfig(i, 2, "backward", "kill") for i in range(len(nodes) // 2 + 1)]
+    assert _covered(plan, {f"node{x.node}" for x in half})
+    assert expected_outcome(half, plan, templates, profile, 1) == "fallback"
+    assert expected_outcome(half, plan, templates, profile, 1, quorum="none") == "in_place"
+    n = len(nodes)
+    assert has_quorum(nodes, nodes[:n // 2 + 1], "majority")
+    assert not has_quorum(nodes, nodes[n // 2 + 1:], "majority")
+    if n % 2 == 0:  # exactly half: only with the view's first node
+        assert has_quorum(nodes, nodes[:n // 2], "majority")
+        assert not has_quorum(nodes, nodes[n // 2:], "majority")
 
 
 def test_expected_outcome_follows_the_plan_across_recoveries():
@@ -143,7 +160,7 @@ def test_expected_outcome_follows_the_plan_across_recoveries():
         except GuaranteeExceeded:
             expected = "fallback"
             break
-    assert expected_outcome(one_by_one, plan, templates, profile, 1) == expected
+    assert expected_outcome(one_by_one, plan, templates, profile, 1, quorum="none") == expected
 
 
 def test_trial_job_is_fp64_with_its_own_dirs_and_faults(tmp_path):
