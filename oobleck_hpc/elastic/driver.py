@@ -86,6 +86,9 @@ if TYPE_CHECKING:
 
 MAX_RETRIES = 3
 """Consecutive in-place retries of a step with no node lost before the checkpoint fallback."""
+MAX_ROUNDS = 6
+"""Failed reconfiguration rounds of one recovery before the checkpoint fallback (each bounded
+by the agreement timeout): a recovery never loops for ever."""
 
 
 class RecoveryError(OobleckError):
@@ -429,6 +432,10 @@ class ElasticDriver:
                                            f"{m.gen}: {e!r}"[:300], gen=m.gen)
                 self._teardown()
                 rec.rounds += 1
+                if rec.rounds > MAX_ROUNDS:
+                    raise RecoveryError(
+                        f"the recovery from step {rec.step} failed {rec.rounds} rounds (last: "
+                        f"{e!r}); falling back to the last checkpoint") from e
                 continue
             rec.lost = tuple(sorted(set(rec.lost) | set(lost)))
             rec.generation, rec.plan = m.gen, new_plan.digest()
