@@ -86,7 +86,7 @@ if TYPE_CHECKING:
 
 MAX_RETRIES = 3
 """Consecutive in-place retries of a step with no node lost before the checkpoint fallback."""
-MAX_ROUNDS = 6
+MAX_ROUNDS = 3
 """Failed reconfiguration rounds of one recovery before the checkpoint fallback (each bounded
 by the agreement timeout): a recovery never loops for ever."""
 
