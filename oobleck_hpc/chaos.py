@@ -308,7 +308,7 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
              for e in events if e.get("kind") == "fault_injected"}
     trial.fired = [x for x in trial.faults if (f"node{x.node}", x.step, x.phase, x.kind) in fired]
     trial.expected = expected_outcome(trial.fired, plan, templates, profile,
-                                      base.fault_tolerance.f, base.fault_tolerance.quorum)
+                                      base.fault_tolerance.f)  # the agents' default quorum
     trial.requeues = len(_REQUEUED.findall((trial_dir / "out.log").read_text(errors="replace")))
     if trial.exit is None:
         trial.outcome = "hung"
