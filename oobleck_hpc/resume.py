@@ -196,11 +196,14 @@ class Resume:
         """This rank's say in the next step's commit vote (elastic/driver.py): [a save due by
         the clock after that step, a stop signal seen]. The vote's elementwise max makes both
         decisions common to every rank at no cost of its own."""
+        return [float(self._clock_due(engine.state.step + 1)), float(bool(self.stop))]
+
+    def _clock_due(self, step: int) -> bool:
+        """A save after `step` steps that only the clock (`every_minutes`) asks for: ranks
+        must agree on it; `every_steps` is the same rule everywhere."""
         cp = self.checkpointer
-        next_step = engine.state.step + 1
-        clock_due = (cp is not None and cp.due(next_step)
-                     and not (cp.every_steps and next_step % cp.every_steps == 0))
-        return [float(clock_due), float(bool(self.stop))]
+        return (cp is not None and cp.due(step)
+                and not (cp.every_steps and step % cp.every_steps == 0))
 
     def after_step(self, engine: Engine, agreed: list[float] | None = None) -> int | None:
         """Call after every committed step with the vote's agreed ballot (`ballot`). Saves when
@@ -214,8 +217,7 @@ class Resume:
         cp = self.checkpointer
         due = cp is not None and bool(cp.every_steps) and step % cp.every_steps == 0
         if agreed is None:
-            clock_due = cp is not None and cp.due(step) and not due
-            stop = bool(self.stop)
+            clock_due, stop = self._clock_due(step), bool(self.stop)
         else:
             clock_due, stop = bool(agreed[0]), bool(agreed[1])
         if stop:

@@ -38,10 +38,10 @@ class Progress:
     `log_every` steps otherwise, and one JSON line per committed step in the metrics file. Every
     rank records its committed steps (the same values everywhere); only the current plan's rank
     0 (`active`: it changes when a node is lost) writes and prints. The metrics file holds every
-    step committed by this run exactly once, whoever dies: a rank that becomes the writer first
-    reads the last step the file has, then writes the steps after it that it kept (the previous
-    writer may have died between committing a step and writing it), all under a lock on the
-    file, and every rank does the same after the last step. A requeued run starts a
+    step committed by this run exactly once, whoever dies: the writer appends, under a lock on
+    the file, the steps it kept after the last one the file's tail records (the previous writer
+    may have died between committing a step and writing it), and every rank does the same after
+    the last step. A requeued run starts a
     fresh file (launch/requeue.py keeps the earlier attempts' lines) and records the steps it
     replays after its checkpoint."""
 
