@@ -24,13 +24,18 @@ enough nodes) f+1..N-1: beyond the guarantee (one node always survives). After t
 "simultaneous" (same step and phase), "during recovery" (phase reconfiguration or transfer at
 the step of an earlier fault) or "later" (a later step, after a first recovery).
 
-Expected outcome (`expected_outcome`): the faults that fired (the run's `fault_injected`
-events; a drawn fault whose phase the code does not fire is reported, not counted) grouped into
-recovery episodes (same step; start phases before step 0; checkpoint after its step). Per
-episode, on the plan of the moment (initial: `planning.plan_job`; next: `planning.reconfigure`):
-in place when every layer keeps a holder on a surviving node and at least n0 nodes survive,
-else fallback (and the rest of the set never fires: a requeued job runs without faults). Every
-fault counts as the loss of its node, `crash` included (its worker's state is gone).
+Expected outcome (`expected_outcomes`): the faults that fired (the run's `fault_injected`
+events; a drawn fault whose phase the code does not fire is reported, not counted), each the loss
+of its node (`crash` included: its worker's state is gone), taken in membership rounds in time
+order (`round_orders`): a step's own failures, then one round per recovery phase a further node
+dies in, then a node lost after the step's commit, noticed while the next step runs; a node lost
+after the last commit needs no recovery at all. Each round must keep the quorum of the view
+before it (`has_quorum`, the agents' rule), and the recovery, from the plan of the last commit,
+must find every layer on a survivor, at least n0 survivors and a plan (`planning.reconfigure`):
+then in place, else fallback (and the rest of the set never fires: a requeued job runs without
+faults). Where timing decides (did a vote complete before its node died; is a node lost after a
+commit agreed away alone or with the next step's failures) every way is computed, and any of
+their outcomes is expected.
 
 Observed outcome: in_place (exit 0, no requeue, params equal), fallback (a requeue happened,
 exit 0, params equal), wrong_state (exit 0, params differ or missing), dead_end (exit != 0),
@@ -40,7 +45,9 @@ hung (past the wall bound). Exit code: 0 when every trial ended as expected, els
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import random
 import re
@@ -64,6 +71,8 @@ RECOVERY_PHASES = ("reconfiguration", "transfer")
 """Fire only while the survivors recover from an earlier fault at the same step."""
 AFTER_STEP_PHASES = ("checkpoint",)
 """Fire after the step committed (inside the periodic save)."""
+AFTER_VOTE_PHASES = ("optimizer", "commit")
+"""Fire after the commit vote completed: the step commits on every other node."""
 STEP_PHASES = tuple(p for p in PHASES
                     if p not in START_PHASES + RECOVERY_PHASES + AFTER_STEP_PHASES)
 OUTCOMES = ("in_place", "fallback", "wrong_state", "dead_end", "hung")
@@ -114,25 +123,50 @@ def draw_campaign(seed: int, trials: int, nodes: int, steps: int, f: int,
             for i in range(trials)]
 
 
-def episodes(faults: Sequence[FaultConfig]) -> list[list[FaultConfig]]:
-    """The faults grouped by the recovery they trigger, in time order: start phases first, then
-    per step the step's faults with those during its recovery, then its checkpoint's. A recovery
-    phase fault with no other fault at its step would never fire and is left out."""
-    def key(x: FaultConfig) -> tuple[int, int]:
-        if x.phase in START_PHASES:
-            return (-1, 0)
-        return (x.step, 1 if x.phase in AFTER_STEP_PHASES else 0)
+def positions(x: FaultConfig, steps: int | None = None) -> tuple[float | None, ...]:
+    """Where the survivors may notice the loss of a fired fault's node, in step units (module
+    docstring, "Expected outcome"); None: nobody needs to (after the last commit of a run of
+    `steps` steps). Step s fails at s; its recovery rounds are at s + 0.1 (reconfiguration) and
+    s + 0.2 (transfer); it commits at s + 0.3; a node lost after that commit (optimizer, commit,
+    a vote that completed elsewhere, the checkpoint after s + 1 steps) is noticed at s + 0.5,
+    while step s + 1 runs."""
+    s = x.step
+    if x.phase in START_PHASES:
+        where: tuple[float, ...] = (-1.0,)
+    elif x.phase == "vote":
+        where = (s, s + 0.5)
+    elif x.phase in AFTER_VOTE_PHASES:
+        where = (s + 0.5,)
+    elif x.phase == "checkpoint":
+        where = (s - 0.5,)
+    elif x.phase in RECOVERY_PHASES:
+        where = (s + 0.1 * (1 + RECOVERY_PHASES.index(x.phase)),)
+    else:
+        where = (float(s),)
+    return tuple(p if steps is None or p < steps - 0.5 else None for p in where)
 
-    groups: dict[tuple[int, int], list[FaultConfig]] = {}
-    for x in faults:
-        if x.phase not in RECOVERY_PHASES:
-            groups.setdefault(key(x), []).append(x)
-    for x in faults:
-        if x.phase in RECOVERY_PHASES:
-            at_step = sorted(k for k in groups if k[0] == x.step)
-            if at_step:
-                groups[at_step[0]].append(x)
-    return [groups[k] for k in sorted(groups)]
+
+def round_orders(faults: Sequence[FaultConfig],
+                 steps: int | None = None) -> list[list[tuple[float, list[FaultConfig]]]]:
+    """Every order of membership rounds the fired `faults` can take: [(position, faults lost
+    in that round)] by position (`positions`). Faults at one position are one round (a hung node
+    is waited for until its lease expires, so it joins the round of a kill at the same moment).
+    Two things are races, so both ways count: a vote fault (did the vote complete elsewhere?),
+    and a node lost after step s's commit with failures of step s + 1 (one round or two)."""
+    orders = []
+    for pick in itertools.product(*(positions(x, steps) for x in faults)):
+        at: dict[float, list[FaultConfig]] = {}
+        for x, p in zip(faults, pick):
+            if p is not None:
+                at.setdefault(p, []).append(x)
+        racy = [p for p in at if p % 1 == 0.5 and p + 0.5 in at]
+        for merge in itertools.product((False, True), repeat=len(racy)):
+            rounds = {p: list(group) for p, group in at.items()}
+            for p, m in zip(racy, merge):
+                if m:
+                    rounds[p + 0.5] = rounds.pop(p) + rounds[p + 0.5]
+            orders.append(sorted(rounds.items()))
+    return orders
 
 
 def layers_kept(plan, lost: set[str]) -> bool:
@@ -151,29 +185,43 @@ def has_quorum(view: Sequence[str], survivors: Sequence[str], quorum: str) -> bo
             or (2 * len(survivors) == len(view) and view[0] in survivors))
 
 
-def expected_outcome(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
-                     quorum: str = "majority") -> str:
-    """'in_place' or 'fallback' for `faults` on the job's initial `plan` (module docstring).
-    The faults of one episode are lost in one membership round (a hung node is waited for
-    until its lease expires, so it joins the round of a kill at the same moment): the
-    survivors must hold the quorum of the view before it."""
+def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile, f: int,
+          quorum: str = "majority") -> str:
+    """'in_place' or 'fallback' for one order of rounds on the job's initial `plan`. Each round
+    must keep the quorum of the view before it; a recovery starts from the plan of the last
+    commit (its base: the driver reconfigures the base without every node lost since, and moves
+    layers only from the base's holders): every layer must keep a holder on the base's
+    surviving nodes, at least n0 of them, and the planner must have a plan for them."""
     from oobleck_hpc.errors import GuaranteeExceeded
     from oobleck_hpc.planning.reconfigure import reconfigure
 
     n0 = min(templates)
-    for group in episodes(faults):
-        lost = {f"node{x.node}" for x in group} & set(plan.nodes)
-        if not lost:
+    view, base, current, lost, last = list(plan.nodes), plan, plan, set(), None
+    for p, group in order:
+        gone = {f"node{x.node}" for x in group} & set(view)
+        if not gone:
             continue
-        survivors = [n for n in plan.nodes if n not in lost]
-        if (not layers_kept(plan, lost) or len(survivors) < n0
-                or not has_quorum(plan.nodes, survivors, quorum)):
+        if last is not None and math.floor(p - 0.3) > math.floor(last - 0.3):
+            base, lost = current, set()  # a step committed on `current` in between
+        last = p
+        survivors = [n for n in view if n not in gone]
+        lost |= gone
+        if (not has_quorum(view, survivors, quorum) or not layers_kept(base, lost)
+                or len(base.nodes) - len(lost) < n0):
             return "fallback"
         try:
-            plan = reconfigure(plan, lost, templates, profile, f)
+            current = reconfigure(base, lost, templates, profile, f)
         except GuaranteeExceeded:
             return "fallback"
+        view = survivors
     return "in_place"
+
+
+def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
+                      steps: int | None = None, quorum: str = "majority") -> list[str]:
+    """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`."""
+    return sorted({judge(order, plan, templates, profile, f, quorum)
+                   for order in round_orders(faults, steps)})
 
 
 # ----------------------------------------------------------------------------- one trial
@@ -187,7 +235,8 @@ class Trial:
     exit: int | None = None
     """The `oobleck-hpc run` exit code; None when it was killed at the wall bound."""
     outcome: str = ""
-    expected: str = ""
+    expected: list[str] = field(default_factory=list)
+    """The outcomes the fired faults may have (`expected_outcomes`)."""
     max_rel_diff: float | None = None
     """Largest max|got - ref| / max|ref| over every final parameter; None: nothing to compare."""
     recovery_s: list[float] = field(default_factory=list)
@@ -198,7 +247,7 @@ class Trial:
 
     @property
     def ok(self) -> bool:
-        return self.outcome == self.expected
+        return self.outcome in self.expected
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -307,8 +356,8 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
     fired = {(e.get("node"), e.get("step"), e.get("phase"), e.get("fault"))
              for e in events if e.get("kind") == "fault_injected"}
     trial.fired = [x for x in trial.faults if (f"node{x.node}", x.step, x.phase, x.kind) in fired]
-    trial.expected = expected_outcome(trial.fired, plan, templates, profile,
-                                      base.fault_tolerance.f)  # the agents' default quorum
+    trial.expected = expected_outcomes(trial.fired, plan, templates, profile,
+                                       base.fault_tolerance.f, steps)  # the agents' quorum
     trial.requeues = len(_REQUEUED.findall((trial_dir / "out.log").read_text(errors="replace")))
     if trial.exit is None:
         trial.outcome = "hung"
@@ -351,7 +400,7 @@ def table(trials: Sequence[Trial]) -> str:
         faults = ", ".join(_describe(x) + ("*" if x in t.fired else "") for x in t.faults)
         rel = "-" if t.max_rel_diff is None else f"{t.max_rel_diff:.1e}"
         mark = "" if t.ok else "  <-- unexpected"
-        lines.append(f"{t.index:>3}  {faults:<58} {t.expected:<9} {t.outcome:<11} "
+        lines.append(f"{t.index:>3}  {faults:<58} {'|'.join(t.expected):<9} {t.outcome:<11} "
                      f"{'-' if t.exit is None else t.exit:>4} {rel:>9} {t.wall_s:>6.1f}  "
                      f"{','.join(f'{s:.2f}' for s in t.recovery_s) or '-'}{mark}")
     return "\n".join(lines)
@@ -423,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
         trials.append(t)
         if not args.json:
             print(f"trial {i}: {', '.join(map(_describe, faults))} -> {t.outcome} "
-                  f"(expected {t.expected}, {t.wall_s:.1f} s)", flush=True)
+                  f"(expected {' or '.join(t.expected)}, {t.wall_s:.1f} s)", flush=True)
     summary = summarize(trials)
     result = {"trials": [t.to_dict() for t in trials], "summary": summary}
     (campaign / "result.json").write_text(json.dumps(result, indent=1) + "\n")

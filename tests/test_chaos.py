@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from oobleck_hpc.chaos import (KINDS, PHASES, RECOVERY_PHASES, START_PHASES, STEP_PHASES,
-                               draw_campaign, episodes, expected_outcome, has_quorum, trial_job)
+                               draw_campaign, expected_outcomes, has_quorum, round_orders, trial_job)
 from oobleck_hpc.config import FaultConfig, job_from_dict
 from oobleck_hpc.errors import GuaranteeExceeded
 from oobleck_hpc.planning.instantiate import instantiate
@@ -77,12 +77,25 @@ def test_kinds_restrict_the_draw():
     assert {x.kind for s in sets for x in s} == {"kill"}
 
 
-def test_episodes_group_by_recovery():
+def test_round_orders_follow_time_and_count_both_ways_of_a_race():
     F = FaultConfig
-    a, b = F(1, 3, "backward"), F(2, 3, "transfer")
-    c, d = F(3, 5, "checkpoint"), F(4, 0, "rendezvous")
-    e = F(0, 7, "reconfiguration")  # no in-step fault at step 7: never fires
-    assert episodes([a, b, c, d, e]) == [[d], [a, b], [c]]
+    start, step = F(4, 0, "rendezvous"), F(1, 3, "backward")
+    recon, transfer = F(2, 3, "reconfiguration"), F(0, 3, "transfer")
+    # one order: start, step 3's failure, then one round per recovery phase
+    assert round_orders([transfer, step, start, recon], steps=6) == [
+        [(-1.0, [start]), (3.0, [step]), (3.1, [recon]), (3.2, [transfer])]]
+    # a node lost after step 2's commit is noticed during step 3: alone or with step 3's losses
+    after = F(3, 2, "commit")
+    assert round_orders([after, step], steps=6) == [
+        [(2.5, [after]), (3.0, [step])], [(3.0, [after, step])]]
+    # the checkpoint after 3 steps is as late as step 2's commit
+    assert round_orders([F(3, 3, "checkpoint")], steps=6) == [[(2.5, [F(3, 3, "checkpoint")])]]
+    # a vote fault: the vote failed (a round at its step) or completed elsewhere (later) ...
+    vote = F(3, 4, "vote")
+    assert round_orders([vote], steps=6) == [[(4.0, [vote])], [(4.5, [vote])]]
+    # ... and after the last step's commit nobody needs to notice a loss
+    assert round_orders([F(3, 5, "vote")], steps=6) == [[(5.0, [F(3, 5, "vote")])], []]
+    assert round_orders([F(3, 5, "optimizer"), F(1, 5, "commit")], steps=6) == [[]]
 
 
 def _plan(seed: int, memory: int, f: int, extra: int):
@@ -114,7 +127,7 @@ def test_expected_outcome_against_brute_force_on_the_plan(seed, memory, f, extra
         for lost in itertools.combinations(range(len(nodes)), k):
             names = {f"node{i}" for i in lost}
             faults = [FaultConfig(i, 2, "backward", "kill") for i in lost]
-            got = expected_outcome(faults, plan, templates, profile, f, quorum="none")
+            [got] = expected_outcomes(faults, plan, templates, profile, f, quorum="none")
             outcomes[got] += 1
             if k <= f:
                 assert got == "in_place", (lost, plan)  # the guarantee
@@ -136,8 +149,14 @@ def test_expected_outcome_falls_back_without_a_quorum():
     nodes = list(plan.nodes)
     half = [FaultConfig(i, 2, "backward", "kill") for i in range(len(nodes) // 2 + 1)]
     assert _covered(plan, {f"node{x.node}" for x in half})
-    assert expected_outcome(half, plan, templates, profile, 1) == "fallback"
-    assert expected_outcome(half, plan, templates, profile, 1, quorum="none") == "in_place"
+    assert expected_outcomes(half, plan, templates, profile, 1) == ["fallback"]
+    assert expected_outcomes(half, plan, templates, profile, 1, quorum="none") == ["in_place"]
+    # the same nodes lost one round after the other (the 2nd and 3rd while the survivors
+    # reconfigure): each round keeps a majority of the view before it
+    assert len(half) == 3
+    rounds = [FaultConfig(x.node, 2, phase, "kill")
+              for x, phase in zip(half, ("backward", *RECOVERY_PHASES))]
+    assert expected_outcomes(rounds, plan, templates, profile, 1) == ["in_place"]
     n = len(nodes)
     assert has_quorum(nodes, nodes[:n // 2 + 1], "majority")
     assert not has_quorum(nodes, nodes[n // 2 + 1:], "majority")
@@ -152,7 +171,7 @@ def test_expected_outcome_follows_the_plan_across_recoveries():
     profile, templates, plan = _plan(0, 10**9, 1, 3)
     nodes = len(plan.nodes)
     one_by_one = [FaultConfig(i, i, "forward", "kill") for i in range(nodes - 1)]
-    assert expected_outcome(one_by_one[:1], plan, templates, profile, 1) == "in_place"
+    assert expected_outcomes(one_by_one[:1], plan, templates, profile, 1) == ["in_place"]
     current, expected = plan, "in_place"
     for x in one_by_one:
         try:
@@ -160,7 +179,7 @@ def test_expected_outcome_follows_the_plan_across_recoveries():
         except GuaranteeExceeded:
             expected = "fallback"
             break
-    assert expected_outcome(one_by_one, plan, templates, profile, 1, quorum="none") == expected
+    assert expected_outcomes(one_by_one, plan, templates, profile, 1, quorum="none") == [expected]
 
 
 def test_trial_job_is_fp64_with_its_own_dirs_and_faults(tmp_path):
@@ -216,7 +235,7 @@ def test_small_seeded_campaign_of_kills(tmp_path, capsys):
         assert {x["kind"] for x in t["faults"]} == {"kill"}
         groups = set(json.loads((Path(t["dir"]) / "run" / "agents.json").read_text()).values())
         assert not _live_group_members(groups), f"processes left by {t['dir']}"
-        assert t["outcome"] == t["expected"], (t, f"logs: {t['dir']}/out.log")
+        assert t["ok"] and t["outcome"] in t["expected"], (t, f"logs: {t['dir']}/out.log")
         assert t["max_rel_diff"] is not None and t["max_rel_diff"] <= 1e-9, t
         assert t["recovery_s"] or not t["fired"], t
     assert code == 0
