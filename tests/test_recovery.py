@@ -237,3 +237,60 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
         assert time.monotonic() - t0 < 2.0
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_op_on_a_frozen_host_fails_once_a_round_opens():
+    """A hung node hosting the generation's store: a survivor's store.add() would wait for its
+    reply for ever (the store timeout does not bound it). When the agents open the next round,
+    the driver shuts the connection down and the call fails at once (chaos trial: two workers
+    stuck so for minutes while their peers looped on an exchange they never joined)."""
+    import datetime
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from oobleck_hpc.elastic.driver import ElasticDriver
+
+    host = subprocess.Popen([sys.executable, "-c", """
+import datetime, sys, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(120)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=2))
+        store.add("arrived", 1)
+        os.kill(host.pid, signal.SIGSTOP)
+        outcome = []
+
+        def add() -> None:
+            try:
+                outcome.append(store.add("arrived", 0))
+            except RuntimeError as e:
+                outcome.append(e)
+
+        waiter = threading.Thread(target=add, daemon=True)
+        waiter.start()
+        waiter.join(4.0)
+        assert waiter.is_alive() and not outcome  # twice the store timeout: still waiting
+        driver = SimpleNamespace(_store_at=(2, "127.0.0.1", port), comm=None)
+        ElasticDriver.on_notice(driver, "round", {"gen": 2, "suspects": {}})  # not newer
+        waiter.join(0.5)
+        assert waiter.is_alive()
+        t0 = time.monotonic()
+        ElasticDriver.on_notice(driver, "round", {"gen": 3, "suspects": {}})
+        waiter.join(5.0)
+        assert not waiter.is_alive() and isinstance(outcome[0], RuntimeError), outcome
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        host.kill()
+        host.wait()

@@ -140,6 +140,8 @@ class ElasticDriver:
         self.templates = None
         self.comm = None
         self.store = None
+        self._store_at: tuple[int, str, int] | None = None
+        """(generation, host, port) of the store this rank is a client of (None: it hosts it)."""
         self.engine = None
         self.base = None
         """The engine of the last committed step (module docstring); None while it is `engine`."""
@@ -506,6 +508,7 @@ class ElasticDriver:
             _wait_port(m.store_host, m.store_port, timeout_s, self._round_opened)
         old = self.store
         self.store = _open_store(m.store_host, m.store_port, host, timeout_s, self._round_opened)
+        self._store_at = None if host else (m.gen, m.store_host, m.store_port)
         del old
         _wait_arrivals(self.store, f"oobleck/gen{m.gen}/arrived", plan.world_size, timeout_s,
                        self._round_opened)
@@ -534,9 +537,14 @@ class ElasticDriver:
             self.comm = None
 
     def on_notice(self, kind: str, msg: dict[str, Any]) -> None:
-        """AgentClient callback: with NCCL, abort the communicators as soon as a round opens
-        (an NCCL collective does not time out promptly by itself); gloo relies on the short
-        collective timeout and on failed peers destroying their groups."""
+        """AgentClient callback when a round opens: shut down the connection to an older
+        generation's store (a store op waiting on a frozen host would never return:
+        `release_connections`), and with NCCL abort the communicators (an NCCL collective does
+        not time out promptly by itself); gloo relies on the short collective timeout and on
+        failed peers destroying their groups."""
+        at = self._store_at
+        if kind == "round" and at is not None and at[0] < msg.get("gen", 0):
+            release_connections(at[1], at[2])
         if kind == "round" and self.comm is not None and self.comm.backend == "nccl":
             abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
             if abort is not None:
@@ -592,6 +600,39 @@ def _open_store(host: str, port: int, is_master: bool, timeout_s: float, abort=N
     return run_abortable(make, stop, 0.02, "store-connect")
 
 
+def release_connections(host: str, port: int) -> int:
+    """Shut down every TCP connection of this process to host:port; returns how many.
+
+    A TCPStore client whose host froze (SIGSTOP, a hung node) waits for the reply of add() or
+    of a rendezvous' get() for ever: the store's timeout does not bound it (measured with torch
+    2.13: add() still blocked after 20 s on a 3 s store). After the shutdown the waiting call
+    fails at once (a RuntimeError, like any failure of the regroup) and the rank goes on to the
+    next round. Each descriptor is duplicated, the duplicate shut down and closed: the socket
+    stays torch's to close."""
+    import socket
+
+    wanted = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+    done = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            peer = sock.getpeername()
+            if (isinstance(peer, tuple) and peer[1] == port
+                    and peer[0].removeprefix("::ffff:") in wanted):
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
+        except OSError:
+            pass  # not connected
+        finally:
+            sock.close()
+    return done
+
+
 def _wait_port(host: str, port: int, timeout_s: float, abort=None) -> None:
     """Until host:port accepts connections; Superseded as soon as abort() (a newer round: the
     host may have moved on and will never open this store)."""
@@ -620,5 +661,5 @@ def describe_recoveries(recoveries: list[Recovery]) -> str:
                      for r in recoveries)
 
 
-__all__ = ["ElasticDriver", "Recovery", "RecoveryError", "RoundOpened", "describe_recoveries"]
-_ = os
+__all__ = ["ElasticDriver", "Recovery", "RecoveryError", "RoundOpened", "describe_recoveries",
+           "release_connections"]
