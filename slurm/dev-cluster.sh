@@ -7,8 +7,9 @@
 #   slurm/dev-cluster.sh down          cancel all jobs, stop every daemon this script started (pid files)
 #   slurm/dev-cluster.sh status        daemons, nodes (sinfo) and jobs (squeue)
 #   slurm/dev-cluster.sh env           print `export SLURM_CONF=...` (use: eval "$(... env)")
-#   slurm/dev-cluster.sh kill-node N   simulate the death of node N: SIGKILL its slurmd and every
-#                                      process of the job steps running on it
+#   slurm/dev-cluster.sh kill-node N.. simulate the death of node N (or of several at the same
+#                                      moment): SIGKILL its slurmd and every process of the job
+#                                      steps running on it
 #   slurm/dev-cluster.sh freeze-node N SIGSTOP the same set (a hung node); thaw-node N: SIGCONT
 #   slurm/dev-cluster.sh pids N        the pids kill-node/freeze-node would signal
 #
@@ -25,8 +26,9 @@
 # submitit needs to see a job that ended without writing its result.
 #
 # A node "dies" by kill-node: its slurmd, its slurmstepd processes and all their tasks are
-# SIGKILLed at once. The step processes are found with `scontrol listpids '*' N` (the pids the
-# node's slurmstepds track) plus their slurmstepd parents. Only pids found this way, and daemons
+# SIGSTOPped, then SIGKILLed (none of them runs between the first kill and the last). The step
+# processes are found with `scontrol listpids '*' N` (the pids the node's slurmstepds track)
+# plus their slurmstepd parents. Only pids found this way, and daemons
 # listed in our pid files, are ever signalled.
 set -euo pipefail
 
@@ -283,19 +285,34 @@ node_step_pids() {  # pids of every job-step process on node $1, plus their slur
         '$1 > 1 && $1 != me && $1 != parent' | tr '\n' ' '
 }
 
+describe_pids() {  # "pid:comm@node" per pid (node: the process's SLURMD_NODENAME), for the logs
+    local p comm node
+    for p in "$@"; do
+        comm="$(cat "/proc/$p/comm" 2>/dev/null)" || comm=gone
+        node="$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | sed -n 's/^SLURMD_NODENAME=//p')"
+        printf '%s:%s@%s ' "$p" "$comm" "${node:--}"
+    done
+}
+
 check_node() {
     local n=$1
     [[ " ${NODES[*]} " == *" $n "* ]] || die "unknown node '$n'; nodes are: ${NODES[*]}"
     alive "$D/run/slurmd-$n.pid" || die "slurmd of $n is not running (start it: $0 up)"
 }
 
-cmd_kill_node() {
-    local n=$1; check_node "$n"
-    local pids t; pids="$(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"
+cmd_kill_node() {  # one or more nodes, at the same moment
+    local n pids="" t what
+    for n in "$@"; do check_node "$n"; done
+    for n in "$@"; do pids+=" $(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"; done
+    what="$(describe_pids $pids)"
     t="$(date +%s.%N)"
+    # Stop all, then kill all: a node dies at once. Killed one by one, a process still running
+    # sees the others go and acts on it: once, the batch host's srun, its peer already killed,
+    # cancelled the whole agents step on every node ("STEP J.1 ON n1 CANCELLED").
+    kill -STOP $pids 2>/dev/null || true
     kill -KILL $pids 2>/dev/null || true
-    rm -f "$D/run/slurmd-$n.pid"
-    log "killed $n at $t: pids $pids"
+    for n in "$@"; do rm -f "$D/run/slurmd-$n.pid"; done
+    log "killed $* at $t: $what"
 }
 
 cmd_freeze_node() {
@@ -321,7 +338,7 @@ case "${1:-}" in
     down) cmd_down ;;
     status) cmd_status ;;
     env) echo "export SLURM_CONF=$SLURM_CONF" ;;
-    kill-node) cmd_kill_node "${2:?usage: $0 kill-node NODE}" ;;
+    kill-node) shift; cmd_kill_node "${@:?usage: $0 kill-node NODE [NODE...]}" ;;
     freeze-node) cmd_freeze_node "${2:?usage: $0 freeze-node NODE}" ;;
     thaw-node) cmd_thaw_node "${2:?usage: $0 thaw-node NODE}" ;;
     pids) check_node "${2:?usage: $0 pids NODE}"; node_step_pids "$2"; echo ;;

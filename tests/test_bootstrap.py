@@ -149,6 +149,21 @@ def test_recorded_outcome_is_published_unless_it_asks_to_resume(tmp_path):
     assert recorded_outcome(tmp_path, "7", 1) is None       # written by a driver: a normal run
 
 
+def test_a_job_that_resumes_asks_for_the_nodes_left(monkeypatch):
+    """A requeue after a node loss asks for the nodes whose agent recorded an exit code, when at
+    least the plan's minimum are; else (or with nothing lost) for the original count (None)."""
+    from oobleck_hpc.launch.slurm_task import nodes_left
+
+    roster = ["n1", "n2", "n3", "n4"]
+    assert nodes_left(roster, {"n2": 75, "n4": 75}, least=2) == 2
+    assert nodes_left(roster, {"n2": 75}, least=2) is None  # too few: wait for nodes
+    assert nodes_left(roster, dict.fromkeys(roster, 75), least=2) is None  # nothing lost
+    assert nodes_left(roster, {"n1": 75, "n2": 75, "n3": 75, "n9": 75}, least=1) == 3
+    monkeypatch.setenv("OOBLECK_MIN_NODES", "3")  # the batch script's, for the agents' wrappers
+    assert nodes_left(roster, {"n2": 75, "n4": 75}) is None
+    assert nodes_left(roster, {"n1": 75, "n2": 75, "n4": 75}) == 3
+
+
 def test_sbatch_parameters_and_agent_command():
     from oobleck_hpc.launch.slurm import DEFAULT_AGENT_COMMAND, agent_argv, sbatch_parameters
 

@@ -8,8 +8,9 @@ submitted with `oobleck_hpc.launch.submit`.
   launch driver asks Slurm to requeue, the same job id comes back (SLURM_RESTART_COUNT=1),
   restores that exact step and finishes.
 - The batch node dies together with the other replica of its layers (beyond f=1): the survivors
-  fall back, the last one asks Slurm to requeue (the driver died with its node), and the job comes
-  back and resumes from its latest periodic checkpoint. (The batch node alone is an ordinary node
+  fall back, the last one asks Slurm to requeue (the driver died with its node) on the two nodes
+  left (the killed ones stay DOWN), and the job comes back there and resumes from its latest
+  periodic checkpoint. (The batch node alone is an ordinary node
   loss under --no-kill, recovered in place: tests/test_slurm_training.py.)
 
 ~2.5 min on 2 cores.
@@ -99,12 +100,12 @@ def test_usr2_checkpoints_requeues_and_resumes_the_exact_step(slurm_cluster, tmp
 def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_cluster, tmp_path):
     """Two nodes die at once, the batch host (driver) and the other pipeline's replica of the
     batch host's layers: beyond f=1. The survivors fall back (exit 75); with the driver gone the
-    last of them asks Slurm to requeue (slurm_task); the same job id comes back once the nodes
-    are back and resumes from the latest periodic checkpoint."""
+    last of them asks Slurm to requeue (slurm_task) on the nodes left; the same job id comes back
+    on them (the killed nodes stay DOWN) and resumes from the latest periodic checkpoint."""
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch.slurm import submit
 
-    steps = 50
+    steps = 300  # ~0.06 s each: the kills must come well before the end, on a loaded machine too
     job_file = write_job(tmp_path, "batch", steps)
     data = yaml.safe_load(job_file.read_text())
     data["checkpoint"]["every_steps"] = 5
@@ -125,23 +126,29 @@ def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_c
         lo, hi = next((int(a), int(b)) for a, b, n in mine if n == batch_host)
         other = next(n for p in stages if p is not mine for a, b, n in p
                      if int(a) <= hi and lo <= int(b))  # holds some of the same layers
-        # At once (in parallel): one after the other, the survivors recover from the first loss
-        # in place (~0.3 s) and then from the second.
-        kills = [subprocess.Popen([str(slurm_cluster), "kill-node", node],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for node in (batch_host, other)]
-        assert all(k.wait(timeout=30) == 0 for k in kills)
-        wait_until(lambda: "Restarts=1" in subprocess.run(
-            ["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout,
-            60, "Slurm to requeue the job")
-        subprocess.run([str(slurm_cluster), "up"], check=True, capture_output=True, timeout=120)
+        # Both at the same moment (one kill-node call): one after the other, the survivors
+        # would recover from the first loss in place and re-replicate before the second.
+        killed = subprocess.run([str(slurm_cluster), "kill-node", batch_host, other],
+                                capture_output=True, text=True, timeout=30)
+        assert killed.returncode == 0, killed.stderr
+        try:
+            wait_until(lambda: "Restarts=1" in subprocess.run(
+                ["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout,
+                60, "Slurm to requeue the job")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; {killed.stderr.strip()}; agents' logs:\n"
+                                 + logs(run_dir, f"agent-{job_id}-r0-*")[-6000:]) from None
+        # The killed nodes stay DOWN: the job comes back on the two nodes left.
         result = submitted.result()
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
+        subprocess.run([str(slurm_cluster), "up"], capture_output=True, timeout=120)
     assert (result.job_id, result.restart_count, result.exit_code) == (job_id, 1, 0), result
     first = json.loads((run_dir / f"launch-{job_id}-r0.json").read_text())
     assert first["exit_code"] == 75 and sorted(first["lost_nodes"]) == sorted([batch_host, other])
     assert first["finished_by"] not in (batch_host, other), first
+    left = sorted(set(first["nodes"]) - {batch_host, other})
+    assert sorted(result.nodes) == left, result  # run 1 started on the nodes left
     r1 = logs(run_dir, f"agent-{job_id}-r1-*")
     restored = [int(s) for s in re.findall(r"restored step (\d+) \(cursor (?:\d+)\)", r1)]
     assert len(set(restored)) == 1 and restored[0] >= 5 and restored[0] % 5 == 0, r1

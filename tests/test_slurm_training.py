@@ -7,7 +7,9 @@ Each test submits ONE small 4-node job (1 worker per node, CPU, gloo) and checks
 - a non-batch node killed (`dev-cluster.sh kill-node n3`) at a step observed in the metrics file:
   the job goes on on 3 nodes inside the same allocation (same job id, no requeue in sacct), the
   events show the recovery, every loss (before and after) equals the reference within 1e-5;
-- a node frozen (`freeze-node n2`, SIGSTOP): found by the agents' lease expiry, same outcome.
+- a whole node frozen in the commit window (the job's `hang` fault stops n2's processes right
+  after its vote of a step was sent, then `freeze-node n2` stops its slurmd and step daemon):
+  found by the agents' lease expiry, same outcome.
 
 The workers build the model in float64 (`model.dtype: float64`, as tests/test_recovery.py does
 and for the same reason: in fp64 any error in the replayed step, the re-split batch or the moved
@@ -167,16 +169,23 @@ def _job_state(job_id: str) -> str:
 
 
 def run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, name: str, action: str,
-                   node: str | None) -> dict:
+                   node: str | None, hang_at: tuple[int, str] | None = None) -> dict:
     """Submit, wait for step 2 to commit, do `dev-cluster.sh ACTION NODE` (node None: the batch
-    host), let the job finish; check it against the reference. Returns figures (seconds from
-    the fault to the first step committed after it)."""
+    host), let the job finish; check it against the reference. `hang_at` (step, phase): first
+    the job's own `hang` fault stops NODE's processes exactly there (in the job file), and the
+    action follows once it fired. Returns figures (seconds from the fault to the first step
+    committed after it)."""
     from oobleck_hpc.bootstrap import current_job_nodes
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch import submit
     from oobleck_hpc.launch.slurm import wait_result
 
     path, run_dir = write_job(tmp_path, name, monkeypatch)
+    if hang_at is not None:
+        data = yaml.safe_load(path.read_text())
+        data["faults"] = [{"node": int(node[1:]) - 1, "step": hang_at[0], "phase": hang_at[1],
+                           "kind": "hang"}]  # the roster is n1..n4: node index = number - 1
+        path.write_text(yaml.safe_dump(data))
     submitted = submit(load_job(path))
     batch_host = node is None
     try:
@@ -184,6 +193,10 @@ def run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, name: str, a
         if batch_host:
             node = _job_field(submitted.job_id, "BatchHost")
         t_fault = time.time()
+        if hang_at is not None:
+            fired = wait_until(lambda: [e for e in read_events(run_dir / "events.jsonl")
+                                        if e["kind"] == "fault_injected"], 60, "the hang fault")
+            t_fault = fired[0]["t"]
         at = len(metrics(run_dir))
         subprocess.run([str(slurm_cluster), action, node], check=True, capture_output=True)
         done_when_fault_landed = len(metrics(run_dir))
@@ -219,9 +232,12 @@ def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, monkeypatch, re
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
 def test_frozen_node_recovered_in_place(slurm_cluster, tmp_path, monkeypatch, reference):
+    """n2 freezes in the commit window: its processes stop right after its vote of step 4 was
+    sent (the job's hang fault), then its slurmd and step daemon too (`freeze-node`): a whole
+    node frozen. The others decide that step together (commit or replay) and go on exactly."""
     figures = run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, "freeze",
-                             "freeze-node", "n2")
-    print("freeze n2:", figures)
+                             "freeze-node", "n2", hang_at=(4, "vote"))
+    print("freeze n2 in the commit window:", figures)
 
 
 @pytest.mark.timeout(180, func_only=True)  # setup may wait for the cluster lock

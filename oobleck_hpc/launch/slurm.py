@@ -27,9 +27,10 @@ Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py)
 - `--nodes=N` (cluster.nodes), not MIN-MAX: with `--nodes=2-4 --ntasks-per-node=1` Slurm 22.05
   started every job on 2 nodes of an idle 4-node cluster (measured). MIN = `min_nodes`,
   (f + 1) * n0, bounds the discovery step instead: nodes that cannot run a step are left out
-  while at least MIN remain. A requeued job asks for N again (it waits for a DOWN node); a
-  pending job can be shrunk from outside (`scontrol update JobId=J NumNodes=K NumTasks=K`,
-  measured to work only once the job is PENDING, so not from inside the job being requeued).
+  while at least MIN remain. A requeued job would ask for N again and wait for a DOWN node: one
+  that resumes after a node loss asks for the nodes left instead, when at least MIN are
+  (slurm_task.requeue: `scontrol update JobId=J NumNodes=K NumTasks=K`, taken only once the job
+  is PENDING, by a detached helper).
 - `--signal=USR2@90` (slurm.signal / slurm.signal_delay_s): sent to every agent before the time
   limit so that they checkpoint and ask to be requeued (exit 75); not to the batch script.
 - submitit's SlurmExecutor is chosen explicitly: once slurm-wlm is installed `srun` is on PATH
@@ -59,7 +60,7 @@ from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wai
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
-from oobleck_hpc.launch.slurm_task import recorded_outcome, run_verdict
+from oobleck_hpc.launch.slurm_task import nodes_left, recorded_outcome, requeue, run_verdict
 
 DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}"
 """The per-node command (the elastic agent). Override per job with `slurm.agent_command`."""
@@ -160,7 +161,9 @@ class SlurmDriver:
                   f"--output={logs}/agent-{tag}-%t.out", self.python, "-m",
                   "oobleck_hpc.launch.slurm_task", "--run-dir", str(run_dir), "--tag", tag, "--",
                   *self.agent]
-        step_rc = subprocess.run(agents).returncode
+        # the last agent requeues the job when this node dies (slurm_task): on the nodes left
+        step_rc = subprocess.run(agents, env={**os.environ,
+                                              "OOBLECK_MIN_NODES": str(self.min_nodes)}).returncode
         run_s = time.monotonic() - t1
         survivors = set(current_job_nodes(env.job_id))
         lost = [n for n in roster if n not in survivors]
@@ -171,7 +174,7 @@ class SlurmDriver:
                               str(logs), events)
         _write_json(run_dir / f"launch-{tag}.json", result.to_dict())
         if rc == EXIT_REQUEUE:
-            self._requeue(env.job_id)
+            self._requeue(env.job_id, nodes_left(roster, codes, self.min_nodes), run_dir, tag)
         return self._end(result)
 
     @staticmethod
@@ -186,13 +189,18 @@ class SlurmDriver:
         raise SystemExit(result.exit_code)  # not an Exception: submitit lets it end the process
 
     @staticmethod
-    def _requeue(job_id: str) -> None:
-        """Ask Slurm to requeue this job, then wait until it has (Restarts grows) and leave
-        without a result: returning would make submitit publish a result for a job that is
-        coming back. Leaving by ourselves also matters where Slurm tracks processes by
-        parentage (proctrack/linuxproc): this process outlives the killed batch shell there."""
+    def _requeue(job_id: str, nodes: int | None = None, run_dir: Path | None = None,
+                 tag: str = "") -> None:
+        """Ask Slurm to requeue this job (on `nodes` nodes: slurm_task.requeue), then wait until
+        it has (Restarts grows) and leave without a result: returning would make submitit
+        publish a result for a job that is coming back. Leaving by ourselves also matters where
+        Slurm tracks processes by parentage (proctrack/linuxproc): this process outlives the
+        killed batch shell there."""
         before = _restarts(job_id)
-        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+        if nodes is not None and run_dir is not None:
+            requeue(job_id, run_dir, tag, nodes)
+        else:
+            subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and _restarts(job_id) == before:
             time.sleep(1)

@@ -17,13 +17,20 @@ of the run's agents that started after Unix time T (`run_verdict`).
    DIR/launch-TAG.json (finished_by=NODE) and requeues the job (`scontrol requeue`): for 75 the
    next run resumes from the checkpoint; for any other verdict the next run only publishes the
    recorded outcome (`recorded_outcome`; the driver returns it, slurm/train.sbatch exits with it)
-   and asks for one node (`shrink_when_pending`: a detached helper runs `scontrol update
-   NumNodes=1 NumTasks=1` once the job is PENDING, the only state that takes it). A new batch
-   script is the only way a
+   and asks for one node (`requeue`). A new batch script is the only way a
    user can end a Slurm job with its real exit code: `scancel` shows CANCELLED (an `afterok`
    dependency never fires), and 22.05 has no command that completes a job. Measured on the local
    cluster: RESIZING, then COMPLETED with ExitCode 0:0, the requeued run over in ~1 s once started.
-4. Points the training's per-step metrics at DIR/metrics.jsonl (OOBLECK_METRICS, unless the
+4. Requeues on the nodes left (`requeue`, also for the drivers: `--requeue`): Slurm brings a
+   requeued job back with its original node count, so with a node DOWN it would wait for it. A
+   job that resumes (75) asks instead for the nodes that are left (those whose agent recorded an
+   exit code this run) when at least OOBLECK_MIN_NODES (the fewest its plan accepts; exported by
+   the batch script) are; else for its original count, and waits. Slurm takes a new node count
+   only once the job is PENDING (measured), when the requeueing run is gone: a detached helper
+   (double fork, outside the step's process tree) waits for that and runs `scontrol update
+   JobId=J NumNodes=K NumTasks=K`. Best effort: where Slurm tracks the job's processes by cgroup
+   it dies with the step, and the job asks for all its nodes.
+5. Points the training's per-step metrics at DIR/metrics.jsonl (OOBLECK_METRICS, unless the
    environment already names a file), as `oobleck-hpc run` does for a local job: the current
    plan's rank 0 appends one JSON line per committed step, on whichever node it runs.
 """
@@ -169,8 +176,7 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
         return  # the driver lives: it takes the verdict
     if any(n not in codes for n in current):
         return  # another survivor is still running; the last one finishes
-    roster = json.loads((run_dir / "roster.json").read_text())
-    names = [n["name"] for n in roster["nodes"]]
+    names = roster_names(run_dir)
     lost = [n for n in names if n not in current]
     rc, codes, left = run_verdict(run_dir, tag, since)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -182,26 +188,45 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
     print(f"slurm_task {node}: batch host {fields.get('BatchHost')} is gone; survivors "
           f"{current} exited {codes}: verdict {rc}; requeueing the job to "
           f"{'resume' if rc == EXIT_REQUEUE else 'end with it'}", flush=True)
-    if rc != EXIT_REQUEUE:
-        # One node is enough to publish the outcome, and the lost batch host may never come
-        # back. Slurm takes a new node count only once the requeued job is PENDING (measured),
-        # when this process is gone: a detached helper (double fork, outside the step's process
-        # tree) waits for that. Best effort: where Slurm tracks the job's processes by cgroup it
-        # dies with the step, and the publishing run asks for all the job's nodes.
-        subprocess.run(["sh", "-c", f'"$0" -m oobleck_hpc.launch.slurm_task --run-dir '
-                        f'"$1" --tag "$2" --shrink-when-pending >/dev/null 2>&1 </dev/null &',
-                        sys.executable, str(run_dir), tag], timeout=30)
+    # One node is enough to publish the outcome (the lost batch host may never come back).
+    requeue(job_id, run_dir, tag, 1 if rc != EXIT_REQUEUE else nodes_left(names, codes))
+
+
+def nodes_left(roster: list[str], codes: dict[str, int], least: int | None = None) -> int | None:
+    """How many nodes a job that resumes asks for (module docstring, point 4): the run's nodes
+    (`roster`) whose agent recorded an exit code, when at least `least` (default:
+    OOBLECK_MIN_NODES) are and some were lost; None (the original count) otherwise."""
+    left = sum(n in codes for n in roster)
+    if least is None:
+        least = int(os.environ.get("OOBLECK_MIN_NODES") or 1)
+    return left if least <= left < len(roster) else None
+
+
+def roster_names(run_dir: Path) -> list[str]:
+    """The nodes of the current run (RUN_DIR/roster.json, written by its discovery step)."""
+    return [n["name"] for n in json.loads((run_dir / "roster.json").read_text())["nodes"]]
+
+
+def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None) -> None:
+    """`scontrol requeue JOB`; with `nodes`, first a detached helper that makes the requeued job
+    ask for that many nodes once it is PENDING (`shrink_when_pending`)."""
+    if nodes is not None:
+        subprocess.run(["sh", "-c", f'"$0" -m oobleck_hpc.launch.slurm_task --run-dir "$1" '
+                        f'--tag "$2" --shrink-when-pending "$3" >/dev/null 2>&1 </dev/null &',
+                        sys.executable, str(run_dir), tag, str(nodes)], timeout=30)
+    print(f"slurm_task: requeueing job {job_id}"
+          + (f" on {nodes} node(s)" if nodes is not None else ""), file=sys.stderr, flush=True)
     subprocess.run(["scontrol", "requeue", job_id], timeout=60)
 
 
-def shrink_when_pending(job_id: str, timeout_s: float = 300.0) -> bool:
-    """Wait until the requeued job `job_id` is PENDING, then make it ask for one node (to
-    publish its recorded outcome). True when the update was taken."""
+def shrink_when_pending(job_id: str, nodes: int, timeout_s: float = 300.0) -> bool:
+    """Wait until the requeued job `job_id` is PENDING, then make it ask for `nodes` nodes.
+    True when the update was taken."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if _job_fields(job_id).get("JobState") == "PENDING":
-            done = subprocess.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=1",
-                                   "NumTasks=1"], capture_output=True, timeout=60)
+            done = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"NumNodes={nodes}",
+                                   f"NumTasks={nodes}"], capture_output=True, timeout=60)
             return done.returncode == 0
         time.sleep(0.5)
     return False
@@ -216,13 +241,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the exit code recorded for this run to publish, if any")
     parser.add_argument("--verdict-since", type=float, default=None, metavar="T",
                         help="print the verdict over the agents of the run started at Unix time T")
-    parser.add_argument("--shrink-when-pending", action="store_true",
-                        help="(internal) once the requeued job is pending, ask for one node")
+    parser.add_argument("--shrink-when-pending", type=int, default=None, metavar="K",
+                        help="(internal) once the requeued job is pending, ask for K nodes")
+    parser.add_argument("--requeue", action="store_true",
+                        help="requeue the job, on the nodes left when a node was lost (the "
+                             "drivers' exit 75)")
     parser.add_argument("agent", nargs=argparse.REMAINDER, help="-- AGENT COMMAND...")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
-    if args.shrink_when_pending:
-        return 0 if shrink_when_pending(args.tag.rpartition("-r")[0]) else 1
+    job_id = args.tag.rpartition("-r")[0]
+    if args.shrink_when_pending is not None:
+        return 0 if shrink_when_pending(job_id, args.shrink_when_pending) else 1
+    if args.requeue:
+        requeue(job_id, run_dir, args.tag,
+                nodes_left(roster_names(run_dir), read_codes(run_dir / "exit" / args.tag)))
+        return 0
     if args.recorded:
         job_id, _, restart = args.tag.rpartition("-r")
         outcome = recorded_outcome(run_dir, job_id, int(restart))
