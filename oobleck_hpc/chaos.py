@@ -34,8 +34,9 @@ before it (`has_quorum`, the agents' rule), and the recovery, from the plan of t
 must find every layer on a survivor, at least n0 survivors and a plan (`planning.reconfigure`):
 then in place, else fallback (and the rest of the set never fires: a requeued job runs without
 faults). Where timing decides (did a vote complete before its node died; is a node lost after a
-commit agreed away alone or with the next step's failures) every way is computed, and any of
-their outcomes is expected.
+commit agreed away alone or with the next step's failures; in which rounds do nodes that fail at
+the start, each when it reaches the rendezvous, go) every way is computed, and any of their
+outcomes is expected.
 
 Observed outcome: in_place (exit 0, no requeue, params equal), fallback (a requeue happened,
 exit 0, params equal), wrong_state (exit 0, params differ or missing), dead_end (exit != 0),
@@ -151,8 +152,9 @@ def round_orders(faults: Sequence[FaultConfig],
     """Every order of membership rounds the fired `faults` can take: [(position, faults lost
     in that round)] by position (`positions`). Faults at one position are one round (a hung node
     is waited for until its lease expires, so it joins the round of a kill at the same moment).
-    Two things are races, so both ways count: a vote fault (did the vote complete elsewhere?),
-    and a node lost after step s's commit with failures of step s + 1 (one round or two)."""
+    Three things are races, so every way counts: a vote fault (did the vote complete
+    elsewhere?), a node lost after step s's commit with failures of step s + 1 (one round or
+    two), and start-phase faults (any rounds in any order: `ordered_partitions`)."""
     orders = []
     for pick in itertools.product(*(positions(x, steps) for x in faults)):
         at: dict[float, list[FaultConfig]] = {}
@@ -165,8 +167,24 @@ def round_orders(faults: Sequence[FaultConfig],
             for p, m in zip(racy, merge):
                 if m:
                     rounds[p + 0.5] = rounds.pop(p) + rounds[p + 0.5]
-            orders.append(sorted(rounds.items()))
+            start = rounds.pop(-1.0, [])
+            for blocks in ordered_partitions(start):
+                order = [(-1.0 + 0.01 * i, block) for i, block in enumerate(blocks)]
+                orders.append(order + sorted(rounds.items()))
     return orders
+
+
+def ordered_partitions(items: Sequence[Any]) -> list[list[list[Any]]]:
+    """Every way to split `items` into non-empty blocks and order the blocks: the rounds that
+    start-phase faults can take (each node reaches the generation-0 rendezvous on its own time,
+    seconds apart on a loaded machine). [] for no items: one way, no block."""
+    if not items:
+        return [[]]
+    first, out = items[0], []
+    for part in ordered_partitions(items[1:]):
+        out += [part[:i] + [[first, *part[i]]] + part[i + 1:] for i in range(len(part))]
+        out += [part[:i] + [[first]] + part[i:] for i in range(len(part) + 1)]
+    return out
 
 
 def layers_kept(plan, lost: set[str]) -> bool:

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from oobleck_hpc.chaos import (KINDS, PHASES, RECOVERY_PHASES, START_PHASES, STEP_PHASES,
-                               draw_campaign, expected_outcomes, has_quorum, round_orders, trial_job)
+                               draw_campaign, expected_outcomes, has_quorum, ordered_partitions,
+                               round_orders, trial_job)
 from oobleck_hpc.config import FaultConfig, job_from_dict
 from oobleck_hpc.errors import GuaranteeExceeded
 from oobleck_hpc.planning.instantiate import instantiate
@@ -98,6 +99,14 @@ def test_round_orders_follow_time_and_count_both_ways_of_a_race():
     assert round_orders([F(3, 5, "optimizer"), F(1, 5, "commit")], steps=6) == [[]]
 
 
+def test_ordered_partitions_are_every_split_in_every_order_once():
+    for n, fubini in enumerate([1, 1, 3, 13, 75]):
+        ways = ordered_partitions(list(range(n)))
+        assert len(ways) == fubini
+        assert len({tuple(tuple(sorted(b)) for b in w) for w in ways}) == fubini  # distinct
+        assert all(sorted(x for b in w for x in b) == list(range(n)) for w in ways)
+
+
 def _plan(seed: int, memory: int, f: int, extra: int):
     profile = random_profile(random.Random(seed), 10, 2, memory=memory)
     n0 = node_specification(profile, 10, 0).n0
@@ -151,6 +160,9 @@ def test_expected_outcome_falls_back_without_a_quorum():
     assert _covered(plan, {f"node{x.node}" for x in half})
     assert expected_outcomes(half, plan, templates, profile, 1) == ["fallback"]
     assert expected_outcomes(half, plan, templates, profile, 1, quorum="none") == ["in_place"]
+    # at the start each node fails when it reaches the rendezvous: any rounds, so either outcome
+    start = [FaultConfig(x.node, 0, "rendezvous", "kill") for x in half]
+    assert expected_outcomes(start, plan, templates, profile, 1) == ["fallback", "in_place"]
     # the same nodes lost one round after the other (the 2nd and 3rd while the survivors
     # reconfigure): each round keeps a majority of the view before it
     assert len(half) == 3
