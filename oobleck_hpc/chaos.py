@@ -33,10 +33,9 @@ after the last commit needs no recovery at all. Each round must keep the quorum 
 before it (`has_quorum`, the agents' rule), and the recovery, from the plan of the last commit,
 must find every layer on a survivor, at least n0 survivors and a plan (`planning.reconfigure`):
 then in place, else fallback (and the rest of the set never fires: a requeued job runs without
-faults). Where timing decides (did a vote complete before its node died; is a node lost after a
-commit agreed away alone or with the next step's failures; in which rounds do nodes that fail at
-the start, each when it reaches the rendezvous, go) every way is computed, and any of their
-outcomes is expected.
+faults). Where timing decides (did a vote complete before its node died; are nodes that fail in
+the same window, each when it gets there, agreed away in one round or one by one) every way
+counts, and any of their outcomes is expected.
 
 Observed outcome: in_place (exit 0, no requeue, params equal), fallback (a requeue happened,
 exit 0, params equal), wrong_state (exit 0, params differ or missing), dead_end (exit != 0),
@@ -149,42 +148,22 @@ def positions(x: FaultConfig, steps: int | None = None) -> tuple[float | None, .
 
 def round_orders(faults: Sequence[FaultConfig],
                  steps: int | None = None) -> list[list[tuple[float, list[FaultConfig]]]]:
-    """Every order of membership rounds the fired `faults` can take: [(position, faults lost
-    in that round)] by position (`positions`). Faults at one position are one round (a hung node
-    is waited for until its lease expires, so it joins the round of a kill at the same moment).
-    Three things are races, so every way counts: a vote fault (did the vote complete
-    elsewhere?), a node lost after step s's commit with failures of step s + 1 (one round or
-    two), and start-phase faults (any rounds in any order: `ordered_partitions`)."""
+    """Every order the fired `faults` can be lost in: [(position, faults)] by position
+    (`positions`), one entry per way a vote fault can go (did its vote complete elsewhere?).
+    Faults at one position fire on each node when it gets there (the rendezvous seconds apart on
+    a loaded machine, a commit tens of ms apart) while a round is decided in milliseconds: they
+    may be agreed away in one round or several, in any order (`judge` counts every way). A node
+    lost after step s's commit is noticed while step s + 1 runs: it joins step s + 1's losses."""
     orders = []
     for pick in itertools.product(*(positions(x, steps) for x in faults)):
         at: dict[float, list[FaultConfig]] = {}
         for x, p in zip(faults, pick):
             if p is not None:
                 at.setdefault(p, []).append(x)
-        racy = [p for p in at if p % 1 == 0.5 and p + 0.5 in at]
-        for merge in itertools.product((False, True), repeat=len(racy)):
-            rounds = {p: list(group) for p, group in at.items()}
-            for p, m in zip(racy, merge):
-                if m:
-                    rounds[p + 0.5] = rounds.pop(p) + rounds[p + 0.5]
-            start = rounds.pop(-1.0, [])
-            for blocks in ordered_partitions(start):
-                order = [(-1.0 + 0.01 * i, block) for i, block in enumerate(blocks)]
-                orders.append(order + sorted(rounds.items()))
+        for p in [p for p in at if p % 1 == 0.5 and p + 0.5 in at]:
+            at[p + 0.5] = at.pop(p) + at[p + 0.5]
+        orders.append(sorted(at.items()))
     return orders
-
-
-def ordered_partitions(items: Sequence[Any]) -> list[list[list[Any]]]:
-    """Every way to split `items` into non-empty blocks and order the blocks: the rounds that
-    start-phase faults can take (each node reaches the generation-0 rendezvous on its own time,
-    seconds apart on a loaded machine). [] for no items: one way, no block."""
-    if not items:
-        return [[]]
-    first, out = items[0], []
-    for part in ordered_partitions(items[1:]):
-        out += [part[:i] + [[first, *part[i]]] + part[i + 1:] for i in range(len(part))]
-        out += [part[:i] + [[first]] + part[i:] for i in range(len(part) + 1)]
-    return out
 
 
 def layers_kept(plan, lost: set[str]) -> bool:
@@ -203,17 +182,33 @@ def has_quorum(view: Sequence[str], survivors: Sequence[str], quorum: str) -> bo
             or (2 * len(survivors) == len(view) and view[0] in survivors))
 
 
+def quorum_ways(view: Sequence[str], survivors: Sequence[str], quorum: str) -> set[bool]:
+    """Whether the `survivors` of `view` keep the quorum, over every way of losing the others:
+    in one round or several, in any order. At once is the strictest way (if it keeps the quorum,
+    every way does); one by one, the first node of the view last, the most lenient."""
+    at_once = has_quorum(view, survivors, quorum)
+    if at_once:
+        return {True}
+    # One by one: a view of 3 or more keeps a majority losing one node; from 2 to 1 only the
+    # view's first node may stay, so the last node lost must come after the survivor.
+    one_by_one = len(survivors) >= 2 or (
+        len(survivors) == 1 and view.index(survivors[0]) < len(view) - 1)
+    return {False, True} if one_by_one else {False}
+
+
 def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile, f: int,
-          quorum: str = "majority") -> str:
-    """'in_place' or 'fallback' for one order of rounds on the job's initial `plan`. Each round
-    must keep the quorum of the view before it; a recovery starts from the plan of the last
-    commit (its base: the driver reconfigures the base without every node lost since, and moves
-    layers only from the base's holders): every layer must keep a holder on the base's
-    surviving nodes, at least n0 of them, and the planner must have a plan for them."""
+          quorum: str = "majority") -> set[str]:
+    """The outcomes ('in_place', 'fallback') of one order of losses on the job's initial `plan`.
+    Each round must keep the quorum of the view before it (`quorum_ways`); a recovery starts
+    from the plan of the last commit (its base: the driver reconfigures the base without every
+    node lost since, and moves layers only from the base's holders): every layer must keep a
+    holder on the base's surviving nodes, at least n0 of them, and the planner must have a plan
+    for them."""
     from oobleck_hpc.errors import GuaranteeExceeded
     from oobleck_hpc.planning.reconfigure import reconfigure
 
     n0 = min(templates)
+    out: set[str] = set()
     view, base, current, lost, last = list(plan.nodes), plan, plan, set(), None
     for p, group in order:
         gone = {f"node{x.node}" for x in group} & set(view)
@@ -223,23 +218,27 @@ def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile
             base, lost = current, set()  # a step committed on `current` in between
         last = p
         survivors = [n for n in view if n not in gone]
+        ways = quorum_ways(view, survivors, quorum)
+        if False in ways:
+            out.add("fallback")
+            if True not in ways:
+                return out
         lost |= gone
-        if (not has_quorum(view, survivors, quorum) or not layers_kept(base, lost)
-                or len(base.nodes) - len(lost) < n0):
-            return "fallback"
+        if not layers_kept(base, lost) or len(base.nodes) - len(lost) < n0:
+            return out | {"fallback"}
         try:
             current = reconfigure(base, lost, templates, profile, f)
         except GuaranteeExceeded:
-            return "fallback"
+            return out | {"fallback"}
         view = survivors
-    return "in_place"
+    return out | {"in_place"}
 
 
 def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
                       steps: int | None = None, quorum: str = "majority") -> list[str]:
     """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`."""
-    return sorted({judge(order, plan, templates, profile, f, quorum)
-                   for order in round_orders(faults, steps)})
+    return sorted(set().union(*(judge(order, plan, templates, profile, f, quorum)
+                                for order in round_orders(faults, steps))))
 
 
 # ----------------------------------------------------------------------------- one trial

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from oobleck_hpc.chaos import (KINDS, PHASES, RECOVERY_PHASES, START_PHASES, STEP_PHASES,
-                               draw_campaign, expected_outcomes, has_quorum, ordered_partitions,
+                               draw_campaign, expected_outcomes, has_quorum, quorum_ways,
                                round_orders, trial_job)
 from oobleck_hpc.config import FaultConfig, job_from_dict
 from oobleck_hpc.errors import GuaranteeExceeded
@@ -85,10 +85,10 @@ def test_round_orders_follow_time_and_count_both_ways_of_a_race():
     # one order: start, step 3's failure, then one round per recovery phase
     assert round_orders([transfer, step, start, recon], steps=6) == [
         [(-1.0, [start]), (3.0, [step]), (3.1, [recon]), (3.2, [transfer])]]
-    # a node lost after step 2's commit is noticed during step 3: alone or with step 3's losses
+    # a node lost after step 2's commit is noticed during step 3, with step 3's losses
     after = F(3, 2, "commit")
-    assert round_orders([after, step], steps=6) == [
-        [(2.5, [after]), (3.0, [step])], [(3.0, [after, step])]]
+    assert round_orders([after, step], steps=6) == [[(3.0, [after, step])]]
+    assert round_orders([after], steps=6) == [[(2.5, [after])]]
     # the checkpoint after 3 steps is as late as step 2's commit
     assert round_orders([F(3, 3, "checkpoint")], steps=6) == [[(2.5, [F(3, 3, "checkpoint")])]]
     # a vote fault: the vote failed (a round at its step) or completed elsewhere (later) ...
@@ -99,12 +99,32 @@ def test_round_orders_follow_time_and_count_both_ways_of_a_race():
     assert round_orders([F(3, 5, "optimizer"), F(1, 5, "commit")], steps=6) == [[]]
 
 
-def test_ordered_partitions_are_every_split_in_every_order_once():
-    for n, fubini in enumerate([1, 1, 3, 13, 75]):
-        ways = ordered_partitions(list(range(n)))
-        assert len(ways) == fubini
-        assert len({tuple(tuple(sorted(b)) for b in w) for w in ways}) == fubini  # distinct
-        assert all(sorted(x for b in w for x in b) == list(range(n)) for w in ways)
+def test_quorum_ways_at_once_is_strictest_one_by_one_most_lenient():
+    view = ["n0", "n1", "n2", "n3", "n4"]
+    brute = {}  # every way to lose the others: ordered splits into rounds, checked round by round
+
+    def ways(v, survivors):
+        gone = [n for n in v if n not in survivors]
+        if not gone:
+            return {True}
+        out = set()
+        for k in range(1, len(gone) + 1):
+            for block in itertools.combinations(gone, k):
+                after = [n for n in v if n not in block]
+                if not has_quorum(v, after, "majority"):
+                    out.add(False)
+                else:
+                    out |= ways(after, survivors)
+        return out
+
+    for k in range(1, len(view)):
+        for survivors in itertools.combinations(view, k):
+            brute[survivors] = ways(view, list(survivors))
+            assert quorum_ways(view, list(survivors), "majority") == brute[survivors], survivors
+    assert brute[("n0", "n1", "n2")] == {True}           # a majority at once: every way
+    assert brute[("n0", "n1")] == {False, True}          # at once no; one by one yes
+    assert brute[("n4",)] == {False}                     # the last node alone: never
+    assert quorum_ways(view, ["n4"], "none") == {True}
 
 
 def _plan(seed: int, memory: int, f: int, extra: int):
@@ -152,17 +172,18 @@ def test_expected_outcome_against_brute_force_on_the_plan(seed, memory, f, extra
 
 
 def test_expected_outcome_falls_back_without_a_quorum():
-    """Losing half of the view or more at once (the first node among them) leaves no majority:
-    the survivors fall back although every layer kept a replica; one by one they go on."""
+    """Losing more than half of the view in one round leaves no majority: the survivors fall
+    back although every layer kept a replica; one by one they go on. Nodes failing in the same
+    window may go either way; all but the view's last node can only fall back."""
     profile, templates, plan = _plan(0, 10**9, 1, 3)
     nodes = list(plan.nodes)
     half = [FaultConfig(i, 2, "backward", "kill") for i in range(len(nodes) // 2 + 1)]
     assert _covered(plan, {f"node{x.node}" for x in half})
-    assert expected_outcomes(half, plan, templates, profile, 1) == ["fallback"]
+    assert expected_outcomes(half, plan, templates, profile, 1) == ["fallback", "in_place"]
     assert expected_outcomes(half, plan, templates, profile, 1, quorum="none") == ["in_place"]
-    # at the start each node fails when it reaches the rendezvous: any rounds, so either outcome
-    start = [FaultConfig(x.node, 0, "rendezvous", "kill") for x in half]
-    assert expected_outcomes(start, plan, templates, profile, 1) == ["fallback", "in_place"]
+    all_but_last = [FaultConfig(i, 2, "backward", "kill") for i in range(len(nodes) - 1)]
+    assert _covered(plan, {f"node{x.node}" for x in all_but_last})
+    assert expected_outcomes(all_but_last, plan, templates, profile, 1) == ["fallback"]
     # the same nodes lost one round after the other (the 2nd and 3rd while the survivors
     # reconfigure): each round keeps a majority of the view before it
     assert len(half) == 3
