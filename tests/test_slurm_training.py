@@ -64,7 +64,7 @@ def reference():
     return reference_run(job_from_dict(job_dict(Path("/nonexistent"), "reference")), STEPS)
 
 
-def write_job(tmp_path: Path, name: str, monkeypatch) -> tuple[Path, Path]:
+def write_job(tmp_path: Path, name: str) -> tuple[Path, Path]:
     run_dir = tmp_path / name
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job_dict(run_dir, name)))
@@ -120,8 +120,8 @@ def check_run(run_dir: Path, job_id: str, reference, lost: set[str],
 
 
 @pytest.mark.timeout(90, func_only=True)  # setup may wait for the cluster lock
-def test_submit_command_trains_to_the_reference(slurm_cluster, tmp_path, monkeypatch, reference):
-    path, run_dir = write_job(tmp_path, "submit", monkeypatch)
+def test_submit_command_trains_to_the_reference(slurm_cluster, tmp_path, reference):
+    path, run_dir = write_job(tmp_path, "submit")
     out = subprocess.run([sys.executable, "-m", "oobleck_hpc", "submit", str(path), "--wait"],
                          capture_output=True, text=True, timeout=80, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -133,7 +133,7 @@ def test_submit_command_trains_to_the_reference(slurm_cluster, tmp_path, monkeyp
 
 @pytest.mark.timeout(90, func_only=True)  # setup may wait for the cluster lock
 def test_sbatch_script_trains_to_the_reference(slurm_cluster, tmp_path, monkeypatch, reference):
-    path, run_dir = write_job(tmp_path, "sbatch", monkeypatch)
+    path, run_dir = write_job(tmp_path, "sbatch")
     monkeypatch.setenv("OOBLECK_PYTHON", sys.executable)
     out = subprocess.run(["sbatch", "--parsable", "--nodes=4", "--time=5",
                           f"--output={tmp_path}/sbatch-%j.out", str(ROOT / "slurm/train.sbatch"),
@@ -168,7 +168,7 @@ def _job_state(job_id: str) -> str:
     return states[-1][1] if states else ""
 
 
-def run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, name: str, action: str,
+def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
                    node: str | None, hang_at: tuple[int, str] | None = None) -> dict:
     """Submit, wait for step 2 to commit, do `dev-cluster.sh ACTION NODE` (node None: the batch
     host), let the job finish; check it against the reference. `hang_at` (step, phase): first
@@ -180,7 +180,7 @@ def run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, name: str, a
     from oobleck_hpc.launch import submit
     from oobleck_hpc.launch.slurm import wait_result
 
-    path, run_dir = write_job(tmp_path, name, monkeypatch)
+    path, run_dir = write_job(tmp_path, name)
     if hang_at is not None:
         data = yaml.safe_load(path.read_text())
         data["faults"] = [{"node": int(node[1:]) - 1, "step": hang_at[0], "phase": hang_at[1],
@@ -224,27 +224,27 @@ def run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, name: str, a
 
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
-def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, monkeypatch, reference):
-    figures = run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, "kill", "kill-node",
+def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, reference):
+    figures = run_with_fault(slurm_cluster, tmp_path, reference, "kill", "kill-node",
                              "n3")
     print("kill n3:", figures)
 
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
-def test_frozen_node_recovered_in_place(slurm_cluster, tmp_path, monkeypatch, reference):
+def test_frozen_node_recovered_in_place(slurm_cluster, tmp_path, reference):
     """n2 freezes in the commit window: its processes stop right after its vote of step 4 was
     sent (the job's hang fault), then its slurmd and step daemon too (`freeze-node`): a whole
     node frozen. The others decide that step together (commit or replay) and go on exactly."""
-    figures = run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, "freeze",
+    figures = run_with_fault(slurm_cluster, tmp_path, reference, "freeze",
                              "freeze-node", "n2", hang_at=(4, "vote"))
     print("freeze n2 in the commit window:", figures)
 
 
 @pytest.mark.timeout(180, func_only=True)  # setup may wait for the cluster lock
-def test_killed_batch_node_completes(slurm_cluster, tmp_path, monkeypatch, reference):
+def test_killed_batch_node_completes(slurm_cluster, tmp_path, reference):
     """The node running the batch script (and submitit's driver) is killed mid-run: the others
     recover in place and finish every step; the job ends COMPLETED (not CANCELLED) and the
     submitter gets the run's result (exit 0, the lost node), not a traceback."""
-    figures = run_with_fault(slurm_cluster, tmp_path, monkeypatch, reference, "batchkill",
+    figures = run_with_fault(slurm_cluster, tmp_path, reference, "batchkill",
                              "kill-node", None)
     print("kill the batch node:", figures)
