@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from oobleck_hpc.config import FaultConfig, JobConfig
+from oobleck_hpc.elastic.faults import IN_STEP_PHASES
 
 PHASES: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["phase"])
 KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["kind"])
@@ -73,8 +74,8 @@ AFTER_STEP_PHASES = ("checkpoint",)
 """Fire after the step committed (inside the periodic save)."""
 AFTER_VOTE_PHASES = ("optimizer", "commit")
 """Fire after the commit vote completed: the step commits on every other node."""
-STEP_PHASES = tuple(p for p in PHASES
-                    if p not in START_PHASES + RECOVERY_PHASES + AFTER_STEP_PHASES)
+STEP_PHASES = IN_STEP_PHASES
+"""Fire inside a training step."""
 OUTCOMES = ("in_place", "fallback", "wrong_state", "dead_end", "hung")
 
 

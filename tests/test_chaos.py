@@ -73,6 +73,12 @@ def test_draws_are_valid_and_cover_nodes_steps_phases_kinds_counts(nodes, steps,
         assert seen["later"] and seen["simultaneous"]
 
 
+def test_every_window_is_in_one_class():
+    from oobleck_hpc.chaos import AFTER_STEP_PHASES
+    classes = START_PHASES + STEP_PHASES + RECOVERY_PHASES + AFTER_STEP_PHASES
+    assert sorted(classes) == sorted(PHASES)
+
+
 def test_kinds_restrict_the_draw():
     sets = draw_campaign(3, 100, nodes=5, steps=12, f=1, kinds=["kill"])
     assert {x.kind for s in sets for x in s} == {"kill"}

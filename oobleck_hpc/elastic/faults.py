@@ -42,6 +42,11 @@ from oobleck_hpc.config import FaultConfig
 from oobleck_hpc.elastic.events import EventLog
 
 
+IN_STEP_PHASES = ("forward", "backward", "gradient_sync", "reduce", "prepared", "vote",
+                  "optimizer", "commit")
+"""The windows inside a training step (the others: around it or during a recovery)."""
+
+
 @dataclass
 class FaultInjector:
     """The faults of one node, as seen by one of its workers. Call it as the engine's on_phase."""
@@ -67,10 +72,12 @@ class FaultInjector:
                 self.fire(f)
 
     def on_failed_step(self, step: int) -> None:
-        """A step failed: a node that is to exit cleanly at this step exits now (its worker may
-        have been stopped by the exit of a local peer before it reached the fault's phase)."""
+        """A step failed: a node that is to exit cleanly inside this step exits now (its worker
+        may have been stopped by the exit of a local peer before it reached the fault's phase).
+        An exit in a later window (reconfiguration, transfer, checkpoint) still waits for it."""
         for i, f in enumerate(self.faults):
-            if f.kind == "exit" and f.step == step and i not in self.fired:
+            if (f.kind == "exit" and f.step == step and f.phase in IN_STEP_PHASES
+                    and i not in self.fired):
                 self.fired.add(i)
                 self.fire(f)
 

@@ -148,7 +148,7 @@ class SlurmDriver:
                                        min_nodes=self.min_nodes, timeout_s=DISCOVERY_TIMEOUT_S)
         except TooFewNodes as e:
             print(f"oobleck: {e}; requeueing job {env.job_id}", file=sys.stderr, flush=True)
-            self._requeue(env.job_id)
+            self._requeue(env.job_id, run_dir, tag)
         found = wait_for_discovery(run_dir, env.job_id, env.restart_count, timeout_s=30)
         roster = list(found.roster.names)
         discovery_s = time.monotonic() - t0
@@ -174,7 +174,7 @@ class SlurmDriver:
                               str(logs), events)
         _write_json(run_dir / f"launch-{tag}.json", result.to_dict())
         if rc == EXIT_REQUEUE:
-            self._requeue(env.job_id, nodes_left(roster, codes, self.min_nodes), run_dir, tag)
+            self._requeue(env.job_id, run_dir, tag, nodes_left(roster, codes, self.min_nodes))
         return self._end(result)
 
     @staticmethod
@@ -189,18 +189,14 @@ class SlurmDriver:
         raise SystemExit(result.exit_code)  # not an Exception: submitit lets it end the process
 
     @staticmethod
-    def _requeue(job_id: str, nodes: int | None = None, run_dir: Path | None = None,
-                 tag: str = "") -> None:
+    def _requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None = None) -> None:
         """Ask Slurm to requeue this job (on `nodes` nodes: slurm_task.requeue), then wait until
         it has (Restarts grows) and leave without a result: returning would make submitit
         publish a result for a job that is coming back. Leaving by ourselves also matters where
         Slurm tracks processes by parentage (proctrack/linuxproc): this process outlives the
         killed batch shell there."""
         before = _restarts(job_id)
-        if nodes is not None and run_dir is not None:
-            requeue(job_id, run_dir, tag, nodes)
-        else:
-            subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+        requeue(job_id, run_dir, tag, nodes)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and _restarts(job_id) == before:
             time.sleep(1)

@@ -216,7 +216,7 @@ def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None) -> None:
                         sys.executable, str(run_dir), tag, str(nodes)], timeout=30)
     print(f"slurm_task: requeueing job {job_id}"
           + (f" on {nodes} node(s)" if nodes is not None else ""), file=sys.stderr, flush=True)
-    subprocess.run(["scontrol", "requeue", job_id], timeout=60)
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
 
 
 def shrink_when_pending(job_id: str, nodes: int, timeout_s: float = 300.0) -> bool:
