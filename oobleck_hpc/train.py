@@ -333,4 +333,11 @@ def entry() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(entry())
+    code = entry()
+    # Leave without the interpreter's teardown: the process groups dropped after a failure are
+    # kept alive on purpose (engine/groups.py, Comm.abandon), and destroying them at exit aborts
+    # the process (std::terminate: "terminate called without an active exception", exit -6)
+    # after a clean run. Everything the worker writes is flushed and closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -14,4 +14,4 @@ if [ "${OOBLECK_SLURM_TESTS:-1}" = 1 ]; then
     eval "$(slurm/dev-cluster.sh env)"
     export OOBLECK_REQUIRE_SLURM=1   # a cluster that did not come up fails the Slurm tests
 fi
-python -m pytest -q -ra "$@"
+python -m pytest -q -ra --durations=15 "$@"   # the 15 slowest: what the wait is spent on
