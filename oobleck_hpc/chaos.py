@@ -28,8 +28,8 @@ Expected outcome (`expected_outcomes`): the faults that fired (the run's `fault_
 events; a drawn fault whose phase the code does not fire is reported, not counted), each the loss
 of its node (`crash` included: its worker's state is gone), taken in membership rounds in time
 order (`round_orders`): a step's own failures, then one round per recovery phase a further node
-dies in, then a node lost after the step's commit, noticed while the next step runs; a node lost
-after the last commit needs no recovery at all. Each round must keep the quorum of the view
+dies in, then a node lost after the step's commit, noticed while the next step runs (after the
+last step: when the survivors agree they reached the end). Each round must keep the quorum of the view
 before it (`has_quorum`, the agents' rule), and the recovery, from the plan of the last commit,
 must find every layer on a survivor, at least n0 survivors and a plan (`planning.reconfigure`):
 then in place, else fallback (and the rest of the set never fires: a requeued job runs without
@@ -124,31 +124,28 @@ def draw_campaign(seed: int, trials: int, nodes: int, steps: int, f: int,
             for i in range(trials)]
 
 
-def positions(x: FaultConfig, steps: int | None = None) -> tuple[float | None, ...]:
+def positions(x: FaultConfig) -> tuple[float, ...]:
     """Where the survivors may notice the loss of a fired fault's node, in step units (module
-    docstring, "Expected outcome"); None: nobody needs to (after the last commit of a run of
-    `steps` steps). Step s fails at s; its recovery rounds are at s + 0.1 (reconfiguration) and
-    s + 0.2 (transfer); it commits at s + 0.3; a node lost after that commit (optimizer, commit,
-    a vote that completed elsewhere, the checkpoint after s + 1 steps) is noticed at s + 0.5,
-    while step s + 1 runs."""
+    docstring, "Expected outcome"). Step s fails at s; its recovery rounds are at s + 0.1
+    (reconfiguration) and s + 0.2 (transfer); it commits at s + 0.3; a node lost after that
+    commit (optimizer, commit, a vote that completed elsewhere, the checkpoint after s + 1
+    steps) is noticed at s + 0.5, while step s + 1 runs or, after the last step, when the
+    survivors agree they reached the end (`ElasticDriver.finish`)."""
     s = x.step
     if x.phase in START_PHASES:
-        where: tuple[float, ...] = (-1.0,)
-    elif x.phase == "vote":
-        where = (s, s + 0.5)
-    elif x.phase in AFTER_VOTE_PHASES:
-        where = (s + 0.5,)
-    elif x.phase == "checkpoint":
-        where = (s - 0.5,)
-    elif x.phase in RECOVERY_PHASES:
-        where = (s + 0.1 * (1 + RECOVERY_PHASES.index(x.phase)),)
-    else:
-        where = (float(s),)
-    return tuple(p if steps is None or p < steps - 0.5 else None for p in where)
+        return (-1.0,)
+    if x.phase == "vote":
+        return (s, s + 0.5)
+    if x.phase in AFTER_VOTE_PHASES:
+        return (s + 0.5,)
+    if x.phase == "checkpoint":
+        return (s - 0.5,)
+    if x.phase in RECOVERY_PHASES:
+        return (s + 0.1 * (1 + RECOVERY_PHASES.index(x.phase)),)
+    return (float(s),)
 
 
-def round_orders(faults: Sequence[FaultConfig],
-                 steps: int | None = None) -> list[list[tuple[float, list[FaultConfig]]]]:
+def round_orders(faults: Sequence[FaultConfig]) -> list[list[tuple[float, list[FaultConfig]]]]:
     """Every order the fired `faults` can be lost in: [(position, faults)] by position
     (`positions`), one entry per way a vote fault can go (did its vote complete elsewhere?).
     Faults at one position fire on each node when it gets there (the rendezvous seconds apart on
@@ -156,11 +153,10 @@ def round_orders(faults: Sequence[FaultConfig],
     may be agreed away in one round or several, in any order (`judge` counts every way). A node
     lost after step s's commit is noticed while step s + 1 runs: it joins step s + 1's losses."""
     orders = []
-    for pick in itertools.product(*(positions(x, steps) for x in faults)):
+    for pick in itertools.product(*(positions(x) for x in faults)):
         at: dict[float, list[FaultConfig]] = {}
         for x, p in zip(faults, pick):
-            if p is not None:
-                at.setdefault(p, []).append(x)
+            at.setdefault(p, []).append(x)
         for p in [p for p in at if p % 1 == 0.5 and p + 0.5 in at]:
             at[p + 0.5] = at.pop(p) + at[p + 0.5]
         orders.append(sorted(at.items()))
@@ -236,10 +232,10 @@ def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile
 
 
 def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
-                      steps: int | None = None, quorum: str = "majority") -> list[str]:
+                      quorum: str = "majority") -> list[str]:
     """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`."""
     return sorted(set().union(*(judge(order, plan, templates, profile, f, quorum)
-                                for order in round_orders(faults, steps))))
+                                for order in round_orders(faults))))
 
 
 # ----------------------------------------------------------------------------- one trial
@@ -375,7 +371,7 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
              for e in events if e.get("kind") == "fault_injected"}
     trial.fired = [x for x in trial.faults if (f"node{x.node}", x.step, x.phase, x.kind) in fired]
     trial.expected = expected_outcomes(trial.fired, plan, templates, profile,
-                                       base.fault_tolerance.f, steps)  # the agents' quorum
+                                       base.fault_tolerance.f)  # the agents' default quorum
     trial.requeues = len(_REQUEUED.findall((trial_dir / "out.log").read_text(errors="replace")))
     if trial.exit is None:
         trial.outcome = "hung"

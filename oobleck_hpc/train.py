@@ -259,9 +259,11 @@ def main() -> int:
             if code is not None:
                 return code
         code = EXIT_OK
+        # Every rank reached the end, its final layers written (a node lost after the last
+        # vote is recovered from here, or falls back when its layers are gone).
+        driver.finish(lambda: save_final_state(driver, job, run_dir))
         ckpt.finish(driver.engine)
         wall = time.perf_counter() - t0
-        save_final_state(driver, job, run_dir)
         progress.finish()
         if driver.rank == 0:
             print(summary(job, driver.plan, progress, wall, run_dir, driver.recoveries),
@@ -289,7 +291,8 @@ def save_final_state(driver, job, run_dir: Path) -> None:
     """With `train.save_final_params` (tests, `oobleck-hpc chaos`): each layer's final
     parameters land in RUN_DIR/final/layer-<i>.pt, to compare with a failure-free reference.
     Every holder of a layer writes it unless it is there already (replicas are equal after a
-    committed step): a holder that died after the last commit leaves no layer missing."""
+    committed step); after a node lost at the end, the new plan's holders write what is missing
+    (`ElasticDriver.finish`)."""
     if not job.train.save_final_params:
         return
     import torch

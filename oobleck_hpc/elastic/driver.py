@@ -73,7 +73,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -250,6 +250,24 @@ class ElasticDriver:
                 # the failed node, and a false suspicion would fence a healthy node.
                 peer = result.peer if _peer_died(result.error) else None
             self.recover(step, phase, why, peer)
+
+    def finish(self, on_end: Callable[[], None] = lambda: None) -> None:
+        """The last step committed: every rank does its part of the end (`on_end`: writing its
+        final layers), then the generation agrees that all of it reached the end (an exchange
+        `finish-<step>`, like the commit vote). A node lost before that -- after the last vote,
+        its layers' final state maybe nowhere else -- is recovered from as from any loss
+        (beyond the guarantee: GuaranteeExceeded, the checkpoint fallback, instead of a run
+        that reports success without its final state), and the new plan's ranks end again."""
+        while True:
+            step = self.engine.state.step
+            on_end()
+            try:
+                self.client.exchange(f"finish-{step}", [], timeout=self.agree_s, gen=self.gen)
+            except (Superseded, TimeoutError) as e:
+                self.recover(step, "finish", repr(e), None)
+                continue
+            self._committed()  # the end on a new plan counts as its first commit
+            return
 
     def _vote(self, step: int, ballot: list[float]) -> list[float]:
         """The commit vote: every rank of the generation says, over the control plane, that it
