@@ -5,6 +5,7 @@
     driver.build_engine(state, layers)   # fresh, or from a checkpoint
     while driver.engine.state.step < steps:
         result = driver.step()           # a committed step (recovers in place on failures)
+    driver.finish(write_final_state)     # every rank reached the end (recovers likewise)
 
 `step()` runs `engine.step(commit=False)`, then the commit vote (below); a failed step (a value,
 never an exception: engine.py), a failed vote or a round opened by the agents turns into
