@@ -255,10 +255,11 @@ class ElasticDriver:
     def finish(self, on_end: Callable[[], None] = lambda: None) -> None:
         """The last step committed: every rank does its part of the end (`on_end`: writing its
         final layers), then the generation agrees that all of it reached the end (an exchange
-        `finish-<step>`, like the commit vote). A node lost before that -- after the last vote,
-        its layers' final state maybe nowhere else -- is recovered from as from any loss
-        (beyond the guarantee: GuaranteeExceeded, the checkpoint fallback, instead of a run
-        that reports success without its final state), and the new plan's ranks end again."""
+        `finish-<step>`, like the commit vote). A node lost before that -- after the last
+        vote, one whose layers' final state may exist nowhere else -- is recovered from as from
+        any loss (beyond the guarantee: GuaranteeExceeded, the checkpoint fallback, instead of
+        a run that reports success without its final state), and the new plan's ranks end
+        again."""
         while True:
             step = self.engine.state.step
             on_end()
