@@ -29,9 +29,10 @@ events; a drawn fault whose phase the code does not fire is reported, not counte
 of its node (`crash` included: its worker's state is gone), taken in membership rounds in time
 order (`round_orders`): a step's own failures, then one round per recovery phase a further node
 dies in, then a node lost after the step's commit, noticed while the next step runs (after the
-last step: when the survivors agree they reached the end). Each round must keep the quorum of the view
-before it (`has_quorum`, the agents' rule), and the recovery, from the plan of the last commit,
-must find every layer on a survivor, at least n0 survivors and a plan (`planning.reconfigure`):
+last step: when the survivors agree they reached the end). Each round must keep the quorum of
+the view before it (`elastic.membership.has_quorum`, the agents' rule), and the recovery, from
+the plan of the last commit, must find every layer on a survivor, at least n0 survivors and a
+plan (`planning.reconfigure`):
 then in place, else fallback (and the rest of the set never fires: a requeued job runs without
 faults). Where timing decides (did a vote complete before its node died; are nodes that fail in
 the same window, each when it gets there, agreed away in one round or one by one) every way
@@ -63,6 +64,7 @@ from typing import Any, Sequence
 
 from oobleck_hpc.config import FaultConfig, JobConfig
 from oobleck_hpc.elastic.faults import IN_STEP_PHASES
+from oobleck_hpc.elastic.membership import has_quorum
 
 PHASES: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["phase"])
 KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["kind"])
@@ -168,15 +170,6 @@ def layers_kept(plan, lost: set[str]) -> bool:
     kept = {layer for r in plan.ranks if r.node not in lost
             for layer in range(r.layer_start, r.layer_end)}
     return len(kept) == plan.num_layers
-
-
-def has_quorum(view: Sequence[str], survivors: Sequence[str], quorum: str) -> bool:
-    """The membership rule (elastic/membership.py): with "majority", more than half of the
-    view, or exactly half including its first node, may go on; otherwise everyone falls back."""
-    if quorum == "none":
-        return bool(survivors)
-    return (2 * len(survivors) > len(view)
-            or (2 * len(survivors) == len(view) and view[0] in survivors))
 
 
 def quorum_ways(view: Sequence[str], survivors: Sequence[str], quorum: str) -> set[bool]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 from collections import Counter
 from pathlib import Path

@@ -101,7 +101,7 @@ What each timeout bounds (control.py)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
@@ -128,6 +128,17 @@ class Fenced(OobleckError):
 
 class Superseded(OobleckError):
     """An exchange was cut short by a new membership round; redo it in the next generation."""
+
+
+def has_quorum(prev: Sequence[str], view: Sequence[str], quorum: str) -> bool:
+    """The quorum rule: `view` (the nodes proposed to go on) may follow the decided `prev`
+    when it holds more than half of it, or exactly half including prev's first node ("none":
+    any non-empty view)."""
+    if not view:
+        return False
+    if quorum == "none":
+        return True
+    return 2 * len(view) > len(prev) or (2 * len(view) == len(prev) and prev[0] in view)
 
 
 @dataclass(frozen=True)
@@ -314,12 +325,7 @@ class MembershipCore:
         return self.decided.gen + 1
 
     def _has_quorum(self, view: tuple[str, ...]) -> bool:
-        if not view:
-            return False
-        if self.quorum == "none":
-            return True
-        prev = self.decided.nodes
-        return 2 * len(view) > len(prev) or (2 * len(view) == len(prev) and prev[0] in view)
+        return has_quorum(self.decided.nodes, view, self.quorum)
 
     def _update_round(self, join: bool = False) -> None:
         """Open or shrink the round for generation decided.gen + 1 after a change of suspects

@@ -211,8 +211,8 @@ def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None) -> None:
     """`scontrol requeue JOB`; with `nodes`, first a detached helper that makes the requeued job
     ask for that many nodes once it is PENDING (`shrink_when_pending`)."""
     if nodes is not None:
-        subprocess.run(["sh", "-c", f'"$0" -m oobleck_hpc.launch.slurm_task --run-dir "$1" '
-                        f'--tag "$2" --shrink-when-pending "$3" >/dev/null 2>&1 </dev/null &',
+        subprocess.run(["sh", "-c", '"$0" -m oobleck_hpc.launch.slurm_task --run-dir "$1" '
+                        '--tag "$2" --shrink-when-pending "$3" >/dev/null 2>&1 </dev/null &',
                         sys.executable, str(run_dir), tag, str(nodes)], timeout=30)
     print(f"slurm_task: requeueing job {job_id}"
           + (f" on {nodes} node(s)" if nodes is not None else ""), file=sys.stderr, flush=True)
