@@ -26,7 +26,8 @@
 # submitit needs to see a job that ended without writing its result.
 #
 # A node "dies" by kill-node: its slurmd, its slurmstepd processes and all their tasks are
-# SIGSTOPped, then SIGKILLed (none of them runs between the first kill and the last). The step
+# SIGSTOPped, then SIGKILLed descendants first (none of them runs between the first kill and the
+# last, and the kernel wakes none of them: see cmd_kill_node). The step
 # processes are found with `scontrol listpids '*' N` (the pids the node's slurmstepds track)
 # plus their slurmstepd parents. Only pids found this way, and daemons
 # listed in our pid files, are ever signalled.
@@ -285,6 +286,18 @@ node_step_pids() {  # pids of every job-step process on node $1, plus their slur
         '$1 > 1 && $1 != me && $1 != parent' | tr '\n' ' '
 }
 
+deepest_first() {  # the pids given, descendants before their ancestors (depth in the process tree)
+    local p q depth
+    for p in "$@"; do
+        depth=0 q=$p
+        # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces
+        while [ "$q" -gt 1 ] 2>/dev/null && q="$(sed 's/.*) [A-Za-z] //; s/ .*//' "/proc/$q/stat" 2>/dev/null)"; do
+            depth=$((depth + 1))
+        done
+        echo "$depth $p"
+    done | sort -k1,1nr | awk '{print $2}' | tr '\n' ' '
+}
+
 describe_pids() {  # "pid:comm@node" per pid (node: the process's SLURMD_NODENAME), for the logs
     local p comm node
     for p in "$@"; do
@@ -306,11 +319,15 @@ cmd_kill_node() {  # one or more nodes, at the same moment
     for n in "$@"; do pids+=" $(node_step_pids "$n") $(cat "$D/run/slurmd-$n.pid")"; done
     what="$(describe_pids $pids)"
     t="$(date +%s.%N)"
-    # Stop all, then kill all: a node dies at once. Killed one by one, a process still running
-    # sees the others go and acts on it: once, the batch host's srun, its peer already killed,
-    # cancelled the whole agents step on every node ("STEP J.1 ON n1 CANCELLED").
+    # Stop all, then kill all, descendants first: a node dies at once, nothing of it acts on the
+    # others' deaths. Killed one by one while running, the batch host's srun saw its peers go and
+    # cancelled the agents step on every node ("STEP J.1 ON n1 CANCELLED"). Killed while stopped
+    # but parents first, the kernel woke it: a process group left orphaned with a stopped member
+    # gets SIGHUP + SIGCONT (POSIX job control), and srun's SIGHUP handler ("forcing job
+    # termination") had the controller SIGKILL the step on every node before srun's own SIGKILL
+    # landed (1 run in 3 of the batch-node tests).
     kill -STOP $pids 2>/dev/null || true
-    kill -KILL $pids 2>/dev/null || true
+    kill -KILL $(deepest_first $pids) 2>/dev/null || true
     for n in "$@"; do rm -f "$D/run/slurmd-$n.pid"; done
     log "killed $* at $t: $what"
 }
