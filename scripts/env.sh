@@ -17,7 +17,7 @@ if ! (
         "$VENV/bin/pip" install -q "torch==${TORCH_VERSION:-2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
         # PYTHONWARNINGS: setuptools' notice that an editable install is one (BuildBackendWarning)
         PYTHONWARNINGS=ignore "$VENV/bin/pip" install -q -e "$_oobleck_root[test]" 2>&1 | grep -v '^WARNING: Location' || true
-        "$VENV/bin/python" -c "import torch, h5py, yaml, tqdm, submitit, mpi4py, oobleck_hpc"
+        "$VENV/bin/python" -c "import torch, h5py, yaml, tqdm, submitit, mpi4py, matplotlib, oobleck_hpc"
         rm -f "$VENV"/.installed-*
         touch "$stamp"
     fi

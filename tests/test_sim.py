@@ -3,8 +3,10 @@ planner-driven run. Pure arithmetic: no processes, no torch."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import struct
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,7 @@ def _scenario(nodes: int = 8) -> Scenario:
                                      checkpoint_every_steps=10)})
 
 
-def _check_accounting(results, duration):
+def _check_accounting(results, duration, step_samples=None):
     for r in results.values():
         assert set(r.seconds) == set(CATEGORIES)
         assert math.isclose(sum(r.seconds.values()), duration, rel_tol=1e-9, abs_tol=1e-6), r.seconds
@@ -44,6 +46,31 @@ def _check_accounting(results, duration):
         assert r.timeline[0][0] == 0 and math.isclose(r.timeline[-1][1], duration)
         for (a0, a1, _), (b0, b1, _) in zip(r.timeline, r.timeline[1:]):
             assert math.isclose(a1, b0, abs_tol=1e-9) and a1 >= a0
+        _check_goodput(r, duration, step_samples)
+
+
+def _integral(series):
+    return sum((t1 - t0) * rate for t0, t1, rate in series)
+
+
+def _check_goodput(r, duration, step_samples=None):
+    """The goodput series covers [0, duration] without gaps; at every instant it is either the
+    throughput (work kept) or 0 (work thrown away, or no training); it integrates to the samples
+    kept plus at most one step still in flight at the end."""
+    g = r.goodput
+    assert g[0][0] == 0 and math.isclose(g[-1][1], duration)
+    for (a0, a1, _), (b0, _, _) in zip(g, g[1:]):
+        assert math.isclose(a1, b0, abs_tol=1e-9) and a1 >= a0
+    starts = [t0 for t0, _, _ in r.timeline]
+    for t0, t1, rate in g:
+        mid = (t0 + t1) / 2
+        _, _, tput = r.timeline[bisect.bisect_right(starts, mid) - 1]
+        assert rate == 0 or rate == tput, (t0, t1, rate, tput)
+    area = _integral(g)
+    assert area >= r.samples * (1 - 1e-9) - 1e-6, (r.policy, area, r.samples)
+    if step_samples is not None:
+        assert area <= r.samples + step_samples * (1 + 1e-9), (r.policy, area, r.samples)
+    assert area <= _integral(r.timeline) * (1 + 1e-12) + 1e-6
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -62,7 +89,8 @@ def test_accounting_adds_up_to_the_simulated_time(seed):
                       TraceEvent(3001.5, "fail", "x2"))),
     ]
     for trace in traces:
-        _check_accounting(run_policies(scenario_backends(s), trace, duration), duration)
+        _check_accounting(run_policies(scenario_backends(s), trace, duration), duration,
+                          s.samples_per_iteration)
 
 
 def test_deterministic_with_a_seed():
@@ -113,6 +141,61 @@ def test_single_failure_by_hand():
     assert r.steps == 2 + 3 and r.fallbacks == 1
 
 
+def test_goodput_by_hand_counts_lost_work_as_zero():
+    """The trace of test_single_failure_by_hand: goodput is the throughput except where the
+    training was thrown away (restart: all since the checkpoint at 21 s; oobleck: the step in
+    flight), and 0 during checkpoints and recoveries."""
+    table = PolicyTable({4: 10.0, 3: 10.0}, restart_s=30, reconfiguration_s=2,
+                        checkpoint_s=1, checkpoint_every_steps=2)
+    trace = Trace(("a", "b", "c", "d"), (TraceEvent(35.0, "fail", "c"),))
+    r = simulate(RestartPolicy(TableBackend(table, 100.0), checkpoint_s=1,
+                               checkpoint_every_steps=2), trace, 100.0)
+    assert r.timeline == [(0, 20, 10), (20, 21, 0), (21, 35, 10), (35, 65, 0), (65, 85, 10),
+                          (85, 86, 0), (86, 100, 10)]
+    # 21-35 trained at 10 samples/s, then thrown away by the fallback: goodput 0 there
+    assert r.goodput == [(0, 20, 10), (20, 65, 0), (65, 85, 10), (85, 86, 0), (86, 100, 10)]
+    # 5 whole steps kept + 4 s of the step in flight at the end (not thrown away)
+    assert _integral(r.goodput) == pytest.approx(r.samples + 40.0) == pytest.approx(540.0)
+    # the throughput series also counts the 14 s that were thrown away
+    assert _integral(r.timeline) == pytest.approx(_integral(r.goodput) + 140.0)
+    ob = simulate(OobleckPolicy(TableBackend(PolicyTable({4: 10.0, 3: 10.0},
+                                                         reconfiguration_s=2), 100.0)),
+                  trace, 100.0)
+    assert ob.timeline == [(0, 35, 10), (35, 37, 0), (37, 100, 10)]
+    assert ob.goodput == [(0, 30, 10), (30, 37, 0), (37, 100, 10)]
+    # windows average the series and keep its integral
+    wins = r.goodput_windows(30.0)
+    assert [(a, b) for a, b, _ in wins] == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    assert [g for _, _, g in wins] == pytest.approx([200 / 30, 0, 240 / 30, 10])
+    assert r.goodput_cumulative()[-1] == (100, pytest.approx(540.0))
+
+
+def test_restart_goodput_is_below_its_throughput_when_failures_happen():
+    s = load_scenario(PAPER)
+    duration = s.duration_hours * 3600
+    trace = fixed_interval(node_names(s.nodes), 60 * s.every_minutes, duration, seed=0)
+    res = run_policies(scenario_backends(s), trace, duration)
+    rs = res["restart"]
+    assert rs.fallbacks == 14
+    good, tput = _integral(rs.goodput), _integral(rs.timeline)
+    # every fallback throws away up to 10 steps: a large share of what was trained
+    assert good < 0.75 * tput
+    # and the loss shows where it happened: the windows before a failure lose their work
+    starts = [t0 for t0, _, _ in rs.timeline]
+    lost_while_training = [
+        (t0, t1) for t0, t1, g in rs.goodput
+        if g == 0 and rs.timeline[bisect.bisect_right(starts, (t0 + t1) / 2) - 1][2] > 0]
+    assert len(lost_while_training) == 14
+    # oobleck loses only the interrupted steps; redundancy loses nothing here
+    ob, rd = res["oobleck"], res["redundant"]
+    assert _integral(ob.goodput) > 0.97 * _integral(ob.timeline)
+    assert _integral(rd.goodput) == pytest.approx(_integral(rd.timeline), rel=0.02)
+    assert ob.samples_per_s > rs.samples_per_s > rd.samples_per_s
+    # the JSON carries both series
+    d = rs.to_dict()
+    assert d["goodput"] == [list(x) for x in rs.goodput] and d["timeline"]
+
+
 def test_idle_and_redundant_shares():
     # 5 nodes, the table runs 4: one node in five idles; useful 0.25 of the rest.
     table = PolicyTable({4: 40.0}, useful=0.25, reconfiguration_s=5, restart_s=50)
@@ -161,7 +244,7 @@ def test_paper_preset_reproduces_the_published_shares():
     trace = fixed_interval(node_names(s.nodes), 60 * s.every_minutes, duration, seed=0)
     assert trace.failures == 14
     res = run_policies(scenario_backends(s), trace, duration)
-    _check_accounting(res, duration)
+    _check_accounting(res, duration, s.samples_per_iteration)
     published = {"oobleck": 0.955, "restart": 0.544, "redundant": 0.150}
     for name, share in published.items():
         assert abs(res[name].shares["effective"] - share) <= 0.05, (name, res[name].shares)
@@ -247,6 +330,80 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
         assert run(str(PAPER), "--plot", str(png)) == 0 and png.stat().st_size > 0
 
 
+def _cli(*argv):
+    import argparse
+
+    from oobleck_hpc.sim import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["simulate", *argv])
+    return args.func(args)
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plot_writes_a_png_of_goodput(tmp_path, capsys):
+    png = tmp_path / "goodput.png"
+    assert _cli(str(PAPER), "--plot", str(png)) == 0
+    out = capsys.readouterr().out
+    assert f"plot written to {png}" in out
+    data = png.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 800 and height >= 400
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[:2] == (height, width)  # decodes
+    assert [p.name for p in tmp_path.iterdir()] == ["goodput.png"]  # no temporary left
+    # --json keeps stdout pure JSON
+    svg = tmp_path / "goodput.svg"
+    assert _cli(str(PAPER), "--json", "--plot", str(svg)) == 0
+    json.loads(capsys.readouterr().out)
+    assert svg.read_text().lstrip().startswith("<?xml")
+
+
+def test_cli_plot_title_names_job_and_failure_rate_once(tmp_path, monkeypatch):
+    from oobleck_hpc.sim import report
+
+    seen = {}
+    monkeypatch.setattr(report, "plot", lambda results, path, *a: seen.update(
+        results=results, path=path, args=a))
+    assert _cli(str(PAPER), "--every", "30", "--plot", str(tmp_path / "p.png")) == 0
+    job, rate, fails, joins = seen["args"]
+    assert job == "bert-large-paper, 30 nodes, global batch 8192 samples"
+    assert rate == "one failure every 30 min: 4 failures in 2.5 h simulated"
+    assert fails == [1800.0, 3600.0, 5400.0, 7200.0] and joins == []
+    fig = report.goodput_figure(seen["results"], job, rate, fails, joins)
+    top, bottom = fig.axes
+    assert fig.get_suptitle() == f"Goodput under failures: {job}\n{rate}"
+    assert "samples/s" in top.get_ylabel() and "samples" in bottom.get_ylabel()
+    assert bottom.get_xlabel() == "simulated time (hours)"
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert [x.split(":")[0] for x in labels] == [
+        "oobleck (in-place reconfiguration)", "checkpoint-restart", "redundant computation",
+        "node failure (4)"]
+    assert "thrown away" in fig.legends[0].get_title().get_text()
+
+
+@pytest.mark.parametrize("where, expect", [
+    ("missing/dir/p.png", "does not exist"),
+    ("a-file.txt/p.png", "is not a directory"),
+    (".", "is a directory"),
+    ("p.jpg", "unknown format '.jpg'"),
+    ("p", "unknown format '(no suffix)'"),
+])
+def test_cli_plot_path_is_checked_before_anything_is_printed(tmp_path, capsys, where, expect):
+    (tmp_path / "a-file.txt").write_text("x")
+    target = tmp_path / where
+    assert _cli(str(PAPER), "--plot", str(target)) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""  # no table first
+    assert f"--plot {target}" in cap.err and expect in cap.err and "Fix:" in cap.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file.txt"]
+
+
 def _small_job():
     from oobleck_hpc.config import job_from_dict
 
@@ -272,7 +429,7 @@ def test_planner_driven_run_on_a_small_analytic_case():
     res = run_policies(planner_backends(job, profile, params,
                                         trace.mean_failure_interval_s(duration)),
                        trace, duration)
-    _check_accounting(res, duration)
+    _check_accounting(res, duration, 32)
     ob, rs, rd = res["oobleck"], res["restart"], res["redundant"]
     # oobleck: five in-place reconfigurations, each at least detection + regroup
     assert ob.fallbacks == 0 and ob.failures == 5
@@ -298,7 +455,7 @@ def test_replacements_keep_the_cluster_size_and_cost_no_extra_restarts():
     assert kinds.count("fail") == 9 and kinds.count("add") == 9
     s = _scenario(6)
     res = run_policies(scenario_backends(s), trace, 6000.0)
-    _check_accounting(res, 6000.0)
+    _check_accounting(res, 6000.0, s.samples_per_iteration)
     # restart takes a joining node only at its next restart: one restart per failure
     assert res["restart"].seconds["restart"] == pytest.approx(9 * 30.0)
     # oobleck absorbs each failure and each arrival in place: 18 reconfigurations of 2 s

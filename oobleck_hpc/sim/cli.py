@@ -7,7 +7,11 @@ profile with `profile.analytic: true` and `profile.device` answers for clusters 
     oobleck-hpc simulate examples/bert-large-paper.yaml
     oobleck-hpc simulate examples/gpt3-175b-1024gpu.yaml --every 60 --duration 168
     oobleck-hpc simulate JOB.yaml --mtbf 3.1 --per cluster --policies oobleck,restart --json
-    oobleck-hpc simulate JOB.yaml --trace cluster-log.csv --plot throughput.png
+    oobleck-hpc simulate JOB.yaml --trace cluster-log.csv --plot goodput.png
+
+--plot FILE (.png, .svg or .pdf) draws goodput over time per policy -- the work that is kept,
+so a restart's lost work shows -- with the failures marked; the path is checked before the
+simulation starts.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ def register(subparsers) -> None:
                    help="simulated time (default: the scenario's, or 24 h for a job)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated traces")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--plot", metavar="PNG", help="write throughput over time (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="write a plot of goodput over time per policy, failures marked "
+                   "(.png, .svg or .pdf)")
     g = p.add_argument_group("recovery costs of planner-driven runs (job files)")
     g.add_argument("--detect-s", type=float, help="failure detection + agreement "
                    "(default: fault_tolerance.lease_s)")
@@ -60,7 +66,7 @@ def _fail(key: str, value, problem: str, fix: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from oobleck_hpc.sim import run_policies
-    from oobleck_hpc.sim.report import PlotUnavailable, format_table, plot, to_json
+    from oobleck_hpc.sim.report import PlotError, check_plot_target, format_table, plot, to_json
     from oobleck_hpc.sim.scenario import is_scenario_file, load_scenario, scenario_backends
     from oobleck_hpc.sim.trace import exponential, fixed_interval, load_trace, node_names
 
@@ -75,6 +81,12 @@ def main(args: argparse.Namespace) -> int:
         v = getattr(args, key)
         if v is not None and not v > 0 and not (key in ("regroup_s", "detect_s") and v == 0):
             _fail("--" + key.replace("_", "-"), v, "must be positive", "give a positive number")
+    if args.plot:  # before anything is simulated or printed
+        try:
+            check_plot_target(args.plot)
+        except PlotError as e:
+            print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
 
     scenario = load_scenario(args.file) if is_scenario_file(args.file) else None
     if scenario is not None:
@@ -85,6 +97,8 @@ def main(args: argparse.Namespace) -> int:
         n_nodes = scenario.nodes
         duration_h = args.duration or scenario.duration_hours
         name = scenario.name
+        job_line = (f"{name}, {n_nodes} nodes, global batch "
+                    f"{scenario.samples_per_iteration:g} samples")
     else:
         from oobleck_hpc.config import load_job
 
@@ -125,6 +139,7 @@ def main(args: argparse.Namespace) -> int:
         subject = (f"{job.model.name} on {n_nodes} nodes x {job.cluster.gpus_per_node} GPUs "
                    f"({profile.fingerprint.device_name}, {profile.fingerprint.source} profile), "
                    f"global batch {job.train.global_microbatches * job.train.microbatch_size}")
+        job_line = f"{name}: {subject}"
     results = run_policies(backends, trace, duration_s, policies)
     title = (f"{subject}\n{trace.description}; {duration_h:g} h simulated, "
              f"{trace.failures} failures")
@@ -135,9 +150,13 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(format_table(results, title))
     if args.plot:
+        failure_rate = (f"{trace.description}: {trace.failures} failures in {duration_h:g} h "
+                        "simulated")
         try:
-            plot(results, args.plot, title)
-        except PlotUnavailable as e:
+            plot(results, args.plot, job_line, failure_rate,
+                 [e.time_s for e in trace.events if e.kind == "fail"],
+                 [e.time_s for e in trace.events if e.kind == "add"])
+        except PlotError as e:
             print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
         if not args.json:

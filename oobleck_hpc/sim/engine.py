@@ -23,6 +23,18 @@ where `d` is a training interval, `alive` the job's nodes, `used` the nodes the 
 runs on and `useful` the non-redundant fraction of a step (1 except for redundant computation).
 Lost work is first booked as effective and moved to `lost` when it is discarded, so the shares
 always sum to the duration. Samples count only work that was never discarded.
+
+Two time series per policy, both (start_s, end_s, samples/s) segments covering [0, duration]:
+
+    timeline   throughput: the rate at which the job trains, whether or not that work is kept
+    goodput    the same, except that training later thrown away counts 0 -- the interrupted
+               step that is replayed, and everything since the last checkpoint when a policy
+               falls back to it. Recoveries, checkpoints and stops are 0 in both.
+
+goodput <= timeline at every instant, and the integral of goodput is `samples` plus the part of
+the step still in flight when the simulation ends (its work is not thrown away, only unfinished).
+A training interval's fate is known only later, so the engine keeps the segments of the step in
+flight and of the steps since the last checkpoint open, and zeroes them when they are discarded.
 """
 
 from __future__ import annotations
@@ -64,6 +76,9 @@ class PolicyResult:
     timeline: list[tuple[float, float, float]]
     """(start_s, end_s, samples/s) segments: the instantaneous training throughput."""
     notes: list[str] = field(default_factory=list)
+    goodput: list[tuple[float, float, float]] = field(default_factory=list)
+    """(start_s, end_s, samples/s) segments: the throughput of work that is kept (training that
+    was later thrown away counts 0); see the module docstring."""
 
     @property
     def shares(self) -> dict[str, float]:
@@ -71,14 +86,55 @@ class PolicyResult:
 
     @property
     def samples_per_s(self) -> float:
+        """Mean goodput: samples never thrown away, per simulated second."""
         return self.samples / self.duration_s
+
+    def goodput_windows(self, window_s: float) -> list[tuple[float, float, float]]:
+        """Goodput averaged over consecutive windows of `window_s` seconds (the last one may
+        be shorter): (start_s, end_s, mean samples/s). Each window's rate times its length is
+        the goodput integral over it."""
+        return mean_over_windows(self.goodput, self.duration_s, window_s)
+
+    def goodput_cumulative(self) -> list[tuple[float, float]]:
+        """(time_s, samples kept so far) at every goodput segment boundary, from (0, 0)."""
+        out, total = [(0.0, 0.0)], 0.0
+        for t0, t1, rate in self.goodput:
+            total += (t1 - t0) * rate
+            out.append((t1, total))
+        return out
 
     def to_dict(self) -> dict:
         return {"policy": self.policy, "duration_s": self.duration_s,
                 "seconds": self.seconds, "shares": self.shares, "samples": self.samples,
                 "samples_per_s": self.samples_per_s, "steps": self.steps,
                 "failures": self.failures, "fallbacks": self.fallbacks,
-                "timeline": [list(s) for s in self.timeline], "notes": self.notes}
+                "timeline": [list(s) for s in self.timeline],
+                "goodput": [list(s) for s in self.goodput], "notes": self.notes}
+
+
+def mean_over_windows(series: list[tuple[float, float, float]], duration_s: float,
+                      window_s: float) -> list[tuple[float, float, float]]:
+    """Average a (start_s, end_s, rate) step series over consecutive windows of `window_s`
+    covering [0, duration_s] (the last window ends at duration_s); time the series does not
+    cover counts as rate 0."""
+    if not window_s > 0:
+        raise ValueError(f"window_s must be positive, not {window_s!r}")
+    out = []
+    i = 0
+    start = 0.0
+    while start < duration_s:
+        end = min(start + window_s, duration_s)
+        area = 0.0
+        while i < len(series) and series[i][1] <= start:
+            i += 1
+        j = i
+        while j < len(series) and series[j][0] < end:
+            t0, t1, rate = series[j]
+            area += max(0.0, min(t1, end) - max(t0, start)) * rate
+            j += 1
+        out.append((start, end, area / (end - start)))
+        start = end
+    return out
 
 
 class Policy:
@@ -109,6 +165,11 @@ class Policy:
         self.failures = 0
         self.fallbacks = 0
         self.timeline: list[tuple[float, float, float]] = []
+        # goodput: every segment as booked ([start, end, rate], not merged), and the indices of
+        # the still open ones: the step in flight, and completed steps since the checkpoint
+        self._good: list[list[float]] = []
+        self._good_partial: list[int] = []
+        self._good_pending: list[int] = []
         self.notes: list[str] = []
 
     # ----------------------------------------------------------------- hooks for subclasses
@@ -161,6 +222,7 @@ class Policy:
         self._move_to_lost(self.partial_eff)
         self.partial_eff = 0.0
         self.step_done = 0.0
+        self._discard(self._good_partial)
 
     def lose_since_checkpoint(self) -> None:
         """Fall back to the last checkpoint: everything since it is discarded."""
@@ -170,11 +232,19 @@ class Policy:
         self.steps -= self.pending_steps
         self.pending_eff = self.pending_samples = 0.0
         self.pending_steps = 0
+        self._discard(self._good_pending)
         self.fallbacks += 1
 
     def commit_checkpoint(self) -> None:
         self.pending_eff = self.pending_samples = 0.0
         self.pending_steps = 0
+        self._good_pending.clear()  # on disk: never thrown away any more
+
+    def _discard(self, pieces: list[int]) -> None:
+        """The training of these goodput segments was thrown away: its goodput is 0."""
+        for k in pieces:
+            self._good[k][2] = 0.0
+        pieces.clear()
 
     def _move_to_lost(self, seconds: float) -> None:
         self.sec["effective"] -= seconds
@@ -194,13 +264,16 @@ class Policy:
         self.sec["idle"] += d - d * used
         return eff
 
-    def _segment(self, t0: float, t1: float, rate: float) -> None:
+    def _segment(self, t0: float, t1: float, rate: float) -> int | None:
+        """Book [t0, t1] at `rate` in both series; returns the goodput segment's index."""
         if t1 <= t0:
-            return
+            return None
         if self.timeline and self.timeline[-1][1] == t0 and self.timeline[-1][2] == rate:
             self.timeline[-1] = (self.timeline[-1][0], t1, rate)
         else:
             self.timeline.append((t0, t1, rate))
+        self._good.append([t0, t1, rate])
+        return len(self._good) - 1
 
     def advance_to(self, target: float) -> None:
         guard = 0
@@ -244,7 +317,9 @@ class Policy:
             self.partial_eff += self._book_training(left)
             self.step_done += left
             self.t += left
-            self._segment(t0, self.t, rate)
+            k = self._segment(t0, self.t, rate)
+            if k is not None:
+                self._good_partial.append(k)
             return
         # finish the step in flight, then whole steps, up to the checkpoint or the event
         every = self.steps_per_checkpoint()
@@ -261,13 +336,24 @@ class Policy:
         self.pending_steps += room
         self.pending_eff += eff
         self.pending_samples += room * run.samples
-        self._segment(t0, self.t, rate)
+        k = self._segment(t0, self.t, rate)
+        # the step in flight completed: its segments join the completed steps
+        self._good_pending += self._good_partial
+        self._good_partial.clear()
+        if k is not None:
+            self._good_pending.append(k)
         if every and self.pending_steps >= every:
             self.checkpoint_now()
 
     def result(self, duration_s: float) -> PolicyResult:
+        goodput: list[tuple[float, float, float]] = []
+        for t0, t1, rate in self._good:
+            if goodput and goodput[-1][1] == t0 and goodput[-1][2] == rate:
+                goodput[-1] = (goodput[-1][0], t1, rate)
+            else:
+                goodput.append((t0, t1, rate))
         return PolicyResult(self.name, duration_s, dict(self.sec), self.samples, self.steps,
-                            self.failures, self.fallbacks, self.timeline, self.notes)
+                            self.failures, self.fallbacks, self.timeline, self.notes, goodput)
 
 
 def simulate(policy: Policy, trace, duration_s: float) -> PolicyResult:
