@@ -260,7 +260,10 @@ class Agent:
             return self._stop_node("early", EXIT_NODE_LOST, f"worker {w.local_rank} left the "
                                    "job early")
         if w.done_code is not None:
-            self.events.emit("worker_exited", local_rank=w.local_rank, code=code)
+            # `done` next to `code`: a worker that crashed while leaving after its work (a
+            # signal, or another code than it announced) is reported (the console warns).
+            self.events.emit("worker_exited", local_rank=w.local_rank, code=code,
+                             done=w.done_code, pid=w.proc.pid)
             if all(x.exit_code is not None for x in self.workers):
                 codes = [x.done_code if x.done_code is not None else x.exit_code
                          for x in self.workers]

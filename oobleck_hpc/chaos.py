@@ -69,7 +69,7 @@ from oobleck_hpc.elastic.membership import has_quorum
 PHASES: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["phase"])
 KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["kind"])
 START_PHASES = ("rendezvous", "restore")
-"""Fire before the first step of a run (`step` = the step it starts at: 0 for a trial)."""
+"""Fire before the first step of a run (`step` = the first step it trains: 1 for a trial)."""
 RECOVERY_PHASES = ("reconfiguration", "transfer")
 """Fire only while the survivors recover from an earlier fault at the same step."""
 AFTER_STEP_PHASES = ("checkpoint",)
@@ -94,25 +94,25 @@ def draw_trial(rng: random.Random, nodes: int, steps: int, f: int, kinds: Sequen
     count = rng.randint(f + 1, nodes - 1) if beyond else rng.randint(1, max(1, f))
     victims = rng.sample(range(nodes), min(count, nodes))
 
-    def a_step() -> int:
-        return rng.choice([0, steps - 1, rng.randrange(steps)])
+    def a_step() -> int:  # steps are numbered from 1 (config.FaultConfig.step)
+        return rng.choice([1, steps, rng.randint(1, steps)])
 
     phase = rng.choice([p for p in PHASES if p not in RECOVERY_PHASES])
-    first = FaultConfig(victims[0], 0 if phase in START_PHASES else a_step(), phase,
+    first = FaultConfig(victims[0], 1 if phase in START_PHASES else a_step(), phase,
                         rng.choice(kinds))
     out = [first]
     for node in victims[1:]:
         anchors = [x for x in out if x.phase in STEP_PHASES]
         last = max(x.step for x in out)
         modes = ["simultaneous"] + (["during_recovery"] if anchors else []) + (
-            ["later"] if last < steps - 1 else [])
+            ["later"] if last < steps else [])
         mode = rng.choice(modes)
         if mode == "simultaneous":
             step, phase = first.step, first.phase
         elif mode == "during_recovery":
             step, phase = rng.choice(anchors).step, rng.choice(RECOVERY_PHASES)
         else:
-            step = rng.randint(last + 1, steps - 1)
+            step = rng.randint(last + 1, steps)
             phase = rng.choice(STEP_PHASES + AFTER_STEP_PHASES)
         out.append(FaultConfig(node, step, phase, rng.choice(kinds)))
     return out
@@ -128,20 +128,18 @@ def draw_campaign(seed: int, trials: int, nodes: int, steps: int, f: int,
 
 def positions(x: FaultConfig) -> tuple[float, ...]:
     """Where the survivors may notice the loss of a fired fault's node, in step units (module
-    docstring, "Expected outcome"). Step s fails at s; its recovery rounds are at s + 0.1
-    (reconfiguration) and s + 0.2 (transfer); it commits at s + 0.3; a node lost after that
-    commit (optimizer, commit, a vote that completed elsewhere, the checkpoint after s + 1
-    steps) is noticed at s + 0.5, while step s + 1 runs or, after the last step, when the
+    docstring, "Expected outcome"). Step s (numbered from 1) fails at s; its recovery rounds are
+    at s + 0.1 (reconfiguration) and s + 0.2 (transfer); it commits at s + 0.3; a node lost
+    after that commit (optimizer, commit, a vote that completed elsewhere, the checkpoint after
+    step s) is noticed at s + 0.5, while step s + 1 runs or, after the last step, when the
     survivors agree they reached the end (`ElasticDriver.finish`)."""
     s = x.step
     if x.phase in START_PHASES:
         return (-1.0,)
     if x.phase == "vote":
         return (s, s + 0.5)
-    if x.phase in AFTER_VOTE_PHASES:
+    if x.phase in AFTER_VOTE_PHASES or x.phase == "checkpoint":
         return (s + 0.5,)
-    if x.phase == "checkpoint":
-        return (s - 0.5,)
     if x.phase in RECOVERY_PHASES:
         return (s + 0.1 * (1 + RECOVERY_PHASES.index(x.phase)),)
     return (float(s),)

@@ -95,7 +95,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -649,6 +649,8 @@ class Checkpointer:
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._snapshot_done: threading.Event | None = None
         self._stream: Any = None
+        self.on_published: Callable[[SaveStats], None] | None = None
+        """Called (on the writer thread) when this rank published a checkpoint."""
 
     # -- when
     def due(self, step: int, now: float | None = None) -> bool:
@@ -775,6 +777,9 @@ class Checkpointer:
                     if snapshot_done is not None:
                         snapshot_done.set()
             stats.bytes, stats.published = self._write(job)
+            stats.write_s = time.perf_counter() - t0
+            if stats.published and self.on_published is not None:
+                self.on_published(stats)
         except BaseException as e:  # reported by wait()
             if isinstance(e, FileNotFoundError) and (_published_steps(self.root) or [-1])[-1] > job.step:
                 pass  # a newer checkpoint was published and removed this stale one: nothing lost

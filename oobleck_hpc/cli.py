@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "oobleck_hpc.launch.cli_slurm",  # submit
     "oobleck_hpc.launch.cli",  # run
     "oobleck_hpc.chaos",  # chaos
+    "oobleck_hpc.report",  # report
 ]
 
 

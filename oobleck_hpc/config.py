@@ -241,7 +241,9 @@ class FaultConfig:
     node: int
     """Index of the node (0-based, in the job's initial node order) that fails."""
     step: int
-    """Training step during which the fault fires."""
+    """The training step during which the fault fires, numbered from 1 as on the console and
+    in the metrics file (1 = the first step); for rendezvous and restore, the first step the run
+    is about to train; for checkpoint, the step after which the save runs."""
     phase: Literal["forward", "backward", "gradient_sync", "reduce", "prepared", "vote",
                    "optimizer", "commit", "checkpoint", "reconfiguration", "transfer",
                    "rendezvous", "restore"] = "forward"
@@ -283,10 +285,10 @@ class JobConfig:
                 where.fail(f"faults[{i}].node", fault.node,
                            f"is not a node of this job (cluster.nodes={self.cluster.nodes})",
                            f"use an index in 0..{self.cluster.nodes - 1}")
-            if not 0 <= fault.step < self.train.steps:
+            if not 1 <= fault.step <= self.train.steps:
                 where.fail(f"faults[{i}].step", fault.step,
-                           f"is not a step of this job (train.steps={self.train.steps})",
-                           f"use a step in 0..{self.train.steps - 1}")
+                           f"is not a step of this job (train.steps={self.train.steps}; steps "
+                           "are numbered from 1)", f"use a step in 1..{self.train.steps}")
 
     def validate(self) -> JobConfig:
         _walk(self, _Where(self.source, ""))

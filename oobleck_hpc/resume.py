@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oobleck_hpc import runs
 from oobleck_hpc.errors import EXIT_REQUEUE
 
 if TYPE_CHECKING:
@@ -87,15 +88,6 @@ BEAT_EVERY_S = 1.0
 
 def _log(msg: str) -> None:
     print(f"[resume] {msg}", file=sys.stderr, flush=True)
-
-
-def restart_count() -> int:
-    """Which run of the job this is: 0 first, then 1, 2, ... The largest of SLURM_RESTART_COUNT
-    (Slurm requeues), OOBLECK_REQUEUE_COUNT (the local requeue role, launch/requeue.py) and
-    OOBLECK_RESTART_COUNT (the node environment; a watchdog restart)."""
-    values = [os.environ.get(k, "") for k in
-              ("SLURM_RESTART_COUNT", "OOBLECK_REQUEUE_COUNT", "OOBLECK_RESTART_COUNT")]
-    return max([int(v) for v in values if v.isdigit()], default=0)
 
 
 @dataclass
@@ -118,6 +110,9 @@ class Resume:
     _hooked: Any = None
     _last_beat: float = 0.0
     faults: Any = None
+    events: Any = None
+    """The run's EventLog: restored, checkpoint_saved, stopping, fallback (what the console
+    and `oobleck-hpc report` tell)."""
     log: Any = field(default=_log, repr=False)
 
     # ------------------------------------------------------------------ start
@@ -125,7 +120,7 @@ class Resume:
     @classmethod
     def start(cls, job: JobConfig, plan: Plan, rank: int, comm: Any, device: Any,
               run_dir: str | Path, profile: ModelProfile | None = None,
-              faults: Any = None) -> Resume:
+              faults: Any = None, events: Any = None) -> Resume:
         """Install the stop-signal handlers, open the checkpoint directory and restore from the
         latest good checkpoint onto `plan` (every rank of the world must call this). A peer
         lost during the restore raises RuntimeError (train.py rendezvous again and retries).
@@ -136,7 +131,10 @@ class Resume:
         cp = None
         if job.checkpoint.dir is not None:
             cp = Checkpointer(job.checkpoint, rank=rank, num_layers=plan.num_layers)
-        self = cls(job, rank, Path(run_dir), device, cp, stop, profile, faults=faults)
+        self = cls(job, rank, Path(run_dir), device, cp, stop, profile, faults=faults,
+                   events=events)
+        if cp is not None and events is not None:
+            cp.on_published = lambda stats: _published(events, cp.root, stats)
         if cp is not None:
             try:
                 self._restore(plan, comm)
@@ -146,12 +144,13 @@ class Resume:
         return self
 
     @classmethod
-    def unstarted(cls, job: JobConfig, run_dir: str | Path, device: Any) -> Resume:
+    def unstarted(cls, job: JobConfig, run_dir: str | Path, device: Any,
+                  events: Any = None) -> Resume:
         """For a fallback before `start` completed (a run that lost too many nodes while
         starting): nothing restored or saved by this run, the checkpoint directory untouched."""
         from oobleck_hpc.checkpoint import StopSignals
 
-        return cls(job, 0, Path(run_dir), device, None, StopSignals())
+        return cls(job, 0, Path(run_dir), device, None, StopSignals(), events=events)
 
     def _restore(self, plan: Plan, comm: Any) -> None:
         from oobleck_hpc.checkpoint import CheckpointError, find_latest, open_checkpoint
@@ -186,9 +185,14 @@ class Resume:
         self.state = TrainState(step=ts.step, cursor=ts.samples_seen)
         self.restored_step = step
         if self.rank == 0:
+            seconds = time.perf_counter() - t0
             self.log(f"restored step {step} (cursor {ts.samples_seen}) from {ckpt.path} onto plan "
-                     f"{plan.digest()} ({len(plan.nodes)} nodes) in "
-                     f"{time.perf_counter() - t0:.2f} s; written by plan {ts.plan_digest}")
+                     f"{plan.digest()} ({len(plan.nodes)} nodes) in {seconds:.2f} s; written by "
+                     f"plan {ts.plan_digest}")
+            if self.events is not None:
+                self.events.emit("restored", step=step, path=str(ckpt.path),
+                                 seconds=round(seconds, 3), plan=plan.digest(),
+                                 written_by=ts.plan_digest)
 
     # ------------------------------------------------------------------ each step
 
@@ -305,6 +309,8 @@ class Resume:
         from oobleck_hpc.checkpoint import wait_published
 
         self.log(f"rank {self.rank}: stopping at step {engine.state.step} for a requeue: {reason}")
+        if self.rank == 0 and self.events is not None:
+            self.events.emit("stopping", step=engine.state.step, reason=reason)
         if self.checkpointer is None:
             self.log("checkpoint.dir is not set: nothing saved; the requeued job starts over")
         else:
@@ -338,6 +344,12 @@ class Resume:
             latest = read_latest_pointer(self.checkpointer.root) if self.checkpointer else None
             self.log(f"the requeued job resumes from step {latest if latest is not None else 0}")
             self._write_requeue_record(reason, latest, nodes)
+        if self.events is not None:  # every rank: rank 0 may be the one that is gone
+            from oobleck_hpc.checkpoint import read_latest_pointer
+
+            root = self.job.checkpoint.dir
+            self.events.emit("fallback", reason=reason[:300], nodes=nodes,
+                             resume_from=read_latest_pointer(root) if root else None)
         self.stop.uninstall()
         return EXIT_REQUEUE
 
@@ -348,7 +360,7 @@ class Resume:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             _atomic_json(self.run_dir / REQUEUE_RECORD,
                          {"reason": reason, "step": step, "nodes": nodes,
-                          "restart_count": restart_count(), "time": time.time()})
+                          "restart_count": runs.attempt(), "time": time.time()})
         except OSError as e:
             self.log(f"cannot write {self.run_dir / REQUEUE_RECORD}: {e}")
 
@@ -366,6 +378,17 @@ class Resume:
         if self.checkpointer is not None:
             self.checkpointer.wait()
         self.stop.uninstall()
+
+
+def _published(events: Any, root: Path, stats: Any) -> None:
+    """The `checkpoint_saved` event of a checkpoint this rank published (its whole size)."""
+    path = root / f"step-{stats.step}"
+    try:
+        size = sum(f.stat().st_size for f in path.iterdir())
+    except OSError:  # pruned meanwhile by a newer one
+        size = stats.bytes
+    events.emit("checkpoint_saved", step=stats.step, bytes=size, seconds=round(stats.write_s, 3),
+                path=str(path))
 
 
 def read_requeue_record(run_dir: str | Path) -> dict[str, Any] | None:

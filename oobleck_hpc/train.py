@@ -35,19 +35,21 @@ _client = None
 @dataclass
 class Progress:
     """The run as the current plan's rank 0 reports it: a tqdm bar on a TTY, a log line every
-    `log_every` steps otherwise, and one JSON line per committed step in the metrics file. Every
-    rank records its committed steps (the same values everywhere); only the current plan's rank
-    0 (`active`: it changes when a node is lost) writes and prints. The metrics file holds every
-    step committed by this run exactly once, whoever dies: the writer appends, under a lock on
-    the file, the steps it kept after the last one the file's tail records (the previous writer
-    may have died between committing a step and writing it), and every rank does the same after
-    the last step. A requeued run starts a
-    fresh file (launch/requeue.py keeps the earlier attempts' lines) and records the steps it
-    replays after its checkpoint."""
+    `log_every` steps otherwise, and one JSON line per committed step in the metrics file
+    (steps numbered from 1, as on the console and in the events). Every rank records its
+    committed steps (the same values everywhere); only the current plan's rank 0 (`active`: it
+    changes when a node is lost) writes and prints. The metrics file holds every step committed
+    by this attempt exactly once, whoever dies: the writer appends, under a lock on the file,
+    the steps it kept after the last one the file's tail records for this attempt (the previous
+    writer may have died between committing a step and writing it), and every rank does the
+    same after the last step. Each line names its run and attempt (oobleck_hpc/runs.py): a
+    requeued attempt appends the steps it replays after its checkpoint with its own number."""
 
     total: int
     log_every: int
     metrics: Path | None
+    run: str = ""
+    attempt: int = 0
     active: bool = False
     bar: object = None
     losses: list[float] = field(default_factory=list)
@@ -66,9 +68,10 @@ class Progress:
             self.losses.append(r.loss)
             self.samples += r.samples
             self.seconds += r.seconds
-            self._rows.append({"step": r.step, "loss": r.loss, "samples": r.samples,
+            self._rows.append({"step": r.step + 1, "loss": r.loss, "samples": r.samples,
                                "seconds": r.seconds, "grad_norm": r.grad_norm, "lr": r.lr,
-                               "plan": plan_id, "generation": generation, "time": time.time()})
+                               "plan": plan_id, "generation": generation, "time": time.time(),
+                               "run": self.run, "attempt": self.attempt})
         if active and not self.active and self.bar is None and sys.stdout.isatty():
             from tqdm import tqdm
 
@@ -81,8 +84,8 @@ class Progress:
             if self.bar is not None:
                 self.bar.update(1)
                 self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
-            elif (row["step"] + 1) % self.log_every == 0 or row["step"] + 1 == self.total:
-                print(f"step {row['step'] + 1}/{self.total}  loss {row['loss']:.4f}  "
+            elif row["step"] % self.log_every == 0 or row["step"] == self.total:
+                print(f"step {row['step']}/{self.total}  loss {row['loss']:.4f}  "
                       f"{row['samples'] / max(row['seconds'], 1e-9):.1f} samples/s", flush=True)
 
     def finish(self) -> None:
@@ -94,8 +97,8 @@ class Progress:
 
     def _append_missing(self) -> list[dict]:
         """Under an exclusive lock on the file: append the kept steps after the last one it
-        records (a torn last line, from a writer killed mid-write, is ended first). Returns
-        the rows written (without a file: the rows not reported yet)."""
+        records for this attempt (a torn last line, from a writer killed mid-write, is ended
+        first). Returns the rows written (without a file: the rows not reported yet)."""
         if self.metrics is None:
             new = [row for row in self._rows if row["step"] > self._printed]
         else:
@@ -106,7 +109,7 @@ class Progress:
                 tail = f.read()
                 if tail and not tail.endswith(b"\n"):
                     f.write(b"\n")
-                last = _last_step_in(tail)
+                last = _last_step_in(tail, self.run, self.attempt)
                 new = [row for row in self._rows if row["step"] > last]
                 f.write("".join(json.dumps(row) + "\n" for row in new).encode())
         if new:
@@ -137,30 +140,21 @@ def _lock(f, wait_s: float) -> None:
             time.sleep(0.01)
 
 
-def _last_step_in(tail: bytes) -> int:
-    """The step of the last complete JSON line in `tail` (-1: none)."""
+def _last_step_in(tail: bytes, run: str, attempt: int) -> int:
+    """The step of the last complete JSON line of attempt (`run`, `attempt`) in `tail` (0: none:
+    the attempt wrote nothing yet, or earlier lines of the file are another attempt's)."""
     for line in reversed(tail.split(b"\n")):
         try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
+            row = json.loads(line)
+            if (row.get("run", ""), row.get("attempt", 0)) == (run, attempt):
+                return int(row["step"])
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
-    return -1
+    return 0
 
 
 KEEP_ROWS = 1000
 """Committed steps a rank keeps for the metrics file in case it becomes the writer."""
-
-
-def describe_plan(plan) -> str:
-    lines = [f"plan {plan.digest()}: {len(plan.pipelines)} pipelines on {len(plan.nodes)} nodes, "
-             f"{plan.world_size} ranks, {plan.global_microbatches} microbatches, predicted "
-             f"{plan.predicted_iteration_ms:.1f} ms/step"]
-    for i, p in enumerate(plan.pipelines):
-        stages = " | ".join(f"L{s.layer_start}-{s.layer_end - 1}@{p.nodes[s.node]}:{','.join(map(str, s.gpus))}"
-                            for s in p.template.stages)
-        lines.append(f"  pipeline {i}: {p.template.num_nodes}-node template, "
-                     f"{p.microbatches} microbatches: {stages}")
-    return "\n".join(lines)
 
 
 def pick_device(job, env):
@@ -237,19 +231,19 @@ def main() -> int:
         while True:
             try:
                 if faults is not None:
-                    faults("restore", first_step)
-                ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile, faults)
+                    faults("restore", first_step + 1)
+                ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile, faults,
+                                    events)
                 break
             except RuntimeError as e:
                 plan, comm = driver.start(first_step, failed=f"restore: {e!r}")
-        if comm.rank == 0:
-            print(describe_plan(plan), flush=True)
         driver.build_engine(state=ckpt.state, layer_states=ckpt.layer_states)
 
         # The run loop: each step commits only when every rank holds it (the commit vote); a
         # lost node is recovered in place inside driver.step() (oobleck_hpc/elastic/driver.py).
         metrics = Path(env.extra["metrics"]) if env.extra.get("metrics") else None
-        progress = Progress(job.train.steps, job.train.log_every, metrics)
+        progress = Progress(job.train.steps, job.train.log_every, metrics, run=events.run,
+                            attempt=events.attempt)
         t0 = time.perf_counter()
         while driver.engine.state.step < job.train.steps:
             results = driver.step(ckpt.ballot(driver.engine))
@@ -266,8 +260,13 @@ def main() -> int:
         wall = time.perf_counter() - t0
         progress.finish()
         if driver.rank == 0:
-            print(summary(job, driver.plan, progress, wall, run_dir, driver.recoveries),
-                  flush=True)
+            losses = progress.losses
+            events.emit("run_finished", steps=driver.engine.state.step, model=job.model.name,
+                        wall_s=round(wall, 3), first_loss=losses[0] if losses else math.nan,
+                        last_loss=losses[-1] if losses else math.nan,
+                        samples_per_s=round(progress.samples / max(wall, 1e-9), 2),
+                        plan=driver.plan.digest(), nodes=len(driver.plan.nodes),
+                        recoveries=len(driver.recoveries))
         return EXIT_OK
     except (GuaranteeExceeded, RecoveryError, Fenced) as e:
         # Beyond in-place recovery: resume from the latest checkpoint. A node fenced because its
@@ -276,7 +275,7 @@ def main() -> int:
         if e.exit_code != EXIT_REQUEUE:
             code = None  # entry() reports it
             raise
-        code = (ckpt or Resume.unstarted(job, run_dir, device)).fallback(e)
+        code = (ckpt or Resume.unstarted(job, run_dir, device, events)).fallback(e)
         return code
     except BaseException:
         code = None  # entry() reports an intended exit; anything else is a crash of the node
@@ -306,20 +305,6 @@ def save_final_state(driver, job, run_dir: Path) -> None:
             tmp = out / f".layer-{layer}.pt.{rank}"
             torch.save(state, tmp)
             os.replace(tmp, out / f"layer-{layer}.pt")
-
-
-def summary(job, plan, progress: Progress, wall: float, run_dir: Path, recoveries=()) -> str:
-    from oobleck_hpc.elastic.driver import describe_recoveries
-
-    steps = len(progress.losses)
-    first = progress.losses[0] if steps else math.nan
-    last = progress.losses[-1] if steps else math.nan
-    return (f"done: {steps} steps of {job.model.name} in {wall:.1f} s; loss {first:.4f} -> "
-            f"{last:.4f}; {progress.samples / max(wall, 1e-9):.1f} samples/s; "
-            f"plan {plan.digest()} ({len(plan.pipelines)} pipelines, "
-            f"{len({p.template for p in plan.pipelines})} templates, "
-            f"{len(plan.nodes)} nodes x {plan.gpus_per_node} GPUs); run dir {run_dir}"
-            + (f"\nrecoveries: {describe_recoveries(list(recoveries))}" if recoveries else ""))
 
 
 def entry() -> int:

@@ -49,7 +49,7 @@ def test_draws_are_valid_and_cover_nodes_steps_phases_kinds_counts(nodes, steps,
         assert first.phase not in RECOVERY_PHASES
         for x in faults:
             if x.phase in START_PHASES:
-                assert x.step == 0
+                assert x.step == 1
             if x.phase in RECOVERY_PHASES:  # anchored on an earlier in-step fault
                 assert any(y.step == x.step and y.phase in STEP_PHASES for y in faults)
             seen["node", x.node] += 1
@@ -62,8 +62,8 @@ def test_draws_are_valid_and_cover_nodes_steps_phases_kinds_counts(nodes, steps,
         seen["simultaneous"] += any((x.step, x.phase) == (first.step, first.phase)
                                     for x in faults[1:])
     assert all(seen["node", n] for n in range(nodes))
-    assert seen["step", 0] and seen["step", steps - 1]
-    assert all(seen["step", s] for s in range(steps))
+    assert seen["step", 1] and seen["step", steps]
+    assert all(seen["step", s] for s in range(1, steps + 1))
     assert all(seen["phase", p] for p in PHASES), [p for p in PHASES if not seen["phase", p]]
     assert all(seen["kind", k] for k in KINDS)
     assert all(seen["count", c] for c in range(max(1, f), nodes))  # within f and beyond
@@ -85,7 +85,7 @@ def test_kinds_restrict_the_draw():
 
 def test_round_orders_follow_time_and_count_both_ways_of_a_race():
     F = FaultConfig
-    start, step = F(4, 0, "rendezvous"), F(1, 3, "backward")
+    start, step = F(4, 1, "rendezvous"), F(1, 3, "backward")
     recon, transfer = F(2, 3, "reconfiguration"), F(0, 3, "transfer")
     # one order: start, step 3's failure, then one round per recovery phase
     assert round_orders([transfer, step, start, recon]) == [
@@ -94,8 +94,8 @@ def test_round_orders_follow_time_and_count_both_ways_of_a_race():
     after = F(3, 2, "commit")
     assert round_orders([after, step]) == [[(3.0, [after, step])]]
     assert round_orders([after]) == [[(2.5, [after])]]
-    # the checkpoint after 3 steps is as late as step 2's commit
-    assert round_orders([F(3, 3, "checkpoint")]) == [[(2.5, [F(3, 3, "checkpoint")])]]
+    # the checkpoint after step 3 is as late as step 3's commit
+    assert round_orders([F(3, 3, "checkpoint")]) == [[(3.5, [F(3, 3, "checkpoint")])]]
     # a vote fault: the vote failed (a round at its step) or completed elsewhere (later); after
     # the last step, the loss is noticed when the survivors agree they reached the end
     vote = F(3, 5, "vote")
@@ -206,7 +206,7 @@ def test_expected_outcome_follows_the_plan_across_recoveries():
     one (each a later step) never falls back while a replica of every layer is left."""
     profile, templates, plan = _plan(0, 10**9, 1, 3)
     nodes = len(plan.nodes)
-    one_by_one = [FaultConfig(i, i, "forward", "kill") for i in range(nodes - 1)]
+    one_by_one = [FaultConfig(i, i + 1, "forward", "kill") for i in range(nodes - 1)]
     assert expected_outcomes(one_by_one[:1], plan, templates, profile, 1) == ["in_place"]
     current, expected = plan, "in_place"
     for x in one_by_one:

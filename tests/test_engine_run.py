@@ -1,6 +1,7 @@
 """`oobleck-hpc run`: the local launcher trains the bundled example end to end (4 local nodes x
 2 workers, the planner's plan), prints the plan and a summary, writes per-step JSONL metrics and
-exits 0; bad input exits 2 with a message that names the key."""
+exits 0; a second run of the same job is a new run whose records never mix with the first's,
+and `oobleck-hpc report` tells either; bad input exits 2 with a message that names the key."""
 
 from __future__ import annotations
 
@@ -32,27 +33,46 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_run_trains_the_example_across_local_nodes(tmp_path: Path) -> None:
     """The bundled example without its injected fault, 6 steps: the planner's plan on its
-    local nodes, a summary, one metrics line per step."""
+    local nodes, a summary, one metrics line per step. Run again (2 steps): a new run id, the
+    first run's records under RUN_DIR/history/<its id>/, each reported on its own."""
     job = yaml.safe_load((ROOT / "examples/gpt-tiny-local.yaml").read_text())
     job.pop("faults", None)
     job["train"]["steps"] = 6
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     batch = job["train"]["global_microbatches"] * job["train"]["microbatch_size"]
-    metrics = tmp_path / "metrics.jsonl"
-    r = _run(["run", str(path), "--run-dir", str(tmp_path / "run"), "--metrics", str(metrics)],
-             timeout=200)
+    metrics = tmp_path / "run" / "metrics.jsonl"  # the default: in the run directory
+    r = _run(["run", str(path), "--run-dir", str(tmp_path / "run")], timeout=200)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pipeline 0:" in r.stdout and "done: 6 steps of gpt-tiny" in r.stdout, r.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(6))
+    assert [row["step"] for row in rows] == list(range(1, 7))
     assert all(row["samples"] == batch and row["generation"] == 0 for row in rows)
     assert len({row["plan"] for row in rows}) == 1
     assert all(math.isfinite(row["loss"]) and row["seconds"] > 0 for row in rows)
     assert min(row["loss"] for row in rows[3:]) < rows[0]["loss"]  # lr 1e-3 on real text: it learns
+    assert len({(row["run"], row["attempt"]) for row in rows}) == 1
+
+    run_dir = tmp_path / "run"
+    first = (run_dir / "run-id").read_text().strip()
+    r = _run(["run", str(path), "--run-dir", str(run_dir), "--steps", "2"], timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    second = (run_dir / "run-id").read_text().strip()
+    assert second != first
+    old = run_dir / "history" / first
+    assert {e["run"] for e in map(json.loads, (old / "events.jsonl").read_text().splitlines())} \
+        == {first}
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        == [1, 2]
+    for run, steps in ((first, 6), (second, 2)):
+        rep = _run(["report", str(run_dir), "--run", run, "--json"], timeout=60)
+        assert rep.returncode == 0, rep.stderr
+        report = json.loads(rep.stdout)
+        assert report["run"] == run and report["steps"]["committed"] == steps
+        assert report["timeline"][-1]["line"].startswith(f"done: {steps} steps")
 
 
 @pytest.mark.timeout(60)

@@ -116,25 +116,25 @@ def test_run_rejects_an_unknown_model_before_any_process_starts(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_node_that_leaves_cleanly_mid_run_is_a_loss_and_the_others_finish(tmp_path):
-    """4 nodes x 1 worker; node2 leaves cleanly (the `exit` fault) in step 3's backward pass:
+    """4 nodes x 1 worker; node2 leaves cleanly (the `exit` fault) in step 4's backward pass:
     its peers recover in place at once, every step is committed, every loss equals the
     single-process reference, the job exits 0 and node2's agent 3 (it did not finish)."""
     from test_resume import finish, job_output, losses_by_step, reference, start_run, write_job
 
     steps = 8
     job = write_job(tmp_path, "leave", every_steps=0, steps=steps)
-    text = job.read_text() + "faults:\n- {node: 2, step: 3, phase: backward, kind: exit}\n"
+    text = job.read_text() + "faults:\n- {node: 2, step: 4, phase: backward, kind: exit}\n"
     job.write_text(text)
     run_dir = tmp_path / "leave"
     code, out, err = finish(start_run(job), 180)
     logs = job_output(out, err, run_dir)
     assert code == 0, logs
     got = losses_by_step(run_dir / "metrics.jsonl")
-    assert sorted(got) == list(range(steps)), logs
+    assert sorted(got) == list(range(1, steps + 1)), logs
     want = reference(job, steps)
     for step, losses in got.items():
         for loss in losses:
-            assert abs(loss - want[step]) <= 1e-5 * max(1.0, abs(want[step])), (step, loss, want)
+            assert abs(loss - want[step - 1]) <= 1e-5 * max(1.0, abs(want[step - 1])), (step, loss)
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     lost = [e for e in events if e["kind"] == "agreement_reached" and e["lost"] == ["node2"]]
     assert lost, logs  # seen in-band by its pipeline peer, or from its BYE: either is a loss

@@ -65,7 +65,7 @@ def run_job(tmp_path: Path, **kw) -> tuple[int, list[dict], Path]:
     path.write_text(yaml.safe_dump(data))
     job = job_from_dict(data, str(path))
     metrics = run_dir / "metrics.jsonl"
-    run = LocalRun(job, path, run_dir, metrics, kill_grace_s=10.0, console=False)
+    run = LocalRun(job, path, run_dir, metrics, kill_grace_s=10.0)
     code = run.run()
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return code, rows, run_dir
@@ -80,7 +80,7 @@ def check_equal_to_reference(code: int, rows: list[dict], run_dir: Path, referen
     ref_losses, ref_params = reference
     logs = run_dir / "logs"
     assert code == 0, f"job exit code {code} (logs: {logs})"
-    assert [r["step"] for r in rows] == list(range(STEPS)), rows
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
     np.testing.assert_allclose([r["loss"] for r in rows], ref_losses, rtol=TOL)
     for layer, params in ref_params.items():
         got = torch.load(run_dir / "final" / f"layer-{layer}.pt")
@@ -99,8 +99,8 @@ def check_equal_to_reference(code: int, rows: list[dict], run_dir: Path, referen
 # The windows of the transactional step: compute, inside the final all-reduce (some ranks may
 # complete it), during the commit vote (some ranks may see it complete and commit), and after
 # the metrics writer (node0: rank 0) applied the update but before it recorded the step.
-PHASES = [("forward", 3, 1), ("backward", 1, 2), ("reduce", 2, 2), ("vote", 4, 3),
-          ("commit", 0, 3)]
+PHASES = [("forward", 3, 2), ("backward", 1, 3), ("reduce", 2, 3), ("vote", 4, 4),
+          ("commit", 0, 4)]
 
 
 @pytest.mark.timeout(150)
@@ -119,8 +119,8 @@ def test_kill_one_node_in_each_phase(tmp_path, reference, phase, node, step):
 @pytest.mark.timeout(150)
 def test_kill_two_nodes_at_once(tmp_path, reference):
     code, rows, run_dir = run_job(tmp_path, f=2, faults=[
-        {"node": 1, "step": 2, "phase": "backward", "kind": "kill"},
-        {"node": 3, "step": 2, "phase": "backward", "kind": "kill"}])
+        {"node": 1, "step": 3, "phase": "backward", "kind": "kill"},
+        {"node": 3, "step": 3, "phase": "backward", "kind": "kill"}])
     check_equal_to_reference(code, rows, run_dir, reference, {"node1", "node3"})
 
 
@@ -128,7 +128,7 @@ def test_kill_two_nodes_at_once(tmp_path, reference):
 def test_kill_store_host_and_coordinator(tmp_path, reference):
     """node0 hosts generation 0's store and is the first node of the roster (rank 0)."""
     code, rows, run_dir = run_job(tmp_path, faults=[
-        {"node": 0, "step": 2, "phase": "forward", "kind": "kill"}])
+        {"node": 0, "step": 3, "phase": "forward", "kind": "kill"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, {"node0"})
     agreed = [e for e in events if e["kind"] == "membership_agreed"]
     assert agreed and not agreed[-1]["store"].endswith(":0")
@@ -137,8 +137,8 @@ def test_kill_store_host_and_coordinator(tmp_path, reference):
 @pytest.mark.timeout(150)
 def test_kill_during_reconfiguration(tmp_path, reference):
     code, rows, run_dir = run_job(tmp_path, f=2, faults=[
-        {"node": 1, "step": 2, "phase": "forward", "kind": "kill"},
-        {"node": 3, "step": 2, "phase": "reconfiguration", "kind": "kill"}])
+        {"node": 1, "step": 3, "phase": "forward", "kind": "kill"},
+        {"node": 3, "step": 3, "phase": "reconfiguration", "kind": "kill"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, {"node1", "node3"})
     assert any(e["kind"] == "fault_injected" and e["phase"] == "reconfiguration" for e in events)
 
@@ -146,7 +146,7 @@ def test_kill_during_reconfiguration(tmp_path, reference):
 @pytest.mark.timeout(150)
 def test_hang_node(tmp_path, reference):
     code, rows, run_dir = run_job(tmp_path, faults=[
-        {"node": 2, "step": 2, "phase": "forward", "kind": "hang"}])
+        {"node": 2, "step": 3, "phase": "forward", "kind": "hang"}])
     check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
 
 

@@ -127,34 +127,35 @@ def assert_close(got: float, want: float, what: str) -> None:
 @pytest.mark.timeout(150)
 def test_guarantee_exceeded_falls_back_requeues_on_fewer_nodes_and_resumes_exactly(tmp_path):
     """Real faults beyond the guarantee: the two 2-node pipelines (node0+node1, node2+node3)
-    lose their second stage at once (node1 and node3 killed in step 5); half the nodes are
+    lose their second stage at once (node1 and node3 killed in step 6); half the nodes are
     left, node0 among them, so the survivors keep their quorum, but no replica of the second
     stage's layers is left."""
     job = write_job(tmp_path, "exceed", every_steps=2, faults=[
-        {"node": 1, "step": 5, "phase": "backward", "kind": "kill"},
-        {"node": 3, "step": 5, "phase": "backward", "kind": "kill"}])
+        {"node": 1, "step": 6, "phase": "backward", "kind": "kill"},
+        {"node": 3, "step": 6, "phase": "backward", "kind": "kill"}])
     run_dir = tmp_path / "exceed"
     proc = start_run(job)
     code, out, err = finish(proc, 110)
     assert code == 0, out + err
     reference_losses = reference(job, STEPS)
 
-    # Attempt 0 left with 75 in step 5; it resumed from the checkpoint after 4 steps.
-    assert "attempt 0 exited 75" in err and "on 2 nodes (alive: node0, node2)" in err, err
+    # Attempt 0 left with 75 in step 6; it resumed from the checkpoint after 4 steps.
+    assert "requeued: attempt 1 on 2 nodes (alive: node0, node2)" in out, out
     text = job_output(out, err, run_dir)
     assert "restored step 4 (cursor 64)" in text, text
-    assert "pipelines on 4 nodes" in text and "pipelines on 2 nodes" in text, text
+    assert "on 4 nodes x 1 GPU:" in out and "on 2 nodes x 1 GPU:" in out, out
+    assert "fell back: " in out and "the job resumes from step 4" in out, out
     plans = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         plans.setdefault(row["plan"], []).append(row["step"])
-    # The resumed run replays step 4 (committed on the old plan, not checkpointed) and records it.
-    assert list(plans.values()) == [list(range(5)), list(range(4, STEPS))], plans
+    # The resumed run replays step 5 (committed on the old plan, not checkpointed) and records it.
+    assert list(plans.values()) == [list(range(1, 6)), list(range(5, STEPS + 1))], plans
 
     # Every loss, on either plan, equals the reference.
     for step, losses in losses_by_step(run_dir / "metrics.jsonl").items():
         for loss in losses:
-            assert_close(loss, reference_losses[step], f"step {step}")
+            assert_close(loss, reference_losses[step - 1], f"step {step}")
 
     # The checkpoints of the second attempt were published next to the first one's.
     from oobleck_hpc.checkpoint import find_latest
@@ -229,7 +230,7 @@ def test_sigterm_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(
     code, out, err = finish(proc, 100)
     assert code == 0, out + err
     text = job_output(out, err, run_dir)
-    assert "received SIGTERM" in text and "attempt 0 exited 75" in err, text
+    assert "received SIGTERM" in text and "requeued: attempt 1 on 4 nodes" in out, text
     stopped = {line.split("] ", 1)[-1].split(":")[0]: int(line.split("stopping at step ")[1].split()[0])
                for line in text.splitlines() if "stopping at step " in line}
     assert len(stopped) == 4 and len(set(stopped.values())) == 1, stopped  # all ranks, one step
@@ -238,7 +239,7 @@ def test_sigterm_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(
     assert 0 < step < steps, step
     # Nothing replayed, nothing skipped: the requeued job goes on with the exact next batch.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert rows[step - 1]["plan"] == rows[step]["plan"]  # requeued on all 4 nodes again
     want = reference(job, step + 2)
     for s, loss in enumerate(want):
@@ -250,7 +251,7 @@ def test_sigterm_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(
 
 def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_path, monkeypatch):
     from oobleck_hpc.launch.requeue import run_with_requeue
-    from oobleck_hpc.resume import restart_count
+    from oobleck_hpc.runs import attempt as restart_count
 
     monkeypatch.delenv("OOBLECK_ATTEMPT", raising=False)
     monkeypatch.delenv("OOBLECK_RESTART_COUNT", raising=False)
@@ -259,20 +260,26 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
 
     def launch(attempt):
         seen.append((attempt.index, attempt.nodes, os.environ["OOBLECK_ATTEMPT"], restart_count()))
-        metrics.write_text(f"attempt {attempt.index}\n")  # as the launcher does: a fresh file
+        with open(metrics, "a") as f:  # as every attempt's writer does: it appends
+            f.write(f"attempt {attempt.index}\n")
         if attempt.index == 0:
             (tmp_path / "requeue.json").write_text(json.dumps({"reason": "r", "nodes": ["a", "b"]}))
             return EXIT_REQUEUE
         return EXIT_REQUEUE if attempt.index == 1 else 0
 
+    from oobleck_hpc.elastic.events import EventLog, read_events
+
     code, attempts = run_with_requeue(launch, nodes=4, run_dir=tmp_path, max_requeues=3,
-                                      metrics=metrics, log=lambda m: None)
+                                      log=lambda m: None,
+                                      events=EventLog(tmp_path / "events.jsonl", "launcher"))
     assert code == 0 and [a.code for a in attempts] == [75, 75, 0]
     assert [s[1] for s in seen] == [4, 2, 2]  # attempt 1 left no record: same nodes again
     assert [s[3] for s in seen] == [0, 1, 2]
     assert [s[2].rsplit(".", 1)[1] for s in seen] == ["r0", "r1", "r2"]
     assert len({s[2].rsplit(".", 1)[0] for s in seen}) == 1
     assert metrics.read_text() == "attempt 0\nattempt 1\nattempt 2\n"
+    requeued = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "requeued"]
+    assert [(e["next_attempt"], e["nodes"]) for e in requeued] == [(1, 2), (2, 2)]
     assert "OOBLECK_ATTEMPT" not in os.environ  # restored after the loop
 
     code, attempts = run_with_requeue(lambda a: EXIT_REQUEUE, nodes=2, run_dir=tmp_path,
@@ -287,7 +294,7 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
 
 
 def test_restart_count_takes_the_largest_source(monkeypatch):
-    from oobleck_hpc.resume import restart_count
+    from oobleck_hpc.runs import attempt as restart_count
 
     for key in ("SLURM_RESTART_COUNT", "OOBLECK_REQUEUE_COUNT", "OOBLECK_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)

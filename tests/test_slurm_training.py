@@ -93,7 +93,7 @@ def check_run(run_dir: Path, job_id: str, reference, lost: set[str],
     batch node was lost, the job came back once only to publish the outcome (COMPLETED)."""
     ref_losses, ref_params = reference
     rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(STEPS)), f"{rows} (logs: {run_dir}/logs)"
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), f"{rows} (logs: {run_dir}/logs)"
     np.testing.assert_allclose([r["loss"] for r in rows], ref_losses, rtol=TOL)
     for layer, params in ref_params.items():
         got = torch.load(run_dir / "final" / f"layer-{layer}.pt")
@@ -232,11 +232,11 @@ def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, reference):
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
 def test_frozen_node_recovered_in_place(slurm_cluster, tmp_path, reference):
-    """n2 freezes in the commit window: its processes stop right after its vote of step 4 was
+    """n2 freezes in the commit window: its processes stop right after its vote of step 5 was
     sent (the job's hang fault), then its slurmd and step daemon too (`freeze-node`): a whole
     node frozen. The others decide that step together (commit or replay) and go on exactly."""
     figures = run_with_fault(slurm_cluster, tmp_path, reference, "freeze",
-                             "freeze-node", "n2", hang_at=(4, "vote"))
+                             "freeze-node", "n2", hang_at=(5, "vote"))
     print("freeze n2 in the commit window:", figures)
 
 

@@ -63,8 +63,8 @@ those decisions need no collective of their own.
 
 Events (run_dir/events.jsonl, source node/local_rank): step_failed (every rank that saw it: phase,
 peer, error), membership_agreed, plan_chosen, groups_rebuilt, state_transferred (bytes), and
-recovered (first committed step after the recovery, with the phase times); the new rank 0 also
-prints one short line per transition.
+recovered (first committed step after the recovery, with the phase times); steps numbered from
+1 as everywhere the user reads them. The console shows them as oobleck_hpc/story.py tells them.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class Recovery:
     """One completed in-place recovery, as this worker saw it."""
 
     step: int
+    """The step that failed and was replayed (numbered from 1)."""
     lost: tuple[str, ...]
     generation: int
     plan: str
@@ -182,9 +183,11 @@ class ElasticDriver:
             plan = replace(plan, generation=m.gen)
             try:
                 if self.faults is not None:
-                    self.faults("rendezvous", first_step)
+                    self.faults("rendezvous", first_step + 1)
                 self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s)
                 self.plan = plan
+                if self.comm.rank == 0:
+                    self._plan_chosen(plan, lost=m.lost)
                 return plan, self.comm
             except (Superseded, RuntimeError, TimeoutError, ValueError) as e:
                 if isinstance(e, RecoveryError):
@@ -276,8 +279,8 @@ class ElasticDriver:
         holds step `step` prepared. Completes only when all did (then committing is safe
         everywhere); Superseded when a round opened first."""
         if self.faults is not None:
-            self.faults("prepared", step)
-        sent = None if self.faults is None else (lambda: self.faults("vote", step))
+            self.faults("prepared", step + 1)
+        sent = None if self.faults is None else (lambda: self.faults("vote", step + 1))
         values = self.client.exchange(f"commit-{step}", ballot, timeout=self.agree_s,
                                       gen=self.gen, on_sent=sent)
         every = [v for per_node in values.values() for v in per_node]
@@ -299,9 +302,19 @@ class ElasticDriver:
                                  seconds=round(r.seconds, 4), rounds=r.rounds, plan=r.plan,
                                  phases={k: round(v, 4) for k, v in r.phases.items()},
                                  bytes_moved=r.bytes_moved)
-                print(f"recovered: lost {', '.join(r.lost) or 'nothing (retried in place)'} at "
-                      f"step {r.step}; first step committed on plan {r.plan} (generation "
-                      f"{r.generation}) {r.seconds:.2f} s after the failure was seen", flush=True)
+
+    def _plan_chosen(self, plan, **fields) -> None:
+        """The `plan_chosen` event (rank 0 of the plan): what the console and the report show."""
+        from oobleck_hpc.planning.cost import job_profile, predicted_step_ms, sharing_note
+
+        self.events.emit("plan_chosen", generation=plan.generation, plan=plan.digest(),
+                         pipelines=[p.template.num_nodes for p in plan.pipelines],
+                         microbatches=[p.microbatches for p in plan.pipelines],
+                         nodes=len(plan.nodes), gpus_per_node=plan.gpus_per_node,
+                         predicted_step_ms=round(predicted_step_ms(
+                             plan, job_profile(self.job, self.profile)), 3),
+                         note=sharing_note(self.job, self.profile), layout=plan.layout(),
+                         **fields)
 
     def _round_opened(self) -> bool:
         """The agents opened a membership round (or decided one) past this generation."""
@@ -311,7 +324,7 @@ class ElasticDriver:
 
     def _on_phase(self, phase: str, step: int) -> None:
         if self.faults is not None:
-            self.faults(phase, step)
+            self.faults(phase, step + 1)  # the engine's step index; faults count from 1
         if phase not in ("optimizer", "commit") and self._round_opened():
             # past the vote a step commits whatever happens (module docstring)
             r = self.client.round_open
@@ -341,12 +354,12 @@ class ElasticDriver:
         if peer is not None and self.plan is not None and 0 <= peer < self.plan.world_size:
             suspects = [self.plan.ranks[peer].node]
         suspects = [s for s in suspects if s != self.node]
-        self.events.emit("step_failed", step=step, phase=phase, peer=peer, suspects=suspects,
+        self.events.emit("step_failed", step=step + 1, phase=phase, peer=peer, suspects=suspects,
                          error=why[:300], generation=self.gen)
-        self.client.report_failure("comm_error", f"step {step} {phase}: {why[:200]}", suspects,
-                                   gen=self.gen)
+        self.client.report_failure("comm_error", f"step {step + 1} {phase}: {why[:200]}",
+                                   suspects, gen=self.gen)
         if self.faults is not None:
-            self.faults.on_failed_step(step)
+            self.faults.on_failed_step(step + 1)
         engine, self.engine = self.engine, None
         if self.base is None:  # the current engine was the base
             self.base, self.base_plan = engine, self.plan
@@ -356,7 +369,7 @@ class ElasticDriver:
         if engine is not None and engine is not self.base and held is None:
             engine.close()
         self._teardown()
-        rec = self._pending or Recovery(step, (), self.gen, "", t_failed)
+        rec = self._pending or Recovery(step + 1, (), self.gen, "", t_failed)
         if self._pending is not None:
             rec.rounds += 1
         self._pending = rec
@@ -382,7 +395,7 @@ class ElasticDriver:
                     self._retries += 1
                     if self._retries > MAX_RETRIES:
                         raise RecoveryError(
-                            f"step {self.base.state.step} failed {self._retries} times in a row "
+                            f"step {self.base.state.step + 1} failed {self._retries} times in a row "
                             f"with no node lost (last: {why[:200]}); falling back to the last "
                             "checkpoint")
                     new_plan = self.base_plan
@@ -394,15 +407,7 @@ class ElasticDriver:
                 if new_rank == 0:
                     self.events.emit("membership_agreed", generation=m.gen, nodes=list(m.nodes),
                                      lost=list(lost), store=m.store_addr)
-                    self.events.emit("plan_chosen", generation=m.gen, plan=new_plan.digest(),
-                                     pipelines=[p.template.num_nodes for p in new_plan.pipelines],
-                                     microbatches=[p.microbatches for p in new_plan.pipelines],
-                                     plan_seconds=round(t2 - t1, 4))
-                    print(f"agreed: generation {m.gen}, "
-                          f"{'lost ' + ', '.join(lost) if lost else 'no node lost (retry)'}; "
-                          f"new plan {new_plan.digest()}: pipelines of "
-                          f"{[p.template.num_nodes for p in new_plan.pipelines]} nodes",
-                          flush=True)
+                    self._plan_chosen(new_plan, lost=lost, plan_seconds=round(t2 - t1, 4))
                 mine = [self.base_plan.digest(), new_plan.digest(), state.step, state.cursor]
                 values = self.client.exchange(f"recover-{m.gen}", mine, timeout=self.agree_s,
                                               gen=m.gen)
@@ -413,7 +418,7 @@ class ElasticDriver:
                         f"has (base plan, new plan, step, cursor) = {mine}, another {other[0]}; "
                         "falling back to the last checkpoint")
                 if self.faults is not None:
-                    self.faults("reconfiguration", state.step)
+                    self.faults("reconfiguration", state.step + 1)
                 if self._round_opened():  # the exchange may have completed here only
                     raise Superseded(f"generation {m.gen} superseded before regrouping")
                 t3 = time.time()
@@ -432,7 +437,7 @@ class ElasticDriver:
                                 on_phase=self._on_phase, abort=self._round_opened)
                 moves = transfer_plan(self.base_plan, new_plan, self.profile)
                 if self.faults is not None:
-                    self.faults("transfer", state.step)
+                    self.faults("transfer", state.step + 1)
                 stats = transfer.execute(moves, new_rank, self.base, engine, comm.timeout)
                 t5 = time.time()
                 rec.phases["transfer"] = rec.phases.get("transfer", 0.0) + (t5 - t4)
@@ -501,7 +506,7 @@ class ElasticDriver:
             self.base.close()
             self.base, self.base_plan = held, held.plan
         self._rolled.append(result)
-        self.events.emit("rolled_forward", step=result.step, generation=gen,
+        self.events.emit("rolled_forward", step=result.step + 1, generation=gen,
                          plan=held.plan.digest())
         return None
 
@@ -676,10 +681,5 @@ def _peer_died(error: BaseException | None) -> bool:
                                    "Broken pipe"))
 
 
-def describe_recoveries(recoveries: list[Recovery]) -> str:
-    return "; ".join(f"lost {', '.join(r.lost)} at step {r.step}: recovered in {r.seconds:.2f} s"
-                     for r in recoveries)
-
-
-__all__ = ["ElasticDriver", "Recovery", "RecoveryError", "RoundOpened", "describe_recoveries",
+__all__ = ["ElasticDriver", "Recovery", "RecoveryError", "RoundOpened",
            "release_connections"]

@@ -8,11 +8,14 @@ transferred, first step committed after recovery, ...) is one event:
 
 writes
 
-    {"t": 1763788000.123456, "kind": "failure_detected", "source": "node3", "node": "node1", ...}
+    {"t": 1763788000.123456, "kind": "failure_detected", "source": "node3", "run": "20261125-041502-9f3a",
+     "attempt": 0, "node": "node1", ...}
 
 and logs `[node3] failure_detected node=node1 how=connection_lost` to the `oobleck_hpc.events`
 logger. `t` is wall-clock Unix time (time.time()): events of different processes on one machine
-(or on nodes with synchronised clocks) can be merged and subtracted.
+(or on nodes with synchronised clocks) can be merged and subtracted. `run` and `attempt` name the
+run and the attempt (requeue) that wrote the event (oobleck_hpc/runs.py); steps are numbered from
+1, as in the metrics file and on the console (`step` k = the k-th training step).
 
 Concurrency: every event is one `os.write` of one line to a file opened with O_APPEND, so the
 lines of many processes on one machine never interleave (the kernel serialises appends on local
@@ -34,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oobleck_hpc import runs
+
 logger = logging.getLogger("oobleck_hpc.events")
 
 
@@ -48,6 +53,8 @@ class EventLog:
         self._warned = False
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run = runs.run_id(self.path.parent if self.path is not None else None)
+        self.attempt = runs.attempt()
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Record one event; returns it (as written). `fields` must be JSON-serialisable
@@ -55,6 +62,9 @@ class EventLog:
         event: dict[str, Any] = {"t": time.time(), "kind": kind}
         if self.source:
             event["source"] = self.source
+        if self.run:
+            event["run"] = self.run
+        event["attempt"] = self.attempt
         event.update(fields)
         line = json.dumps(event, default=str, separators=(",", ":")) + "\n"
         human = " ".join(f"{k}={_short(v)}" for k, v in fields.items())

@@ -5,13 +5,15 @@
       - {node: 2, step: 3, phase: reconfiguration, kind: kill}
 
 `node` is the index in the job's initial node order (the roster: node0, node1, ...), `step` the
-training step (0-based, `engine.state.step`) during which the fault fires, `phase` the window
+training step during which the fault fires (numbered from 1, as on the console and in the
+metrics file: the callers pass `engine.state.step + 1` for the step being run), `phase` the window
 (config.FaultConfig.phase): forward, backward, gradient_sync, reduce, optimizer, commit (the
 engine's `on_phase` hook: the moment the step enters that phase on a worker of the node);
 prepared, vote (the driver's transactional commit: before this rank votes, and after its vote
 was sent); reconfiguration, transfer (the reconfigure driver: after the survivors agreed, and
-while layer state moves); rendezvous, restore (the start of a run: `step` is the step it starts
-at); checkpoint (a periodic save, after the snapshot was handed to the writer). A fault fires at
+while layer state moves; `step` is the step being replayed); rendezvous, restore (the start of
+a run: `step` is the first step it will train); checkpoint (the periodic save after step
+`step`, once the snapshot was handed to the writer). A fault fires at
 most once per process; the first worker of the node to get there fires it for the node.
 
 Kinds, all acting on the whole node -- the node agent and its workers share one process group
@@ -86,8 +88,6 @@ class FaultInjector:
             self.events.emit("fault_injected", node=self.node, local_rank=self.local_rank,
                              step=f.step, phase=f.phase, fault=f.kind)
             self.events.close()
-        print(f"[{self.node}/{self.local_rank}] injecting fault: {f.kind} node {self.node} at "
-              f"step {f.step} ({f.phase})", flush=True)
         if f.kind == "kill":
             os.killpg(os.getpgid(0), signal.SIGKILL)
         elif f.kind == "hang":

@@ -10,6 +10,10 @@ launch/watch.py): it takes RUN_DIR/job.lock first (a second copy of the job refu
 records how to start it again (RUN_DIR/run.json), and how it ended (RUN_DIR/exit.json). A job
 that exits 75 (guarantee exceeded, or SIGTERM/SIGUSR2: checkpoint on disk) is started again and
 resumes from its checkpoint, at most --max-requeues times (launch/requeue.py).
+
+Each invocation is a new run with its own id (oobleck_hpc/runs.py): the previous run's records
+in RUN_DIR move to RUN_DIR/history/<its id>/ first, so runs never mix. A watchdog restart
+(OOBLECK_RESTART_COUNT > 0) continues the run it restarts.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     run_dir = job.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     with JobLock(run_dir):
+        begin_run(run_dir)
         write_run_record(run_dir, [sys.executable, "-m", "oobleck_hpc", *sys.argv[1:]],
                          cwd=os.getcwd(), checkpoint_dir=job.checkpoint.dir)
         code = EXIT_UNRECOVERABLE
@@ -91,6 +96,20 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             record_exit(run_dir, code, _EXIT_REASONS.get(code, f"exit {code}"))
         return code
+
+
+def begin_run(run_dir) -> str:
+    """Make this invocation RUN_DIR's current run (a new id, unless a watchdog restart
+    continues one) and name it in OOBLECK_RUN_ID for every agent and worker."""
+    import os
+
+    from oobleck_hpc import runs
+
+    run_id = os.environ.get("OOBLECK_RUN_ID") or (
+        runs.read_run_id(run_dir) if runs.attempt() > 0 else "") or runs.new_run_id()
+    runs.begin(run_dir, run_id)
+    os.environ["OOBLECK_RUN_ID"] = run_id
+    return run_id
 
 
 def check_local_inputs(job) -> None:
@@ -130,10 +149,19 @@ def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir
     import yaml
 
     from oobleck_hpc.config import load_job
-    from oobleck_hpc.launch.local import launch_local
+    from oobleck_hpc.elastic.events import EventLog
+    from oobleck_hpc.launch.local import Console, launch_local
     from oobleck_hpc.launch.requeue import run_with_requeue
 
     metrics = Path(args.metrics or run_dir / "metrics.jsonl")
+    if args.metrics:  # outside the run directory: this run's steps only
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        metrics.write_text("")
+    events = EventLog(run_dir / "events.jsonl", source="launcher")
+    events.emit("run_started", job=job.name, model=job.model.name, steps=job.train.steps,
+                nodes=job.cluster.nodes, gpus_per_node=job.cluster.gpus_per_node,
+                launch="local")
+    console = Console(run_dir / "events.jsonl")
 
     def launch(attempt) -> int:
         this, ov = job, dict(overrides)
@@ -147,11 +175,12 @@ def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir
             with open(fd, "w") as f:
                 yaml.safe_dump(json.loads(json.dumps(this.to_dict())), f, sort_keys=False)
             job_path = Path(name)
-        return launch_local(this, job_path, metrics=metrics, run_dir=run_dir)
+        return launch_local(this, job_path, metrics=metrics, run_dir=run_dir, console=console)
 
     from oobleck_hpc.launch.slurm import min_nodes
 
     code, _ = run_with_requeue(launch, nodes=job.cluster.nodes, run_dir=run_dir,
-                               max_requeues=args.max_requeues, metrics=metrics,
-                               min_nodes=min_nodes(job))
+                               max_requeues=args.max_requeues, min_nodes=min_nodes(job),
+                               events=events)
+    console.poll()
     return code

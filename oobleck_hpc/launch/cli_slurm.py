@@ -1,8 +1,10 @@
 """`oobleck-hpc submit JOB.yaml`: submit a job to Slurm (submitit; see oobleck_hpc/launch/slurm.py).
 
-Prints the Slurm job id and where its logs go; `--wait` blocks until the job ends and prints how
-its agents' step ended (nodes, lost nodes, exit code). `--dry-run` prints the sbatch parameters
-and the per-node command without submitting. Imports submitit only when run.
+Prints the Slurm job id and where its logs go; `--wait` tells the run as it goes (the same lines
+as `oobleck-hpc run`: oobleck_hpc/story.py, from RUN_DIR/events.jsonl and metrics.jsonl on the
+shared filesystem), blocks until the job ends and prints how its agents' step ended (nodes, lost
+nodes, exit code) as JSON. `--dry-run` prints the sbatch parameters and the per-node command
+without submitting. Imports submitit only when run.
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def run(args: argparse.Namespace) -> int:
           f"logs {run_dir}/logs and {run_dir}/submitit", flush=True)
     if not args.wait:
         return 0
+    import time
+
+    from oobleck_hpc import runs
+    from oobleck_hpc.launch.local import Console
+
+    console = Console(run_dir / "events.jsonl", run=runs.slurm_run_id(submitted.job_id),
+                      metrics=run_dir / "metrics.jsonl", every=job.train.log_every,
+                      total=job.train.steps, out=sys.stderr)
+    while not submitted.done():
+        console.poll()
+        time.sleep(0.5)
     result = slurm.wait_result(submitted, run_dir)
+    console.poll()
     print(json.dumps(result.to_dict(), indent=1))
     return result.exit_code

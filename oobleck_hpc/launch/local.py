@@ -21,8 +21,9 @@ first node (later ones by a survivor), so the launcher is no single point of fai
   exits 3: it does not count as finished. On 2 the bad input's error is printed.
 - Ctrl-C / SIGTERM: forwarded to every agent (which forward them to their workers), then as above.
 - RUN_DIR/agents.json names each node's agent pid (its process group): what kill-node uses.
-- After the run, a summary of the recoveries (what died, when, how long to the first committed
-  step) is printed from RUN_DIR/events.jsonl.
+- The console: rank 0's progress (its stdout), and one line per event that matters -- the plan,
+  a fault, the agreement, the recovery with its time, a checkpoint, a fallback, the end --
+  told from RUN_DIR/events.jsonl as it grows (`Console`, oobleck_hpc/story.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,43 @@ from typing import Any
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.elastic.local import _state
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
+from oobleck_hpc.story import Story, Tail
+
+
+@dataclass
+class Console:
+    """Prints the run's story (oobleck_hpc/story.py) from its events file as it grows; one for
+    the whole run, across requeued attempts. `poll()` often, and once at the end. `run`: only
+    that run's events (the file may still hold an earlier run's until the new one starts).
+    `metrics` (with `every` and `total`): also a progress line every `every` steps from the
+    metrics file (where rank 0's own output is not on this console: `submit --wait`)."""
+
+    events: Path
+    run: str = ""
+    metrics: Path | None = None
+    every: int = 10
+    total: int = 0
+    story: Story = field(default_factory=Story)
+    out: Any = None
+    _tails: tuple[Tail, Tail | None] | None = None
+
+    def poll(self) -> None:
+        if self._tails is None:
+            self._tails = (Tail(self.events), Tail(self.metrics) if self.metrics else None)
+        events, metrics = self._tails
+        for e in events.read():
+            if not self.run or e.get("run") == self.run:
+                self._print(self.story.feed(e))
+        for row in metrics.read() if metrics is not None else ():
+            k = row.get("step", 0)
+            if (not self.run or row.get("run") == self.run) and (
+                    k % self.every == 0 or k == self.total):
+                self._print([f"step {k}/{self.total}  loss {row['loss']:.4f}  "
+                             f"{row['samples'] / max(row['seconds'], 1e-9):.1f} samples/s"])
+
+    def _print(self, lines: list[str]) -> None:
+        for line in lines:
+            print(line, file=self.out or sys.stdout, flush=True)
 
 
 @dataclass
@@ -49,7 +87,8 @@ class LocalRun:
     metrics: Path | None = None
     kill_grace_s: float = 20.0
     extra_env: dict[str, str] = field(default_factory=dict)
-    console: bool = True
+    console: Console | None = None
+    """Where the story goes (None: nowhere; the agents' stdout goes to their logs then)."""
     agents: Any = None
     _signalled: float = 0.0
 
@@ -67,8 +106,6 @@ class LocalRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.metrics is not None:
             self.metrics.parent.mkdir(parents=True, exist_ok=True)
-            self.metrics.write_text("")  # this run's steps only
-        events = self.run_dir / "events.jsonl"
         t_start = time.time()
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **self.extra_env}
         if self.metrics is not None:
@@ -86,7 +123,7 @@ class LocalRun:
 
         self.agents = LocalAgents.start(self.run_dir, self.node_names(),
                                         self.job.cluster.gpus_per_node, job=self.job_path,
-                                        env=env, console=self.console)
+                                        env=env, console=self.console is not None)
         (self.run_dir / "agents.json").write_text(json.dumps(
             {m: p.pid for m, p in self.agents.procs.items()}, indent=1) + "\n")
         for s in old:
@@ -100,9 +137,8 @@ class LocalRun:
             for s, h in old.items():
                 signal.signal(s, h)
             self.agents.cleanup()
-        text = recovery_summary(events, since=t_start)
-        if text:
-            print(text, flush=True)
+            if self.console is not None:
+                self.console.poll()
         return code
 
     def _wait(self) -> int:
@@ -117,6 +153,8 @@ class LocalRun:
                 over_at = time.monotonic() + self.kill_grace_s
             if over_at is not None and time.monotonic() > over_at:
                 break
+            if self.console is not None:
+                self.console.poll()
             time.sleep(0.05)
         return job_exit_code({m: p.poll() for m, p in procs.items()})
 
@@ -150,35 +188,6 @@ def bad_input_message(run_dir: Path, since: float = 0.0) -> str:
             + detail)
 
 
-def recovery_summary(events_path: Path, since: float = 0.0) -> str:
-    """Human lines for the run's recoveries: what died, when, how long from the fault (or the
-    first sign of the failure) to the first committed step on the new plan."""
-    from oobleck_hpc.elastic.events import read_events
-
-    if not Path(events_path).exists():
-        return ""
-    evs = [e for e in read_events(str(events_path)) if e.get("t", 0) >= since]
-    lines = []
-    t_prev = since
-    for e in evs:
-        if e.get("kind") != "recovered":
-            continue
-        window = [x for x in evs if t_prev <= x["t"] <= e["t"]]
-        faults = [x for x in window if x["kind"] in ("fault_injected", "node_killed")]
-        seen = [x for x in window if x["kind"] == "step_failed"]
-        t0 = faults[0]["t"] if faults else (seen[0]["t"] if seen else e["t"] - e.get("seconds", 0))
-        how = (f"{faults[0].get('fault', 'kill')} ({faults[0].get('phase', 'from outside')})"
-               if faults else "failure")
-        lines.append(f"  step {e['step']}: lost {', '.join(e.get('lost', []))} by {how}; first "
-                     f"step committed on plan {e.get('plan')} {e['t'] - t0:.2f} s later "
-                     f"({e.get('rounds', 1)} round(s), {e.get('bytes_moved', 0) / 1e6:.2f} MB "
-                     f"of layer state moved)")
-        t_prev = e["t"]
-    if not lines:
-        return ""
-    return f"recoveries ({len(lines)}, in place, no restart):\n" + "\n".join(lines)
-
-
 def kill_node(run_dir: str | Path, node: str, sig: int = signal.SIGKILL) -> float:
     """Kill one node of a running local job from another shell: `sig` to its agent's process
     group (agent + workers). Returns the time it was sent (also written to the events)."""
@@ -200,8 +209,8 @@ def kill_node(run_dir: str | Path, node: str, sig: int = signal.SIGKILL) -> floa
 
 
 def launch_local(job: JobConfig, job_path: str | Path, metrics: str | Path | None = None,
-                 run_dir: str | Path | None = None) -> int:
+                 run_dir: str | Path | None = None, console: Console | None = None) -> int:
     """Run the job on this machine; returns the exit code (see module docstring)."""
     run = LocalRun(job, Path(job_path), Path(run_dir or job.resolved_run_dir),
-                   Path(metrics) if metrics else None)
+                   Path(metrics) if metrics else None, console=console)
     return run.run()

@@ -20,10 +20,10 @@ machine `oobleck-hpc run` plays that role with `run_with_requeue`:
 - after `max_requeues` requeues the loop gives up and returns 75 (the watchdog, if one watches,
   may still restart the job from its checkpoint).
 
-Metrics: the launcher starts each attempt's metrics file afresh; `MetricsHistory` puts the
-earlier attempts' lines back in front once an attempt ends, so the file holds every step of
-every attempt (a step replayed after a fallback appears once per attempt that ran it). The
-per-node logs of a requeued attempt (RUN_DIR/logs) are kept as RUN_DIR/logs-attempt<k>.
+Records: every attempt appends to the run's metrics file (each line names its attempt: a step
+replayed after a fallback appears once per attempt that ran it) and events file (with `events`,
+the loop adds a `requeued` event per requeue); the per-node logs of a requeued attempt
+(RUN_DIR/logs) are kept as RUN_DIR/logs-attempt<k> (oobleck_hpc/runs.py: the run directory).
 """
 
 from __future__ import annotations
@@ -56,33 +56,6 @@ class Attempt:
     reason: str = ""
 
 
-@dataclass
-class MetricsHistory:
-    """Keeps the lines of earlier attempts in the metrics file across relaunches."""
-
-    path: Path | None
-    lines: list[str] = field(default_factory=list)
-
-    def before(self, attempt: int) -> None:
-        if self.path is None or attempt == 0:
-            return
-        try:
-            self.lines = self.path.read_text().splitlines(keepends=True)
-        except FileNotFoundError:
-            pass
-
-    def after(self, attempt: int) -> None:
-        if self.path is None or attempt == 0 or not self.lines:
-            return
-        try:
-            current = self.path.read_text()
-        except FileNotFoundError:
-            current = ""
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(self.lines) + current)
-        os.replace(tmp, self.path)
-
-
 def _read_record(run_dir: Path) -> dict | None:
     import json
 
@@ -93,20 +66,19 @@ def _read_record(run_dir: Path) -> dict | None:
 
 
 def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: str | Path,
-                     max_requeues: int = 3, metrics: str | Path | None = None,
-                     log: Callable[[str], None] = _log,
-                     min_nodes: int = 1) -> tuple[int, list[Attempt]]:
+                     max_requeues: int = 3, log: Callable[[str], None] = _log,
+                     min_nodes: int = 1, events=None) -> tuple[int, list[Attempt]]:
     """Run `launch(attempt)` until it returns something other than 75, at most
     `max_requeues` + 1 times. Returns (the last exit code, the attempts). A requeue runs on
     the nodes left alive, but never on fewer than `min_nodes` (the fewest the job's plan
     accepts, (f + 1) * n0: below it the planner would refuse the job -- as a requeued Slurm job
-    gets the nodes it asks for, a local one gets that many pretend nodes)."""
+    gets the nodes it asks for, a local one gets that many pretend nodes). `events`: the run's
+    EventLog, for a `requeued` event per requeue (instead of a `log` line)."""
     if max_requeues < 0:
         raise ValueError(f"max_requeues={max_requeues}: use 0 to never requeue")
     run_dir = Path(run_dir)
     base_attempt = os.environ.get("OOBLECK_ATTEMPT") or f"local{os.getpid()}"
     base_restarts = int(os.environ.get("OOBLECK_RESTART_COUNT", "0") or 0)
-    history = MetricsHistory(Path(metrics) if metrics else None)
     attempts: list[Attempt] = []
     saved = {k: os.environ.get(k) for k in ("OOBLECK_ATTEMPT", "OOBLECK_REQUEUE_COUNT")}
     try:
@@ -116,13 +88,11 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
             os.environ["OOBLECK_ATTEMPT"] = f"{base_attempt}.r{index}"
             os.environ["OOBLECK_REQUEUE_COUNT"] = str(base_restarts + index)
             (run_dir / REQUEUE_RECORD).unlink(missing_ok=True)
-            history.before(index)
             t0 = time.monotonic()
             try:
                 attempt.code = launch(attempt)
             finally:
                 attempt.seconds = time.monotonic() - t0
-                history.after(index)
             if attempt.code != EXIT_REQUEUE:
                 return attempt.code, attempts
             if (run_dir / "logs").is_dir():  # the next attempt's agents start new logs
@@ -136,9 +106,14 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
                 nodes = max(len(alive), min_nodes)
             if index == max_requeues:
                 break
-            log(f"attempt {index} exited 75 after {attempt.seconds:.1f} s ({attempt.reason}); "
-                f"requeue {index + 1}/{max_requeues} on {nodes} nodes"
-                + (f" (alive: {', '.join(alive)})" if alive else ""))
+            if events is None:
+                log(f"attempt {index} exited 75 after {attempt.seconds:.1f} s "
+                    f"({attempt.reason}); requeue {index + 1}/{max_requeues} on {nodes} nodes"
+                    + (f" (alive: {', '.join(alive)})" if alive else ""))
+            else:  # the console tells it (oobleck_hpc/story.py)
+                events.emit("requeued", next_attempt=base_restarts + index + 1, nodes=nodes,
+                            alive=alive, reason=attempt.reason[:300],
+                            seconds=round(attempt.seconds, 3))
         log(f"giving up after {max_requeues} requeues (last: {attempts[-1].reason}); the latest "
             f"checkpoint stays on disk -- run the job again to resume from it")
         return EXIT_REQUEUE, attempts

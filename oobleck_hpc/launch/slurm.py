@@ -60,7 +60,8 @@ from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wai
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
-from oobleck_hpc.launch.slurm_task import nodes_left, recorded_outcome, requeue, run_verdict
+from oobleck_hpc.launch.slurm_task import (begin_run, nodes_left, recorded_outcome, requeue,
+                                          run_verdict)
 
 DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}"
 """The per-node command (the elastic agent). Override per job with `slurm.agent_command`."""
@@ -132,6 +133,7 @@ class SlurmDriver:
         if env.source != "slurm":
             raise RuntimeError("SlurmDriver runs inside a Slurm batch job (SLURM_JOB_ID unset)")
         run_dir = Path(self.run_dir)
+        begin_run(run_dir, env.job_id, env.restart_count)  # OOBLECK_RUN_ID for the steps
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         tag = f"{env.job_id}-r{env.restart_count}"
@@ -148,7 +150,7 @@ class SlurmDriver:
                                        min_nodes=self.min_nodes, timeout_s=DISCOVERY_TIMEOUT_S)
         except TooFewNodes as e:
             print(f"oobleck: {e}; requeueing job {env.job_id}", file=sys.stderr, flush=True)
-            self._requeue(env.job_id, run_dir, tag)
+            self._requeue(env.job_id, run_dir, tag, reason=str(e))
         found = wait_for_discovery(run_dir, env.job_id, env.restart_count, timeout_s=30)
         roster = list(found.roster.names)
         discovery_s = time.monotonic() - t0
@@ -189,14 +191,15 @@ class SlurmDriver:
         raise SystemExit(result.exit_code)  # not an Exception: submitit lets it end the process
 
     @staticmethod
-    def _requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None = None) -> None:
+    def _requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None = None,
+                 reason: str = "") -> None:
         """Ask Slurm to requeue this job (on `nodes` nodes: slurm_task.requeue), then wait until
         it has (Restarts grows) and leave without a result: returning would make submitit
         publish a result for a job that is coming back. Leaving by ourselves also matters where
         Slurm tracks processes by parentage (proctrack/linuxproc): this process outlives the
         killed batch shell there."""
         before = _restarts(job_id)
-        requeue(job_id, run_dir, tag, nodes)
+        requeue(job_id, run_dir, tag, nodes, reason)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and _restarts(job_id) == before:
             time.sleep(1)

@@ -1,8 +1,9 @@
 """The wrapper around each node's agent in a Slurm job: `python -m oobleck_hpc.launch.slurm_task
 --run-dir DIR --tag JOB-rK -- AGENT...` (stdlib only; started by srun, one per node).
-For slurm/train.sbatch: `... --run-dir DIR --tag JOB-rK --recorded` prints the exit code recorded
-for this run to publish (`recorded_outcome`), or nothing; `--verdict-since T` prints the verdict
-of the run's agents that started after Unix time T (`run_verdict`).
+For slurm/train.sbatch: `... --run-dir DIR --tag JOB-rK --begin` makes the job RUN_DIR's current
+run (`begin_run`); `--recorded` prints the exit code recorded for this run to publish
+(`recorded_outcome`), or nothing; `--verdict-since T` prints the verdict of the run's agents
+that started after Unix time T (`run_verdict`).
 
 1. Runs the agent and records its exit code in DIR/exit/TAG/NODE: `srun` reports only the highest
    code of a step, while the job's outcome is a rule over every node's code (`verdict`).
@@ -33,6 +34,9 @@ of the run's agents that started after Unix time T (`run_verdict`).
 5. Points the training's per-step metrics at DIR/metrics.jsonl (OOBLECK_METRICS, unless the
    environment already names a file), as `oobleck-hpc run` does for a local job: the current
    plan's rank 0 appends one JSON line per committed step, on whichever node it runs.
+6. Run records (oobleck_hpc/runs.py): a Slurm job is one run, `slurm-JOBID`, its requeues are
+   its attempts (SLURM_RESTART_COUNT). `begin_run` (the drivers, before anything starts) moves
+   an earlier run's records to DIR/history/ and exports OOBLECK_RUN_ID to the job's steps.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from oobleck_hpc import runs
+from oobleck_hpc.elastic.events import EventLog
 
 # oobleck_hpc.errors' exit codes (kept import-free: this wraps every agent)
 EXIT_OK = 0
@@ -189,7 +196,23 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
           f"{current} exited {codes}: verdict {rc}; requeueing the job to "
           f"{'resume' if rc == EXIT_REQUEUE else 'end with it'}", flush=True)
     # One node is enough to publish the outcome (the lost batch host may never come back).
-    requeue(job_id, run_dir, tag, 1 if rc != EXIT_REQUEUE else nodes_left(names, codes))
+    requeue(job_id, run_dir, tag, 1 if rc != EXIT_REQUEUE else nodes_left(names, codes),
+            "" if rc == EXIT_REQUEUE else f"to publish the outcome (exit {rc}) of a run that "
+            f"lost its batch host {fields.get('BatchHost')}")
+
+
+def begin_run(run_dir: Path, job_id: str, restart: int) -> str:
+    """Make job `job_id` RUN_DIR's current run (`runs.begin`: an earlier run's records move to
+    history/) and name it in OOBLECK_RUN_ID for the steps this process starts; the first attempt
+    records `run_started`. Returns the run id."""
+    run_id = runs.slurm_run_id(job_id)
+    runs.begin(run_dir, run_id)
+    os.environ["OOBLECK_RUN_ID"] = run_id
+    if restart == 0:
+        EventLog(run_dir / "events.jsonl", source="driver").emit(
+            "run_started", launch="slurm", job_id=job_id,
+            nodes=len(_hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))))
+    return run_id
 
 
 def nodes_left(roster: list[str], codes: dict[str, int], least: int | None = None) -> int | None:
@@ -207,9 +230,21 @@ def roster_names(run_dir: Path) -> list[str]:
     return [n["name"] for n in json.loads((run_dir / "roster.json").read_text())["nodes"]]
 
 
-def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None) -> None:
+def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None, reason: str = "") -> None:
     """`scontrol requeue JOB`; with `nodes`, first a detached helper that makes the requeued job
-    ask for that many nodes once it is PENDING (`shrink_when_pending`)."""
+    ask for that many nodes once it is PENDING (`shrink_when_pending`). Records a `requeued`
+    event (its reason: RUN_DIR/requeue.json's, else `reason`)."""
+    restart = int(tag.rpartition("-r")[2] or 0)
+    record = {}
+    try:
+        record = json.loads((run_dir / "requeue.json").read_text())
+    except (OSError, ValueError):
+        pass
+    if record.get("restart_count") != restart or reason:
+        record = {}  # an earlier attempt's, or the caller knows better
+    EventLog(run_dir / "events.jsonl", source="driver").emit(
+        "requeued", next_attempt=restart + 1, nodes=nodes, alive=record.get("nodes"),
+        reason=str(record.get("reason") or reason or "exit 75")[:300])
     if nodes is not None:
         subprocess.run(["sh", "-c", '"$0" -m oobleck_hpc.launch.slurm_task --run-dir "$1" '
                         '--tag "$2" --shrink-when-pending "$3" >/dev/null 2>&1 </dev/null &',
@@ -237,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--tag", required=True, help="JOBID-rRESTART")
+    parser.add_argument("--begin", action="store_true",
+                        help="make this job the run directory's current run (prints its id)")
     parser.add_argument("--recorded", action="store_true",
                         help="print the exit code recorded for this run to publish, if any")
     parser.add_argument("--verdict-since", type=float, default=None, metavar="T",
@@ -252,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     job_id = args.tag.rpartition("-r")[0]
     if args.shrink_when_pending is not None:
         return 0 if shrink_when_pending(job_id, args.shrink_when_pending) else 1
+    if args.begin:
+        print(begin_run(run_dir, job_id, int(args.tag.rpartition("-r")[2])))
+        return 0
     if args.requeue:
         requeue(job_id, run_dir, args.tag,
                 nodes_left(roster_names(run_dir), read_codes(run_dir / "exit" / args.tag)))

@@ -3,10 +3,10 @@ would do after failures.
 
 Prints the templates (nodes, stages, predicted 1F1B time, peak memory per GPU), the plan
 (pipelines, microbatches each, predicted step time as the engine executes it, samples/s) and a
-survivability table (in the planner's objective, planning/cost.py): for
-k = 0..f lost nodes, the slowest plan reconfiguration reaches over EVERY loss set of k nodes, its
-throughput relative to k = 0, and among the loss sets that reach it the one that moves the most
-bytes. The new plan's time depends only on the survivors' count, and which plan is valid only on
+survivability table: for k = 0..f lost nodes, the slowest plan reconfiguration reaches over
+EVERY loss set of k nodes (slowest in the planner's objective, planning/cost.py; shown as its
+predicted step time, the one number the console and the plan use), its throughput relative to
+k = 0, and among the loss sets that reach it the one that moves the most bytes. The new plan's time depends only on the survivors' count, and which plan is valid only on
 how many nodes each pipeline loses, so one loss set per pattern of per-pipeline loss counts is
 tried (reconfigure.loss_patterns; `patterns` says how many; the bytes moved are those of that
 loss set, which loses each pipeline's first nodes). With --json: one object with keys
@@ -22,6 +22,8 @@ import argparse
 import json
 import sys
 import time
+
+from oobleck_hpc.story import plural
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,10 +48,10 @@ def _layout(template) -> str:
 
 def survivability(plan, templates, profile, f: int, microbatch_size: int) -> list[dict]:
     from oobleck_hpc.errors import GuaranteeExceeded
-    from oobleck_hpc.planning.cost import samples_per_second
+    from oobleck_hpc.planning.cost import predicted_step_ms, samples_per_second
     from oobleck_hpc.planning.reconfigure import loss_patterns, moved_bytes, reconfigure
 
-    base = plan.predicted_iteration_ms
+    base = predicted_step_ms(plan, profile)
     rows = []
     for k in range(0, f + 1):
         patterns = loss_patterns(plan, k)
@@ -61,13 +63,14 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int) -> lis
                 worst = {"lost": k, "pattern": name, "patterns": len(patterns), "error": str(e)}
                 break
             moved = moved_bytes(plan, new, profile) if lost else 0
-            if worst is None or (new.predicted_iteration_ms, moved) > (worst["iteration_ms"],
+            if worst is None or (new.predicted_iteration_ms, moved) > (worst["objective_ms"],
                                                                         worst["moved_bytes"]):
+                step_ms = predicted_step_ms(new, profile)
                 worst = {"lost": k, "pattern": name, "patterns": len(patterns),
-                         "iteration_ms": new.predicted_iteration_ms,
-                         "samples_per_s": samples_per_second(new, microbatch_size,
-                                                             new.predicted_iteration_ms),
-                         "relative_throughput": base / new.predicted_iteration_ms,
+                         "objective_ms": new.predicted_iteration_ms,
+                         "step_ms": step_ms,
+                         "samples_per_s": samples_per_second(new, microbatch_size, step_ms),
+                         "relative_throughput": base / step_ms,
                          "pipelines": [p.template.num_nodes for p in new.pipelines],
                          "moved_bytes": moved}
         rows.append(worst)
@@ -77,8 +80,7 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int) -> lis
 def plan_report(job, profile, num_nodes: int) -> dict:
     from oobleck_hpc.planning import plan_job
     from oobleck_hpc.planning.cost import (job_profile, job_slowdown, pipeline_iteration_ms,
-                                          predicted_step_ms,
-                                          samples_per_second)
+                                          predicted_step_ms, samples_per_second, sharing_note)
 
     t0 = time.perf_counter()
     nodes = tuple(f"node{i}" for i in range(num_nodes))
@@ -96,7 +98,7 @@ def plan_report(job, profile, num_nodes: int) -> dict:
             for n, t in sorted(templates.items())]
     plan_d = {"nodes": len(plan.nodes), "gpus_per_node": plan.gpus_per_node,
               "n0": spec.n0, "f": spec.f, "global_microbatches": plan.global_microbatches,
-              "iteration_ms": plan.predicted_iteration_ms,
+              "objective_ms": plan.predicted_iteration_ms,
               "step_ms": step_ms,
               "samples_per_s": samples_per_second(plan, mbs, step_ms),
               "digest": plan.digest(),
@@ -107,7 +109,8 @@ def plan_report(job, profile, num_nodes: int) -> dict:
     return {"job": job.name, "model": job.model.name,
             "profile": {"source": profile.fingerprint.source, "device": profile.machine.device_name,
                         "layers": profile.num_layers,
-                        "time_scale": job_slowdown(job, profile)},
+                        "time_scale": job_slowdown(job, profile),
+                        "note": sharing_note(job, profile)},
             "templates": tmpl, "plan": plan_d, "survivability": surv,
             "planning_seconds": seconds}
 
@@ -121,12 +124,10 @@ def _print(rep: dict) -> None:
     print(f"job {rep['job']}: model {rep['model']} ({rep['profile']['layers']} layers, "
           f"{rep['profile']['source']} profile, {rep['profile']['device']}), {p['nodes']} nodes x "
           f"{p['gpus_per_node']} GPUs, n0 = {p['n0']}, f = {p['f']}")
-    if rep["profile"]["time_scale"] > 1:
-        print(f"all times x{rep['profile']['time_scale']:.2f}: more workers than CPU cores on this "
-              f"host share them (planning/cost.py, host_slowdown). This assumes every worker busy "
-              f"for the whole step; with few microbatches per pipeline most wait, and steps run "
-              f"faster than predicted")
-    print(f"\ntemplates ({len(rep['templates'])}, 1F1B time for m microbatches):")
+    if rep["profile"]["note"]:
+        print(f"note: {rep['profile']['note']} (an upper bound: with few microbatches per "
+              f"pipeline most workers wait, and steps run faster)")
+    print(f"\n{plural(len(rep['templates']), 'template')} (1F1B time for m microbatches):")
     print(f"{'nodes':>5} {'stages':>6} {'m':>4} {'time ms':>10} {'peak/GPU':>10}  layout [layers/GPUs]")
     for t in rep["templates"]:
         lay = t["layout"] if len(t["layout"]) <= 70 else t["layout"][:67] + "..."
@@ -136,11 +137,12 @@ def _print(rep: dict) -> None:
     for x in p["pipelines"]:
         key = (x["template_nodes"], x["microbatches"])
         groups[key] = groups.get(key, 0) + 1
-    print(f"\nplan {p['digest']}: {len(p['pipelines'])} pipelines, {p['global_microbatches']} "
-          f"microbatches, predicted step {p['step_ms']:.2f} ms, {p['samples_per_s']:.2f} samples/s "
-          f"(the planner ranks plans by {p['iteration_ms']:.2f} ms: planning/cost.py)")
+    print(f"\nplan {p['digest']}: {plural(len(p['pipelines']), 'pipeline')}, "
+          f"{plural(p['global_microbatches'], 'microbatch', 'microbatches')}, predicted step "
+          f"{p['step_ms']:.2f} ms, {p['samples_per_s']:.2f} samples/s")
     for (n, m), c in sorted(groups.items(), key=lambda kv: (-kv[0][0], -kv[0][1])):
-        print(f"  {c:>4} x pipeline of {n:>4} nodes, {m:>5} microbatches each")
+        print(f"  {c:>4} x pipeline of {plural(n, 'node'):>9}, "
+              f"{plural(m, 'microbatch', 'microbatches')} each")
     print("\nsurvivability (worst case over every loss set of each size):")
     print(f"{'lost':>4} {'step ms':>10} {'samples/s':>10} {'relative':>9} {'moved':>10}  "
           f"worst pattern (of how many)")
@@ -149,7 +151,7 @@ def _print(rep: dict) -> None:
             print(f"{r['lost']:>4} {'beyond guarantee':>42}  {r['pattern']} (of {r['patterns']}): "
                   f"{r['error']}")
             continue
-        print(f"{r['lost']:>4} {r['iteration_ms']:>10.2f} {r['samples_per_s']:>10.2f} "
+        print(f"{r['lost']:>4} {r['step_ms']:>10.2f} {r['samples_per_s']:>10.2f} "
               f"{r['relative_throughput']:>9.3f} {_gb(r['moved_bytes']):>10}  {r['pattern']} "
               f"(of {r['patterns']})")
     print(f"\nplanning took {rep['planning_seconds']:.2f} s")

@@ -147,6 +147,16 @@ def job_slowdown(job: JobConfig, profile: ModelProfile, cores: int | None = None
                          host_cores() if cores is None else cores)
 
 
+def sharing_note(job: JobConfig, profile: ModelProfile, cores: int | None = None) -> str:
+    """The host's core sharing in plain words ('' when every worker has a core of its own)."""
+    s = job_slowdown(job, profile, cores)
+    if s <= 1.0:
+        return ""
+    cores = host_cores() if cores is None else cores
+    return (f"{workers_per_host(job)} workers share {cores} CPU cores here, so every predicted "
+            f"time is {s:.2f}x that of one worker per core")
+
+
 def job_profile(job: JobConfig, profile: ModelProfile, cores: int | None = None) -> ModelProfile:
     """The profile the planner uses for `job` on this host: every time scaled by job_slowdown."""
     return scale_times(profile, job_slowdown(job, profile, cores))

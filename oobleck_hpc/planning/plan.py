@@ -133,6 +133,17 @@ class Plan:
         assert [r.rank for r in out] == list(range(self.world_size)), "plan leaves a GPU idle"
         return tuple(out)
 
+    def layout(self) -> list[str]:
+        """One line per pipeline: its template, microbatches and stages, each stage as
+        `L<first>-<last>@<node>:<gpus>`."""
+        lines = []
+        for i, p in enumerate(self.pipelines):
+            stages = " | ".join(f"L{s.layer_start}-{s.layer_end - 1}@{p.nodes[s.node]}:"
+                                f"{','.join(map(str, s.gpus))}" for s in p.template.stages)
+            lines.append(f"pipeline {i}: {p.template.num_nodes}-node template, {p.microbatches} "
+                         f"microbatch{'es' if p.microbatches != 1 else ''}: {stages}")
+        return lines
+
     def layer_owners(self, layer: int) -> tuple[int, ...]:
         """Ranks holding `layer` (one or more per pipeline), sorted."""
         return tuple(r.rank for r in self.ranks if r.layer_start <= layer < r.layer_end)

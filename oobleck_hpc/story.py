@@ -1,0 +1,222 @@
+"""The run as a user reads it: one line per event that matters, made from the run's events.
+
+    story = Story()
+    tail = Tail(run_dir / "events.jsonl")
+    for event in tail.read():          # call again for what was appended since
+        for line in story.feed(event):
+            print(line)
+
+The console of `oobleck-hpc run` and `oobleck-hpc submit --wait`, and the timeline of
+`oobleck-hpc report`, are this one rendering of RUN_DIR/events.jsonl (written by every agent and
+worker: elastic/events.py), so a recovery is told once, with one time, wherever it is read:
+
+    plan 89fdabc9 on 5 nodes x 2 GPUs: 4 pipelines of [2, 1, 1, 1] nodes, 4 microbatches, predicted step 66.3 ms
+    fault injected: kill node3 during step 20 (backward)
+    fault seen: node3 lost (connection lost, seen by node4)
+    agreed: generation 1 on 4 nodes, without node3
+    recovered: step 20 replayed on plan cb35acec (pipelines of [1, 1, 1, 1] nodes) 0.24 s after the fault; 3.44 MB of layer state moved
+    checkpoint: step 12 written (2.4 MB, 0.05 s)
+    fell back: layer 3 has no replica left (...); the job resumes from step 8
+    requeued: attempt 1 on 3 nodes (alive: node0, node2, node4): ...
+    done: 60 steps of gpt-tiny in 5.4 s; loss 5.588 -> 3.379; 88.1 samples/s; 1 recovery
+
+The recovery time is the user's: from the first sign of the failure -- the injected fault or the
+`kill-node` (the moment of the kill), else the first survivor that noticed it -- to the first
+step committed on the new plan (the `recovered` event). Pure: no I/O but `Tail`'s reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+SIGNS = ("fault_injected", "node_killed", "failure_detected", "step_failed")
+"""Events that mark the start of a failure (the earliest one times the recovery)."""
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 template', '2 templates' (`many` for irregular plurals)."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def mb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
+
+
+@dataclass
+class Story:
+    """Turns events into console lines (module docstring). Feed the events of one run in file
+    order; events that repeat across agents and ranks (a failure seen by every survivor, the
+    same agreement reached by each) give one line."""
+
+    first_sign: float | None = None
+    """Time of the first sign of the failure being recovered from (None: no failure open)."""
+    said: set = field(default_factory=set)
+    plans: dict[tuple[int, int], dict] = field(default_factory=dict)
+    """(attempt, generation) -> its plan_chosen event."""
+    recoveries: int = 0
+    requeues: int = 0
+
+    def feed(self, e: dict[str, Any]) -> list[str]:
+        kind, attempt = e.get("kind", ""), e.get("attempt", 0)
+        if kind in SIGNS:
+            t = e.get("t", 0.0)
+            self.first_sign = t if self.first_sign is None else min(self.first_sign, t)
+        render = getattr(self, f"_{kind}", None)
+        if render is None:
+            return []
+        key = render.__name__, attempt, _once_key(e)
+        if key in self.said:
+            return []
+        self.said.add(key)
+        line = render(e)
+        return [line] if line else []
+
+    # One method per event kind the user cares about; `_once_key` says what makes it new.
+
+    def _plan_chosen(self, e: dict) -> str:
+        self.plans[e.get("attempt", 0), e.get("generation", 0)] = e
+        if e.get("generation", 0) > 0:
+            return ""  # told by the recovery it belongs to
+        text = (f"plan {e['plan'][:8]} on {plural(e.get('nodes', 0), 'node')} x "
+                f"{plural(e.get('gpus_per_node', 1), 'GPU')}: "
+                f"{plural(len(e['pipelines']), 'pipeline')} of {e['pipelines']} nodes, "
+                f"{plural(sum(e.get('microbatches', [])), 'microbatch', 'microbatches')}")
+        if e.get("predicted_step_ms"):
+            text += f", predicted step {e['predicted_step_ms']:.1f} ms"
+        if e.get("note"):
+            text += f" ({e['note']})"
+        return "\n".join([text] + [f"  {x}" for x in e.get("layout", [])])
+
+    def _restored(self, e: dict) -> str:
+        return (f"restored: step {e['step']} from {e.get('path', 'the checkpoint')} in "
+                f"{e.get('seconds', 0):.2f} s")
+
+    def _fault_injected(self, e: dict) -> str:
+        return f"fault injected: {e['fault']} {e['node']} during step {e['step']} ({e['phase']})"
+
+    def _node_killed(self, e: dict) -> str:
+        return f"node killed: {e['node']} (SIG{e.get('signal', 'KILL').removeprefix('SIG')} from kill-node)"
+
+    def _failure_detected(self, e: dict) -> str:
+        how = str(e.get("how", "")).replace("_", " ")
+        return f"fault seen: {e['node']} lost ({how}, seen by {e.get('source', '?')})"
+
+    def _agreement_reached(self, e: dict) -> str:
+        lost = e.get("lost") or []
+        return (f"agreed: generation {e['gen']} on {plural(len(e.get('nodes', [])), 'node')}, "
+                + (f"without {', '.join(lost)}" if lost else "no node lost (the step is retried)"))
+
+    def _recovered(self, e: dict) -> str:
+        self.recoveries += 1
+        t0 = self.first_sign if self.first_sign is not None else e["t"] - e.get("seconds", 0.0)
+        self.first_sign = None
+        plan = self.plans.get((e.get("attempt", 0), e.get("generation", 0)), {})
+        shape = f" (pipelines of {plan['pipelines']} nodes)" if plan.get("pipelines") else ""
+        lost = e.get("lost") or []
+        what = (f"lost {', '.join(lost)}; step {e['step']} replayed" if lost
+                else f"step {e['step']} retried in place")
+        moved = e.get("bytes_moved", 0)
+        return (f"recovered: {what} on plan {str(e.get('plan', ''))[:8]}{shape} "
+                f"{e['t'] - t0:.2f} s after the fault"
+                + (f"; {mb(moved)} of layer state moved" if moved else "")
+                + (f" ({e['rounds']} rounds)" if e.get("rounds", 1) > 1 else ""))
+
+    def _worker_exited(self, e: dict) -> str:
+        if e.get("done") is None or e.get("code") == e.get("done"):
+            return ""
+        code = e.get("code")
+        how = f"code {code}"
+        if isinstance(code, int) and code < 0:
+            try:
+                how = signal.Signals(-code).name
+            except ValueError:
+                how = f"signal {-code}"
+        return (f"warning: worker {e.get('local_rank')} of {e.get('source', '?')} (pid "
+                f"{e.get('pid')}) finished its work ({e['done']}) but exited with {how}; see "
+                "its node's log")
+
+    def _fenced(self, e: dict) -> str:
+        return f"fenced: {e.get('source', '?')} stops ({e.get('reason', '')})"
+
+    def _checkpoint_saved(self, e: dict) -> str:
+        return (f"checkpoint: step {e['step']} written ({mb(e.get('bytes', 0))}, "
+                f"{e.get('seconds', 0):.2f} s in the background)")
+
+    def _stopping(self, e: dict) -> str:
+        return f"stopping for a requeue after step {e['step']}: {e.get('reason', '')}"
+
+    def _fallback(self, e: dict) -> str:
+        self.first_sign = None
+        step = e.get("resume_from")
+        return (f"fell back: {e.get('reason', '')}; the job resumes from "
+                + (f"step {step}" if step else "the start (no checkpoint yet)"))
+
+    def _requeued(self, e: dict) -> str:
+        self.requeues += 1
+        alive = e.get("alive") or []
+        return (f"requeued: attempt {e['next_attempt']} on {plural(e['nodes'], 'node')}"
+                + (f" (alive: {', '.join(alive)})" if alive else "")
+                + f": {e.get('reason', 'exit 75')}")
+
+    def _run_finished(self, e: dict) -> str:
+        extra = [plural(self.recoveries, "recovery", "recoveries")] if self.recoveries else []
+        if self.requeues:
+            extra.append(plural(self.requeues, "requeue"))
+        return (f"done: {e['steps']} steps of {e.get('model', 'the model')} in "
+                f"{e.get('wall_s', 0):.1f} s; loss {e.get('first_loss', float('nan')):.4f} -> "
+                f"{e.get('last_loss', float('nan')):.4f}; {e.get('samples_per_s', 0):.1f} "
+                f"samples/s" + "".join(f"; {x}" for x in extra))
+
+
+def _once_key(e: dict) -> Any:
+    """What makes an event new for the story: the same failure seen by many survivors, the same
+    agreement reached by every agent, the same fallback on every rank are one line."""
+    kind = e.get("kind")
+    if kind == "failure_detected":
+        return e.get("gen"), e.get("node")
+    if kind == "agreement_reached":
+        return e.get("gen")
+    if kind in ("plan_chosen", "recovered"):
+        return e.get("generation")
+    if kind == "checkpoint_saved":
+        return e.get("step")
+    if kind == "fenced":
+        return e.get("source"), e.get("gen")
+    if kind in ("fallback", "stopping", "run_finished", "restored"):
+        return None
+    return e.get("t"), e.get("source")
+
+
+class Tail:
+    """The complete JSON lines appended to a file since the last `read()` (a line still being
+    written is left for the next read; a file that does not exist yet reads as nothing)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.offset = 0
+
+    def read(self) -> Iterator[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        for line in data[:end].splitlines():
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue  # a torn line of a writer killed mid-write
+
+
+def tell(events: list[dict[str, Any]]) -> list[str]:
+    """The whole story of a list of events (one run, file order)."""
+    story = Story()
+    return [line for e in events for line in story.feed(e)]

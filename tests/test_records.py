@@ -1,0 +1,237 @@
+"""Run records and the user's view, without processes: run ids and the run directory
+(oobleck_hpc/runs.py), the console's story (oobleck_hpc/story.py), the metrics writer's
+numbering (train.Progress) and the report (oobleck_hpc/report.py) on a hand-made run."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from oobleck_hpc import runs
+from oobleck_hpc.elastic.events import EventLog, read_jsonl
+from oobleck_hpc.story import Story, tell
+
+
+def test_a_new_run_moves_the_previous_runs_records_to_history(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs, "KEEP_RUNS", 2)
+    run_dir = tmp_path / "job"
+    assert runs.begin(run_dir, "run-a") is None  # nothing there yet
+    for name in ("events.jsonl", "metrics.jsonl", "run.json", "job.lock", "logs-attempt0/x"):
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(name)
+    assert runs.begin(run_dir, "run-a") is None  # a requeued attempt of the same run keeps them
+    assert (run_dir / "events.jsonl").exists()
+
+    assert runs.begin(run_dir, "run-b") == "run-a"
+    old = run_dir / "history" / "run-a"
+    assert sorted(p.name for p in old.iterdir()) == ["events.jsonl", "logs-attempt0",
+                                                    "metrics.jsonl"]
+    assert (old / "logs-attempt0" / "x").read_text() == "logs-attempt0/x"
+    assert not (run_dir / "events.jsonl").exists() and not (run_dir / "logs-attempt0").exists()
+    assert (run_dir / "run.json").exists() and (run_dir / "job.lock").exists()  # across runs
+    assert runs.read_run_id(run_dir) == "run-b"
+
+    for i in range(3):  # only the last KEEP_RUNS earlier runs are kept
+        (run_dir / "events.jsonl").write_text("x")
+        runs.begin(run_dir, f"run-c{i}")
+    assert [p.name for p in runs.history(run_dir)] == ["run-c0", "run-c1"]
+
+
+def test_records_from_before_run_ids_are_kept_under_a_made_up_name(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    moved = runs.begin(tmp_path, runs.new_run_id())
+    assert moved.startswith("unnamed-") and (tmp_path / "history" / moved / "metrics.jsonl").exists()
+
+
+def test_events_name_their_run_and_attempt(tmp_path, monkeypatch):
+    for key in ("SLURM_RESTART_COUNT", "OOBLECK_REQUEUE_COUNT", "OOBLECK_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("OOBLECK_RUN_ID", raising=False)
+    runs.begin(tmp_path, "from-file")
+    EventLog(tmp_path / "events.jsonl", "kill-node").emit("node_killed", node="node1")
+    monkeypatch.setenv("OOBLECK_RUN_ID", "from-env")
+    monkeypatch.setenv("OOBLECK_REQUEUE_COUNT", "2")
+    EventLog(tmp_path / "events.jsonl", "node0").emit("agent_started")
+    rows = read_jsonl(tmp_path / "events.jsonl")
+    assert [(r["run"], r["attempt"]) for r in rows] == [("from-file", 0), ("from-env", 2)]
+
+
+def ev(t: float, kind: str, source: str = "node0", **fields) -> dict:
+    return {"t": t, "kind": kind, "source": source, "run": "r1", "attempt": 0, **fields}
+
+
+# A run as its agents and workers record it: node3 killed during step 4, seen by three agents,
+# agreed by four, recovered by rank 0; then a checkpoint and the end.
+RUN = [
+    ev(0.0, "run_started", "launcher", job="demo", model="gpt-tiny", steps=6, launch="local"),
+    ev(0.1, "agent_started"),
+    ev(1.0, "plan_chosen", "node0/0", generation=0, plan="aaaaaaaa11", pipelines=[2, 1, 1],
+       microbatches=[2, 1, 1], nodes=4, gpus_per_node=2, predicted_step_ms=50.0, note="",
+       layout=["pipeline 0: ..."]),
+    ev(2.00, "fault_injected", "node3/0", node="node3", step=4, phase="backward", fault="kill"),
+    ev(2.02, "failure_detected", "node1", node="node3", how="connection_lost", gen=0),
+    ev(2.02, "failure_detected", "node2", node="node3", how="connection_lost", gen=0),
+    ev(2.03, "step_failed", "node1/0", step=4, phase="backward", generation=0),
+    ev(2.04, "agreement_reached", "node0", gen=1, nodes=["node0", "node1", "node2"],
+       lost=["node3"]),
+    ev(2.04, "agreement_reached", "node1", gen=1, nodes=["node0", "node1", "node2"],
+       lost=["node3"]),
+    ev(2.05, "membership_agreed", "node0/0", generation=1, lost=["node3"]),
+    ev(2.06, "plan_chosen", "node0/0", generation=1, plan="bbbbbbbb22", pipelines=[1, 1, 1],
+       microbatches=[2, 1, 1]),
+    ev(2.10, "groups_rebuilt", "node0/0", generation=1),
+    ev(2.12, "state_transferred", "node0/1", generation=1),
+    ev(2.15, "state_transferred", "node1/0", generation=1),
+    ev(2.30, "recovered", "node0/0", step=4, generation=1, lost=["node3"], seconds=0.27,
+       rounds=1, plan="bbbbbbbb22", bytes_moved=3_000_000),
+    ev(2.50, "checkpoint_saved", "node1/0", step=4, bytes=12_000_000, seconds=0.05),
+    ev(3.00, "run_finished", "node0/0", steps=6, model="gpt-tiny", wall_s=2.0, first_loss=5.5,
+       last_loss=4.0, samples_per_s=10.0),
+]
+
+
+def test_the_story_tells_each_transition_once_with_the_users_recovery_time():
+    lines = tell(RUN)
+    assert lines[0].startswith("plan aaaaaaaa on 4 nodes x 2 GPUs: 3 pipelines of [2, 1, 1] "
+                               "nodes, 4 microbatches, predicted step 50.0 ms")
+    assert lines[1:] == [
+        "fault injected: kill node3 during step 4 (backward)",
+        "fault seen: node3 lost (connection lost, seen by node1)",  # once, not per agent
+        "agreed: generation 1 on 3 nodes, without node3",           # once, not per agent
+        "recovered: lost node3; step 4 replayed on plan bbbbbbbb (pipelines of [1, 1, 1] "
+        "nodes) 0.30 s after the fault; 3.00 MB of layer state moved",  # from the kill
+        "checkpoint: step 4 written (12.00 MB, 0.05 s in the background)",
+        "done: 6 steps of gpt-tiny in 2.0 s; loss 5.5000 -> 4.0000; 10.0 samples/s; 1 recovery",
+    ]
+
+
+def test_the_story_warns_of_a_worker_that_crashed_after_its_work():
+    story = Story()
+    assert story.feed(ev(1.0, "worker_exited", "node2", local_rank=1, code=0, done=0)) == []
+    (line,) = story.feed(ev(1.1, "worker_exited", "node2", local_rank=0, code=-6, done=0,
+                            pid=42))
+    assert line.startswith("warning: worker 0 of node2 (pid 42) finished its work (0) but "
+                           "exited with SIGABRT")
+
+
+def test_the_story_times_a_recovery_from_the_first_survivor_when_the_fault_is_unknown():
+    story = Story()
+    story.feed(ev(5.0, "failure_detected", "node1", node="node2", how="lease_expired", gen=3))
+    (line,) = story.feed(ev(8.5, "recovered", step=9, generation=4, lost=["node2"],
+                            seconds=3.0, plan="c" * 16))
+    assert "3.50 s after the fault" in line and "layer state" not in line
+
+
+def write_run(run_dir: Path, events: list[dict], rows: list[dict]) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "run-id").write_text("r1\n")
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def row(step: int, t: float, attempt: int = 0, seconds: float = 0.1) -> dict:
+    return {"step": step, "loss": 6.0 - step / 10, "samples": 8, "seconds": seconds, "time": t,
+            "plan": "p", "generation": 0, "run": "r1", "attempt": attempt}
+
+
+def test_report_breaks_a_recovery_into_phases_and_counts_the_time_lost(tmp_path):
+    from oobleck_hpc.report import PHASES, build, text
+
+    rows = [row(1, 1.2), row(2, 1.4), row(3, 1.6), row(4, 2.3), row(5, 2.5), row(6, 2.7)]
+    write_run(tmp_path / "run", RUN, rows)
+    rep = build(tmp_path / "run")
+    (r,) = rep["recoveries"]
+    assert r["recovery_s"] == pytest.approx(0.30) and r["lost"] == ["node3"]
+    assert list(r["phases"]) == list(PHASES)
+    assert sum(r["phases"].values()) == pytest.approx(r["recovery_s"])
+    assert r["phases"]["detect"] == pytest.approx(0.02)     # kill -> first survivor noticed
+    assert r["phases"]["agree"] == pytest.approx(0.02)
+    assert r["phases"]["transfer"] == pytest.approx(0.05)   # until the LAST rank finished
+    assert rep["steps"] == {"committed": 6, "computed": 6, "total": 6, "replayed": 0}
+    assert rep["time_lost_s"]["recovery"] == pytest.approx(0.20)  # less the replayed step
+    assert rep["goodput_samples_per_s"] == rep["throughput_samples_per_s"]
+    assert [c["step"] for c in rep["checkpoints"]] == [4]
+    out = text(rep)
+    assert "recovered: lost node3" in out and "goodput" in out
+
+
+def test_report_counts_replayed_steps_of_a_fallback_as_lost_work(tmp_path):
+    from oobleck_hpc.report import build
+
+    events = [ev(0.0, "run_started", "launcher", job="demo", steps=5),
+              ev(2.0, "fallback", "node0/0", reason="no replica", resume_from=2),
+              ev(2.5, "requeued", "launcher", next_attempt=1, nodes=2, reason="no replica"),
+              {**ev(3.0, "agent_started"), "attempt": 1}]
+    rows = [row(1, 1.0), row(2, 1.1), row(3, 1.2), row(4, 1.3),
+            row(3, 4.0, attempt=1), row(4, 4.1, attempt=1), row(5, 4.2, attempt=1)]
+    write_run(tmp_path / "run", events, rows)
+    rep = build(tmp_path / "run")
+    assert rep["attempts"] == 2
+    assert rep["steps"] == {"committed": 5, "computed": 7, "total": 5, "replayed": 2}
+    assert rep["time_lost_s"]["replayed"] == pytest.approx(0.2)  # steps 3 and 4, once each
+    assert rep["time_lost_s"]["requeue"] == pytest.approx(4.0 - 1.3 - 0.1)
+    assert rep["goodput_samples_per_s"] < rep["throughput_samples_per_s"]
+    assert rep["goodput_fraction"] == pytest.approx(5 / 7, abs=1e-4)
+    assert any(x["line"].startswith("fell back: no replica; the job resumes from step 2")
+               for x in rep["timeline"])
+    assert any(x["line"].startswith("requeued: attempt 1 on 2 nodes") for x in rep["timeline"])
+
+
+def test_report_refuses_what_is_not_a_run_directory(tmp_path):
+    from oobleck_hpc.report import ReportError, build
+
+    with pytest.raises(ReportError, match="no events.jsonl"):
+        build(tmp_path)
+    write_run(tmp_path / "run", RUN, [])
+    with pytest.raises(ReportError, match="no run 'old'"):
+        build(tmp_path / "run", "old")
+
+
+def test_report_plot_marks_the_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from oobleck_hpc.report import main
+
+    rows = [row(k, 1.0 + 0.2 * k) for k in range(1, 7)]
+    write_run(tmp_path / "run", RUN, rows)
+
+    @dataclass
+    class Args:
+        run_dir: str
+        run: str | None = None
+        plot: str | None = None
+        json: bool = True
+
+    out = tmp_path / "run.png"
+    assert main(Args(str(tmp_path / "run"), plot=str(out))) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_metrics_lines_count_steps_from_one_and_name_their_attempt(tmp_path, capsys):
+    from oobleck_hpc.train import Progress
+
+    @dataclass
+    class Result:
+        step: int  # the engine's 0-based index
+        loss: float = 1.0
+        samples: int = 4
+        seconds: float = 0.1
+        grad_norm: float = 0.0
+        lr: float = 1e-3
+
+    path = tmp_path / "metrics.jsonl"
+    # an earlier attempt of the same run recorded steps 1..3; this attempt resumes after step 1
+    path.write_text("".join(json.dumps({"step": k, "run": "r", "attempt": 0}) + "\n"
+                            for k in (1, 2, 3)))
+    p = Progress(total=4, log_every=2, metrics=path, run="r", attempt=1)
+    p.record([Result(1), Result(2)], "plan", 0, active=True)
+    p.record([Result(3)], "plan", 0, active=True)
+    p.finish()
+    rows = read_jsonl(path)
+    assert [(r["step"], r["attempt"]) for r in rows] == [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1),
+                                                         (4, 1)]
+    assert capsys.readouterr().out.splitlines()[0].startswith("step 2/4")
+    assert all(math.isfinite(r.get("loss", 0.0)) for r in rows)
