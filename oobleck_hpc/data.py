@@ -37,7 +37,6 @@ import hashlib
 import os
 import struct
 import sysconfig
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ import torch
 
 from oobleck_hpc.config import DataConfig
 from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.files import atomic_open
 
 TOKENIZER_VERSION = "bytes-v1"
 VOCAB_SIZE = 256
@@ -110,31 +110,18 @@ def corpus_key(corpus: str, root: Path, files: list[Path]) -> str:
 
 def _write_token_file(path: Path, files: list[Path]) -> None:
     dtype = np.uint8 if VOCAB_SIZE <= 256 else np.uint16
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as out:
-            out.write(MAGIC + np.dtype(dtype).name.encode().ljust(8, b"\0") + struct.pack("<Q", 0))
-            n = 0
-            for i, p in enumerate(files):
-                data = p.read_bytes()  # byte-level tokenizer: the bytes are the tokens
-                if i:
-                    out.write(SEPARATOR)
-                    n += len(SEPARATOR)
-                out.write(np.frombuffer(data, dtype=np.uint8).astype(dtype, copy=False).tobytes())
-                n += len(data)
-            out.seek(16)
-            out.write(struct.pack("<Q", n))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_open(path, durable=True) as out:
+        out.write(MAGIC + np.dtype(dtype).name.encode().ljust(8, b"\0") + struct.pack("<Q", 0))
+        n = 0
+        for i, p in enumerate(files):
+            data = p.read_bytes()  # byte-level tokenizer: the bytes are the tokens
+            if i:
+                out.write(SEPARATOR)
+                n += len(SEPARATOR)
+            out.write(np.frombuffer(data, dtype=np.uint8).astype(dtype, copy=False).tobytes())
+            n += len(data)
+        out.seek(16)
+        out.write(struct.pack("<Q", n))
 
 
 def prepare_tokens(data: DataConfig, source: str = "<job>") -> Path:

@@ -46,6 +46,10 @@ class PlanningError(OobleckError, ValueError):
     exit_code = EXIT_BAD_INPUT
 
 
+class CheckpointError(OobleckError):
+    """A checkpoint is missing, partial or corrupt, or a state does not fit the model."""
+
+
 class GuaranteeExceeded(OobleckError):
     """The failures exceed what the pipeline templates can absorb in place.
 

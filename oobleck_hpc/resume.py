@@ -28,7 +28,7 @@ Periodic save (`Resume.after_step`)
 -----------------------------------
 After each committed step, each rank snapshots the layers that `shard_owners(plan)` assigns to it
 (one writer per layer among its replicas, balanced over nodes by bytes) and rank 0 the training
-state, through one `Checkpointer` (asynchronous, atomic: checkpoint.py). The snapshot is taken
+state, through one `Checkpointer` (asynchronous, atomic: checkpoint/). The snapshot is taken
 with `defer_copy=True`: the copy to host memory runs in the background during the next step's
 forward and backward, which only read the weights and the optimizer state, and a hook on the
 engine's "optimizer" phase calls `fence()` before `optimizer.step()` changes them (training
@@ -63,7 +63,6 @@ Watchdog: rank 0 beats RUN_DIR/heartbeat (launch/watch.py) at most once a second
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -72,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 from oobleck_hpc import runs
 from oobleck_hpc.errors import EXIT_REQUEUE
+from oobleck_hpc.files import write_json
 
 if TYPE_CHECKING:
     import torch
@@ -354,13 +354,12 @@ class Resume:
         return EXIT_REQUEUE
 
     def _write_requeue_record(self, reason: str, step: int | None, nodes: list[str] | None) -> None:
-        from oobleck_hpc.launch.watch import _atomic_json
-
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _atomic_json(self.run_dir / REQUEUE_RECORD,
-                         {"reason": reason, "step": step, "nodes": nodes,
-                          "restart_count": runs.attempt(), "time": time.time()})
+            write_json(self.run_dir / REQUEUE_RECORD,
+                       {"reason": reason, "step": step, "nodes": nodes,
+                        "restart_count": runs.attempt(), "time": time.time()},
+                       durable=True, indent=None)
         except OSError as e:
             self.log(f"cannot write {self.run_dir / REQUEUE_RECORD}: {e}")
 

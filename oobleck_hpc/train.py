@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, GuaranteeExceeded, OobleckError
+from oobleck_hpc.files import atomic_open
 
 _client = None
 """This worker's AgentClient, once connected (entry() tells the agent about intended exits)."""
@@ -298,13 +299,12 @@ def save_final_state(driver, job, run_dir: Path) -> None:
 
     out = run_dir / "final"
     out.mkdir(parents=True, exist_ok=True)
-    engine, rank = driver.engine, driver.rank
+    engine = driver.engine
     for layer, module in engine.layers.items():
         if not (out / f"layer-{layer}.pt").exists():
             state = {n: p.detach().cpu() for n, p in module.named_parameters()}
-            tmp = out / f".layer-{layer}.pt.{rank}"
-            torch.save(state, tmp)
-            os.replace(tmp, out / f"layer-{layer}.pt")
+            with atomic_open(out / f"layer-{layer}.pt") as f:
+                torch.save(state, f)
 
 
 def entry() -> int:

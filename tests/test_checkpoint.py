@@ -19,7 +19,6 @@ from oobleck_hpc.checkpoint import (
     StopSignals,
     TrainState,
     capture_rng,
-    checkpoint_and_requeue,
     find_latest,
     layer_state,
     load_layer_state,
@@ -33,7 +32,6 @@ from oobleck_hpc.checkpoint import (
     try_publish,
 )
 from oobleck_hpc.config import CheckpointConfig
-from oobleck_hpc.errors import EXIT_REQUEUE
 from oobleck_hpc.models.configs import GPT_CONFIGS
 from oobleck_hpc.models.gpt import GPT
 from oobleck_hpc.planning.plan import PipelineSpec, Plan, StageSpec, Template
@@ -474,45 +472,6 @@ def test_stop_signals_only_set_a_flag():
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-
-
-def test_checkpoint_and_requeue_saves_then_asks_slurm(tmp_path):
-    layers = small_layers(2)
-    calls = []
-
-    def fake_run(argv, **kw):
-        # Slurm is asked only once the checkpoint is published.
-        calls.append((argv, find_latest(tmp_path).checkpoint.step))
-        return type("R", (), {"returncode": 0, "stdout": "", "stderr": ""})()
-
-    r1 = Checkpointer(tmp_path, rank=1, num_layers=2)
-    r0 = Checkpointer(tmp_path, rank=0, num_layers=2)
-    t = threading.Timer(0.2, lambda: r1.save_sync(9, {1: layer_state(layers[1])}))
-    t.start()
-    code = checkpoint_and_requeue("guarantee exceeded", r0, 9, {0: layer_state(layers[0])}, _ts(9),
-                                  requeue_rank=True, env={"SLURM_JOB_ID": "123"}, run=fake_run,
-                                  log=lambda m: None)
-    t.join()
-    assert code == EXIT_REQUEUE == 75
-    assert calls == [(["scontrol", "requeue", "123"], 9)]
-    # Not under Slurm: no scontrol; a rank with nothing to save just exits with 75.
-    calls.clear()
-    assert checkpoint_and_requeue("USR2", r1, env={}, run=fake_run, requeue_rank=True,
-                                  log=lambda m: None) == 75
-    assert calls == []
-
-
-def test_checkpoint_and_requeue_reports_a_slurm_refusal(tmp_path):
-    msgs = []
-
-    def refuse(argv, **kw):
-        return type("R", (), {"returncode": 1, "stdout": "",
-                              "stderr": "Requested operation is presently disabled"})()
-
-    code = checkpoint_and_requeue("SIGTERM", None, requeue_rank=True, env={"SLURM_JOB_ID": "7"},
-                                  run=refuse, log=msgs.append)
-    assert code == 75
-    assert any("scontrol requeue 7 failed" in m and "presently disabled" in m for m in msgs)
 
 
 def test_manifest_is_plain_json(tmp_path):

@@ -14,7 +14,7 @@ from torch import nn
 from oobleck_hpc.cli import main as cli_main
 from oobleck_hpc.config import job_from_dict
 from oobleck_hpc.errors import ProfileError
-from oobleck_hpc.profiling import profiler, resolve_profile, store
+from oobleck_hpc.profiling import library, profiler, resolve_profile, store
 from oobleck_hpc.profiling.profile import LinkCost
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_profiles_commands(measured, tmp_path, capsys):
     assert cli_main(["profiles", "import", lib, "--library", str(dst)]) == 0
     assert cli_main(["profiles", "import", lib, "--library", str(dst)]) == 0
     assert "identical" in capsys.readouterr().out
-    copy = store.library_path(dst, store.load_profile(path).fingerprint)
+    copy = library.library_path(dst, store.load_profile(path).fingerprint)
     assert cli_main(["profiles", "diff", str(path), str(copy)]) == 0
     assert capsys.readouterr().out.strip().endswith("identical")
     # a damaged file makes verify fail with a non-zero exit, naming the file

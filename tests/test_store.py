@@ -10,7 +10,7 @@ import h5py
 import pytest
 
 from oobleck_hpc.errors import ProfileError
-from oobleck_hpc.profiling import store
+from oobleck_hpc.profiling import library, store
 from oobleck_hpc.profiling.profile import (
     SCHEMA_VERSION,
     Fingerprint,
@@ -46,7 +46,7 @@ def make_profile(model="toy", device="cpu", mb=2, dtype="float32", layers=3, sca
 
 def test_round_trip_and_layout(tmp_path):
     p = make_profile()
-    path = store.library_path(tmp_path, p.fingerprint)
+    path = library.library_path(tmp_path, p.fingerprint)
     assert path == tmp_path / "toy" / "cpu" / "float32-mb2.h5"
     store.save_profile(p, path)
     assert store.load_profile(path) == p
@@ -175,11 +175,11 @@ def test_wrong_schema_and_foreign_file(tmp_path):
 
 
 def test_list_and_diff(tmp_path):
-    store.save_profile(make_profile(), store.library_path(tmp_path, make_profile().fingerprint))
+    store.save_profile(make_profile(), library.library_path(tmp_path, make_profile().fingerprint))
     q = make_profile(model="other", mb=4, scale=2.0)
-    store.save_profile(q, store.library_path(tmp_path, q.fingerprint))
+    store.save_profile(q, library.library_path(tmp_path, q.fingerprint))
     (tmp_path / "bad.h5").write_bytes(b"junk")
-    entries = store.list_library(tmp_path)
+    entries = library.list_library(tmp_path)
     assert [e.path.name for e in entries] == ["bad.h5", "float32-mb4.h5", "float32-mb2.h5"]
     assert entries[0].profile is None and "not a readable HDF5" in entries[0].error
     d = store.diff_profiles(make_profile(), q)
@@ -190,27 +190,27 @@ def test_list_and_diff(tmp_path):
 def test_import_policies(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     a = make_profile()
-    store.save_profile(a, store.library_path(src, a.fingerprint))
+    store.save_profile(a, library.library_path(src, a.fingerprint))
     (src / "broken.h5").write_bytes(b"junk")
-    r = store.import_profiles(src, dst)
+    r = library.import_profiles(src, dst)
     assert len(r.imported) == 1 and len(r.invalid) == 1 and not r.ok
-    r = store.import_profiles(src, dst)
+    r = library.import_profiles(src, dst)
     assert len(r.identical) == 1 and not r.imported
     # a different profile under the same canonical name: refused, existing file untouched
     other = tmp_path / "other"
-    store.save_profile(make_profile(scale=3.0), store.library_path(other, a.fingerprint))
-    r = store.import_profiles(other, dst)
+    store.save_profile(make_profile(scale=3.0), library.library_path(other, a.fingerprint))
+    r = library.import_profiles(other, dst)
     assert len(r.refused) == 1 and "REFUSED" in r.lines()[0]
-    assert store.load_profile(store.library_path(dst, a.fingerprint)) == a
-    r = store.import_profiles(other, dst, on_conflict="keep-both")
+    assert store.load_profile(library.library_path(dst, a.fingerprint)) == a
+    r = library.import_profiles(other, dst, on_conflict="keep-both")
     (s, kept), = r.kept_both
     assert kept.name.startswith("float32-mb2.") and store.load_profile(kept) == make_profile(scale=3.0)
-    assert store.load_profile(store.library_path(dst, a.fingerprint)) == a
+    assert store.load_profile(library.library_path(dst, a.fingerprint)) == a
 
 
 def _import_worker(src: str, dst: str, q) -> None:
     try:
-        r = store.import_profiles(src, dst, on_conflict="keep-both")
+        r = library.import_profiles(src, dst, on_conflict="keep-both")
         q.put((len(r.imported), len(r.identical), len(r.kept_both), len(r.refused), len(r.invalid)))
     except BaseException as e:  # report, do not hang the parent
         q.put(repr(e))
@@ -224,7 +224,7 @@ def test_concurrent_imports_leave_every_file_valid(tmp_path):
         src = tmp_path / f"src{k}"
         for m in range(6):  # the same 6 names from every source; sources 0 and 1 identical
             p = make_profile(model=f"m{m}", layers=40, scale=1.0 if k < 2 else float(k))
-            store.save_profile(p, store.library_path(src, p.fingerprint))
+            store.save_profile(p, library.library_path(src, p.fingerprint))
         srcs.append(src)
     dst = tmp_path / "dst"
     ctx = mp.get_context("spawn")
@@ -243,7 +243,7 @@ def test_concurrent_imports_leave_every_file_valid(tmp_path):
     imported = sum(r[0] for r in results)
     kept = sum(r[2] for r in results)
     # 6 canonical names + 2 kept-both variants (sources 2 and 3) per name whichever order they ran
-    files = store.profile_files(dst)
+    files = library.profile_files(dst)
     assert len(files) == imported + kept == 18
     for f in files:
         store.verify(f)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 
 from oobleck_hpc.bootstrap.environment import NodeEnvironment, current_job_nodes, detect
 from oobleck_hpc.elastic.wire import NodeAddress, Roster
+from oobleck_hpc.files import write_json
 
 ROSTER_FILE = "roster.json"
 DISCOVERY_FILE = "discovery.json"
@@ -96,13 +96,7 @@ class Discovery:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.roster.write(run_dir / ROSTER_FILE)
-        _write_atomic(run_dir / DISCOVERY_FILE, json.dumps(self.to_dict(), indent=1) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+        write_json(run_dir / DISCOVERY_FILE, self.to_dict())
 
 
 def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discovery:

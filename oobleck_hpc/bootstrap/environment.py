@@ -231,10 +231,3 @@ def visible_device_count(env: dict[str, str] | None = None) -> int:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "NoDevFiles"])
     return len([p for p in Path("/dev").glob("nvidia[0-9]*")])
 
-
-def free_port(address: str = "") -> int:
-    """A TCP port that is free on this host now. The caller (or the process it tells) binds it
-    soon after; between the two another process could take it, which the binder reports."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.files import write_json
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 * 1024 * 1024
@@ -93,10 +94,7 @@ class Roster:
 
     def write(self, path: str | Path) -> None:
         """Write atomically (a reader never sees half a roster)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
+        write_json(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<roster>") -> Roster:
@@ -138,7 +136,9 @@ class Roster:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (the OS picks it)."""
+    """A TCP port that was free a moment ago on `host` (the OS picks it). The caller (or the
+    process it tells) binds it soon after; between the two another process could take it, which
+    the binder reports. The package's one free-port helper (stdlib only)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

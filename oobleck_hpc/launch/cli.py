@@ -20,6 +20,14 @@ from __future__ import annotations
 
 import argparse
 
+from oobleck_hpc.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_REQUEUE,
+    EXIT_UNRECOVERABLE,
+    ConfigError,
+)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train a job on this machine (launch: local)",
@@ -65,7 +73,6 @@ def _run(args: argparse.Namespace) -> int:
     import sys
 
     from oobleck_hpc.config import load_job
-    from oobleck_hpc.errors import EXIT_UNRECOVERABLE, ConfigError
     from oobleck_hpc.launch.watch import JobLock, record_exit, write_run_record
 
     overrides = {}
@@ -119,8 +126,6 @@ def check_local_inputs(job) -> None:
     import importlib.util
     from pathlib import Path
 
-    from oobleck_hpc.errors import ConfigError
-
     if job.model.factory is not None:
         module = job.model.factory.partition(":")[0]
         try:
@@ -137,8 +142,9 @@ def check_local_inputs(job) -> None:
                           "an existing file or directory", "use 'stdlib' or the path of your text")
 
 
-_EXIT_REASONS = {0: "finished", 2: "bad input: not requeued", 3: "unrecoverable error",
-                 75: "requeues exhausted; resume from the latest checkpoint"}
+_EXIT_REASONS = {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input: not requeued",
+                 EXIT_UNRECOVERABLE: "unrecoverable error",
+                 EXIT_REQUEUE: "requeues exhausted; resume from the latest checkpoint"}
 
 
 def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir) -> int:

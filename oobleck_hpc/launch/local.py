@@ -40,6 +40,7 @@ from typing import Any
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.elastic.local import _state
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
+from oobleck_hpc.launch.slurm_task import verdict  # one rule for every launcher
 from oobleck_hpc.story import Story, Tail
 
 
@@ -163,8 +164,6 @@ def job_exit_code(codes: dict[str, int | None]) -> int:
     """The job's exit code from its agents' (module docstring): 0 if any node finished, else 2
     if any reported bad input, else 75 if any asked for a requeue, else 3. None (still running
     when the job ended: killed) and signals count as lost nodes."""
-    from oobleck_hpc.launch.slurm_task import verdict  # one rule for both launchers
-
     return verdict({node: code for node, code in codes.items() if code is not None})
 
 

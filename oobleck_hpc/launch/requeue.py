@@ -10,7 +10,7 @@ machine `oobleck-hpc run` plays that role with `run_with_requeue`:
 
 - attempt k runs with OOBLECK_REQUEUE_COUNT = base + k (the analogue of SLURM_RESTART_COUNT; base
   is the OOBLECK_RESTART_COUNT a watchdog restart set, else 0) and OOBLECK_ATTEMPT = "<base attempt>.r<k>", which
-  names the attempt's temporary checkpoint directories (checkpoint.py) so that leftovers of an
+  names the attempt's temporary checkpoint directories (checkpoint/writer.py) so that leftovers of an
   attempt never mix into the next one's checkpoints;
 - exit 75: the job's rank 0 left RUN_DIR/requeue.json (resume.py) naming the nodes still alive
   when it knew them (the guarantee was exceeded because nodes died); the next attempt starts on
@@ -33,7 +33,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from oobleck_hpc.errors import EXIT_REQUEUE

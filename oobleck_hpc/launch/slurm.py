@@ -60,6 +60,7 @@ from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wai
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
+from oobleck_hpc.files import write_atomic, write_json
 from oobleck_hpc.launch.slurm_task import (begin_run, nodes_left, recorded_outcome, requeue,
                                           run_verdict)
 
@@ -174,7 +175,7 @@ class SlurmDriver:
                       f"exit codes {codes}; left early {sorted(left)}; verdict {rc}")
         result = LaunchResult(env.job_id, env.restart_count, roster, lost, rc, discovery_s, run_s,
                               str(logs), events)
-        _write_json(run_dir / f"launch-{tag}.json", result.to_dict())
+        write_json(run_dir / f"launch-{tag}.json", result.to_dict())
         if rc == EXIT_REQUEUE:
             self._requeue(env.job_id, run_dir, tag, nodes_left(roster, codes, self.min_nodes))
         return self._end(result)
@@ -211,12 +212,6 @@ def _restarts(job_id: str) -> int:
                          timeout=60).stdout
     match = re.search(r"Restarts=(\d+)", out)
     return int(match.group(1)) if match else -1
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def require_controller() -> None:
@@ -337,7 +332,5 @@ def _write_job(path: Path, job: JobConfig, run_dir: Path) -> None:
 
     data = json.loads(json.dumps(job.to_dict()))  # tuples -> lists
     data["run_dir"] = str(run_dir)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(f"# Written by oobleck-hpc submit from {job.source}\n"
-                   + yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)
+    write_atomic(path, f"# Written by oobleck-hpc submit from {job.source}\n"
+                 + yaml.safe_dump(data, sort_keys=False))

@@ -53,17 +53,14 @@ from pathlib import Path
 
 from oobleck_hpc import runs
 from oobleck_hpc.elastic.events import EventLog
-
-# oobleck_hpc.errors' exit codes (kept import-free: this wraps every agent)
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_UNRECOVERABLE = 3
-EXIT_REQUEUE = 75
+from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
+from oobleck_hpc.files import write_atomic, write_json
 
 
 def verdict(codes: dict[str, int], left: set[str] = frozenset()) -> int:
     """The job's outcome from its agents' exit codes (node -> code; nodes that recorded none,
-    e.g. killed with their node, are absent), the same rule as the local launcher's:
+    e.g. killed with their node, are absent): the one rule of every launcher (the local one's
+    `job_exit_code`, the Slurm driver, slurm/train.sbatch and `finish_without_driver`):
 
     0 if any node finished training, whoever was lost; else 2 if any node reported bad input;
     else 75 (requeue) if any asked for one; else 3. A node in `left` exited 0 while the job went
@@ -130,12 +127,6 @@ def read_codes(exit_dir: Path) -> dict[str, int]:
     return codes
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _job_fields(job_id: str) -> dict[str, str]:
     out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
                          timeout=60).stdout
@@ -187,11 +178,11 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
     lost = [n for n in names if n not in current]
     rc, codes, left = run_verdict(run_dir, tag, since)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    _write_atomic(run_dir / f"launch-{tag}.json", json.dumps({
+    write_json(run_dir / f"launch-{tag}.json", {
         "job_id": job_id, "restart_count": restart, "nodes": names, "lost_nodes": lost,
         "exit_code": rc, "codes": codes, "left_early": sorted(left),
         "batch_host_lost": fields.get("BatchHost"), "finished_by": node,
-        "time": time.time()}, indent=1) + "\n")
+        "time": time.time()})
     print(f"slurm_task {node}: batch host {fields.get('BatchHost')} is gone; survivors "
           f"{current} exited {codes}: verdict {rc}; requeueing the job to "
           f"{'resume' if rc == EXIT_REQUEUE else 'end with it'}", flush=True)
@@ -326,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         except InterruptedError:
             continue
     rc = 128 - rc if rc < 0 else rc
-    _write_atomic(exit_dir / node, f"{rc}\n")
+    write_atomic(exit_dir / node, f"{rc}\n")
     try:
         finish_without_driver(run_dir, args.tag, node, since)
     except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
+from oobleck_hpc.files import write_json
 
 RUN_RECORD = "run.json"
 JOB_LOCK = "job.lock"
@@ -74,15 +75,6 @@ class WatchError(OobleckError):
 # ----------------------------------------------------------------------------- job side
 
 
-def _atomic_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_run_record(run_dir: str | Path, argv: list[str], *, cwd: str | None = None,
                      env: dict[str, str] | None = None, slurm_job_id: str | None = None,
                      checkpoint_dir: str | None = None) -> Path:
@@ -90,22 +82,24 @@ def write_run_record(run_dir: str | Path, argv: list[str], *, cwd: str | None = 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RUN_RECORD
-    _atomic_json(path, {"argv": list(argv), "cwd": cwd or os.getcwd(), "env": env or {},
-                        "slurm_job_id": slurm_job_id, "checkpoint_dir": checkpoint_dir,
-                        "written_at": time.time(), "host": socket.gethostname()})
+    write_json(path, {"argv": list(argv), "cwd": cwd or os.getcwd(), "env": env or {},
+                      "slurm_job_id": slurm_job_id, "checkpoint_dir": checkpoint_dir,
+                      "written_at": time.time(), "host": socket.gethostname()},
+               durable=True, indent=None)
     return path
 
 
 def beat(run_dir: str | Path, step: int) -> None:
     """Training progress: `step` steps are complete (call at each step boundary, or every few)."""
-    _atomic_json(Path(run_dir) / HEARTBEAT, {"step": int(step), "time": time.time(),
-                                             "pid": os.getpid()})
+    write_json(Path(run_dir) / HEARTBEAT, {"step": int(step), "time": time.time(),
+                                           "pid": os.getpid()}, durable=True, indent=None)
 
 
 def record_exit(run_dir: str | Path, code: int, reason: str = "") -> None:
     """How the job ended (0 done; 2/3 do not requeue; 75 requeue)."""
-    _atomic_json(Path(run_dir) / EXIT_RECORD, {"code": int(code), "reason": reason,
-                                               "time": time.time(), "pid": os.getpid()})
+    write_json(Path(run_dir) / EXIT_RECORD, {"code": int(code), "reason": reason,
+                                             "time": time.time(), "pid": os.getpid()},
+               durable=True, indent=None)
 
 
 class JobLock:

@@ -1,8 +1,12 @@
 """Layer-list models: the GPT family and the interface a user's own model implements.
 
-`configs` is pure data and imports no torch (the planner, analytic profiles and the simulator
-read it); the torch-backed names (`LayerModel`, `build_model`, `layer_generator`) are imported
-on first use.
+- `configs.py`    the GPT family's sizes: pure data, no torch (the planner, analytic profiles and
+                  the simulator read it);
+- `interface.py`  `LayerModel`, the interface every model implements, and `layer_generator`;
+- `gpt.py`        the GPT as a layer list;
+- `base.py`       `build_model(cfg)`: a built-in GPT by name, or the user's factory.
+
+The torch-backed names (`LayerModel`, `build_model`, `layer_generator`) are imported on first use.
 """
 
 from oobleck_hpc.models.configs import GPT_CONFIGS, GPTConfig, gpt_config

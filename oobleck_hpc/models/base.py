@@ -1,80 +1,29 @@
-"""The interface every model implements: an ordered list of layers, each buildable on its own.
+"""The job's model: `build_model(cfg)` builds a built-in GPT by name or calls the user's factory.
 
-The layer is the unit the planner partitions and the engine places. Three rules make elastic
-training simple:
-
-1. `build_layer(i, device)` is deterministic in (seed, i): every replica of layer i starts
-   bit-identical on every rank, with no broadcast, and a rank builds only the layers it owns.
-2. `build_layer(i, "meta")` allocates nothing, so a 175B model can be described (shapes, bytes)
-   on any machine without materialising it.
-3. Shapes between layers are known in advance (`layer_output_shape`), so pipeline stages
-   preallocate their send/receive buffers and exchange no metadata per step.
-
-A user's own model: point the job's `model.factory` at `package.module:function`. The function
-receives the job's `ModelConfig` and returns a `LayerModel` (subclass this class). The first layer
-takes a batch of int64 token ids (B, T); the last returns logits (B, T, V); `loss` turns logits
-and targets into one loss per sample.
+The interface every model implements (`LayerModel`, `layer_generator`) is in interface.py and is
+importable from here too: a user's factory subclasses `oobleck_hpc.models.base.LayerModel` (or
+`oobleck_hpc.models.interface.LayerModel`, the same class).
 """
 
 from __future__ import annotations
 
 import importlib
-from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from oobleck_hpc.config import ModelConfig
 from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.models.configs import GPT_CONFIGS
+from oobleck_hpc.models.gpt import GPT
+from oobleck_hpc.models.interface import LayerModel, layer_generator
 
+if TYPE_CHECKING:
+    from oobleck_hpc.config import ModelConfig
 
-class LayerModel(ABC):
-    name: str
-    seed: int
-
-    @property
-    @abstractmethod
-    def num_layers(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def seq_len(self) -> int:
-        """Tokens per sample the model is built for (position embeddings)."""
-
-    @abstractmethod
-    def build_layer(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
-        """Layer `index`, initialised deterministically from (self.seed, index)."""
-
-    @abstractmethod
-    def layer_output_shape(self, index: int, batch_size: int, seq_len: int | None = None
-                           ) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of layer `index`'s output for a batch (fp32 activations)."""
-
-    @abstractmethod
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-sample loss, shape (B,): the mean over the sample's tokens."""
-
-    def layer_names(self) -> list[str]:
-        return [f"layer{i}" for i in range(self.num_layers)]
-
-    def arch_hash(self) -> str:
-        """Identifies the architecture in profile fingerprints."""
-        return f"{type(self).__module__}.{type(self).__qualname__}:{self.num_layers}"
-
-
-def layer_generator(seed: int, index: int) -> torch.Generator:
-    """The random stream that initialises layer `index`: independent of every other layer."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed((seed * 1_000_003 + index * 7919 + 17) % (2**63 - 1))
-    return g
+__all__ = ["LayerModel", "build_model", "layer_generator"]
 
 
 def build_model(cfg: ModelConfig, source: str = "<job>") -> LayerModel:
     """The job's model: a built-in GPT by name, or the user's factory."""
     if cfg.factory is None:
-        from oobleck_hpc.models.configs import GPT_CONFIGS
-        from oobleck_hpc.models.gpt import GPT
-
         if cfg.name not in GPT_CONFIGS:
             raise ConfigError(source, "model.name", f"value {cfg.name!r} is not a built-in model",
                               f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oobleck_hpc.models.base import LayerModel, layer_generator
+from oobleck_hpc.models.interface import LayerModel, layer_generator
 from oobleck_hpc.models.configs import GPTConfig
 
 INIT_STD = 0.02

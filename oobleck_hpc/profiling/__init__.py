@@ -1,8 +1,11 @@
 """Profiles: what the planner knows about a model on a machine.
 
 - `profile.py`   the data model (pure, imported by the planner),
-- `store.py`     the HDF5 files and the shared library (the only module importing h5py),
+- `store.py`     the HDF5 files (the only module importing h5py),
+- `library.py`   the shared library of such files: paths, listing, importing,
 - `profiler.py`  measures a profile on this machine (`oobleck-hpc profile JOB.yaml`),
+- `layers.py`, `links.py`, `timing.py`  its measurements: every layer; the links and core
+  sharing; what both share (options, timer),
 - `analytic.py`  derives one from FLOP and byte counts for machines we do not have,
 - `cli.py`       `oobleck-hpc profile` and `oobleck-hpc profiles ls|show|verify|import|diff`.
 
@@ -62,7 +65,7 @@ def job_device_name(job: JobConfig) -> str:
 
 def library_file(job: JobConfig) -> Path:
     """The library file a job's profile is looked up in (it may not exist)."""
-    from oobleck_hpc.profiling.store import library_path_for
+    from oobleck_hpc.profiling.library import library_path_for
 
     return library_path_for(job.profile.library, job.model.name, job_device_name(job),
                             job.model.profile_dtype, job.train.microbatch_size)

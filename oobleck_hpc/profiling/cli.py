@@ -95,7 +95,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from oobleck_hpc.profiling.store import list_library
+    from oobleck_hpc.profiling.library import list_library
 
     entries = list_library(args.library)
     rows = [("model", "device", "dtype", "mb", "gpn", "layers", "source", "created", "file")]
@@ -153,7 +153,8 @@ def _show(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from oobleck_hpc.errors import ProfileError
-    from oobleck_hpc.profiling.store import profile_files, verify
+    from oobleck_hpc.profiling.library import profile_files
+    from oobleck_hpc.profiling.store import verify
 
     bad_roots = bad = total = 0
     for root in args.paths:
@@ -176,7 +177,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from oobleck_hpc.profiling.store import import_profiles
+    from oobleck_hpc.profiling.library import import_profiles
 
     report = import_profiles(args.src, args.library, "keep-both" if args.keep_both else "refuse")
     for line in report.lines():
@@ -199,7 +200,8 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _analytic(args: argparse.Namespace) -> int:
     from oobleck_hpc.profiling.analytic import analytic_profile
-    from oobleck_hpc.profiling.store import library_path, save_profile
+    from oobleck_hpc.profiling.library import library_path
+    from oobleck_hpc.profiling.store import save_profile
 
     for model in args.models:
         for device in args.devices:

@@ -1,4 +1,5 @@
-"""HDF5 profile store and the shared profile library. The ONLY module of the package that imports h5py.
+"""HDF5 profile files: writing, reading, verifying, copying, comparing. The ONLY module of the
+package that imports h5py (the library of such files, its paths and imports: library.py).
 
 File layout (one file per model x device x dtype x microbatch size; `h5dump FILE` shows all of it):
 
@@ -25,18 +26,14 @@ shape, raw little-endian bytes, in a fixed field order) followed by the canonica
 fingerprint and machine attributes. Any change to numbers or metadata after writing is caught by
 `load_profile` / `verify`.
 
-Library layout: `<library>/<model>/<device>/<dtype>-mb<k>.h5` (see `library_path`).
-
 Durability and concurrency (several jobs on several nodes may write one shared NFS/Lustre
 library at once):
-- every write goes to a temporary file in the destination directory (hidden name `.NAME.tmp-...`,
-  unique per process), is flushed and fsync'ed, then published with one atomic directory
-  operation -- `os.replace` when overwriting is allowed, `os.link` (fails if the name exists,
-  so never clobbers) otherwise -- and the directory is fsync'ed. A reader therefore sees either
-  no file or a complete one, never a half-written one.
-- `import_profiles` never overwrites a different existing file: identical content is skipped,
-  different content is refused (or kept beside it under a suffixed name with `keep_both`), and
-  each case is reported.
+- every write (`save_profile`, `copy_profile`) goes to a temporary file in the destination
+  directory (`files.temp_path`: hidden, unique per process and thread), is flushed and fsync'ed,
+  then published with one atomic directory operation -- `os.replace` when overwriting is
+  allowed, `os.link` (fails if the name exists, so never clobbers) otherwise -- and the
+  directory is fsync'ed (best effort). A reader therefore sees either no file or a complete
+  one, never a half-written one.
 - loading opens files read-only and never modifies them. HDF5 file locking is off: a published
   file is never written again (replacement is a new inode), and locks fail on many NFS mounts.
 """
@@ -47,17 +44,15 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
-import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
 import h5py
 import numpy as np
 
 from oobleck_hpc.errors import ProfileError
+from oobleck_hpc.files import fsync_dir, fsync_file, temp_path
 from oobleck_hpc.profiling.profile import (
     READ_SCHEMAS,
     SCHEMA_VERSION,
@@ -77,35 +72,13 @@ _V1_FIELDS = ("name",) + _FLOAT_FIELDS + _INT_FIELDS
 _ROWS_FIELDS = ("forward_rows_ms", "backward_rows_ms")
 _V2_FLOAT = ("optimizer_ms",)
 _LAYER_FIELDS = _V1_FIELDS + _V2_FLOAT + _ROWS_FIELDS
-"""Datasets of the schema this version writes (2); a schema 1 file has only _V1_FIELDS."""
-
-
-def _fields(schema: int) -> tuple[str, ...]:
-    return _V1_FIELDS if schema == 1 else _LAYER_FIELDS
+"""Datasets of the schemas 2 and 3 (this version writes 3); a schema 1 file has only _V1_FIELDS."""
 _FP_FIELDS = tuple(f.name for f in dataclasses.fields(Fingerprint))
 _FP_INT = {"microbatch_size", "gpus_per_node", "schema_version"}
 
 
-# ----------------------------------------------------------------------------- paths
-
-
-def safe_name(text: str) -> str:
-    """A file-system safe path component: keeps letters, digits, '.', '_' and '-'."""
-    out = re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip()).strip("-.")
-    return out or "unnamed"
-
-
-def library_path(library_dir: str | Path, fingerprint: Fingerprint) -> Path:
-    """`<library>/<model>/<device>/<dtype>-mb<k>.h5` for the profile a fingerprint describes."""
-    return (Path(library_dir) / safe_name(fingerprint.model_name) / safe_name(fingerprint.device_name)
-            / f"{safe_name(fingerprint.dtype)}-mb{fingerprint.microbatch_size}{SUFFIX}")
-
-
-def library_path_for(library_dir: str | Path, model: str, device: str, dtype: str,
-                     microbatch_size: int) -> Path:
-    """`library_path` from the four names that choose a file (before a fingerprint exists)."""
-    return (Path(library_dir) / safe_name(model) / safe_name(device)
-            / f"{safe_name(dtype)}-mb{microbatch_size}{SUFFIX}")
+def _fields(schema: int) -> tuple[str, ...]:
+    return _V1_FIELDS if schema == 1 else _LAYER_FIELDS
 
 
 # ----------------------------------------------------------------------------- checksum
@@ -172,31 +145,6 @@ def profile_checksum(profile: ModelProfile) -> str:
 # ----------------------------------------------------------------------------- durable writes
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # some file systems do not allow opening directories; the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_path(dest: Path) -> Path:
-    return dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
 def _publish(tmp: Path, dest: Path, overwrite: bool) -> bool:
     """Move a complete, fsync'ed temporary file to `dest` atomically. Returns False (and leaves
     `dest` alone) when `dest` exists and `overwrite` is False."""
@@ -210,7 +158,7 @@ def _publish(tmp: Path, dest: Path, overwrite: bool) -> bool:
         finally:
             if tmp.exists():
                 tmp.unlink()
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent, best_effort=True)
     return True
 
 
@@ -249,10 +197,10 @@ def save_profile(profile: ModelProfile, path: str | Path, overwrite: bool = Fals
     if path.exists() and not overwrite:
         raise ProfileError(f"{path} already exists; refusing to overwrite it. Fix: pass "
                            f"--force (overwrite=True) to replace it, or write to another --out directory")
-    tmp = _temp_path(path)
+    tmp = temp_path(path)
     try:
         _write_h5(profile, tmp)
-        _fsync_file(tmp)
+        fsync_file(tmp)
         if not _publish(tmp, path, overwrite):
             raise ProfileError(f"{path} was created by another process while this one was "
                                f"writing; left it untouched. Fix: pass --force to replace it")
@@ -363,6 +311,22 @@ def load_profile(path: str | Path) -> ModelProfile:
     return ModelProfile(fingerprint=fingerprint, machine=machine, layers=layers)
 
 
+def copy_profile(src: Path, dest: Path, overwrite: bool) -> bool:
+    """Copy the profile file `src` to `dest` through a verified, fsync'ed temporary file (the
+    copy is complete and valid before it gets its name). False: `dest` existed and `overwrite`
+    is False (nothing written)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(dest)
+    try:
+        shutil.copyfile(src, tmp)
+        fsync_file(tmp)
+        load_profile(tmp)
+        return _publish(tmp, dest, overwrite)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def stored_checksum(path: str | Path) -> str:
     """The checksum attribute of a file (after `load_profile` has verified it)."""
     load_profile(path)
@@ -375,126 +339,6 @@ def verify(path: str | Path) -> ModelProfile:
     """Check schema, completeness and checksum of one file; returns the profile or raises
     ProfileError. (The same checks `load_profile` does: loading is verifying.)"""
     return load_profile(path)
-
-
-# ----------------------------------------------------------------------------- library
-
-
-@dataclass(frozen=True)
-class LibraryEntry:
-    path: Path
-    profile: ModelProfile | None
-    error: str | None = None
-    """Set (and `profile` None) when the file fails verification."""
-
-
-def profile_files(library_dir: str | Path) -> list[Path]:
-    """Every profile file under a library directory (sorted; temporary files are skipped)."""
-    root = Path(library_dir)
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise ProfileError(f"profile library {root} is not a directory. Fix: pass an existing "
-                           f"directory (the repository ships one in profiles/)")
-    return sorted(p for p in root.rglob(f"*{SUFFIX}") if not p.name.startswith("."))
-
-
-def list_library(library_dir: str | Path) -> list[LibraryEntry]:
-    """Load every profile file under `library_dir`; bad files are listed with their error."""
-    entries = []
-    for p in profile_files(library_dir):
-        try:
-            entries.append(LibraryEntry(p, load_profile(p)))
-        except ProfileError as e:
-            entries.append(LibraryEntry(p, None, str(e)))
-    return entries
-
-
-@dataclass
-class ImportReport:
-    """What `import_profiles` did with each source file."""
-
-    imported: list[tuple[Path, Path]] = field(default_factory=list)
-    """(source, destination) newly written."""
-    identical: list[tuple[Path, Path]] = field(default_factory=list)
-    """Destination already held the same profile (same checksum): nothing written."""
-    kept_both: list[tuple[Path, Path]] = field(default_factory=list)
-    """Destination held a different profile; the source was stored beside it under this name."""
-    refused: list[tuple[Path, Path]] = field(default_factory=list)
-    """Destination held a different profile; nothing written (policy 'refuse')."""
-    invalid: list[tuple[Path, str]] = field(default_factory=list)
-    """Source files that failed verification; not imported."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.refused and not self.invalid
-
-    def lines(self) -> list[str]:
-        out = [f"imported   {s} -> {d}" for s, d in self.imported]
-        out += [f"identical  {s} == {d} (skipped)" for s, d in self.identical]
-        out += [f"kept both  {s} -> {d} (a different profile already has the canonical name)"
-                for s, d in self.kept_both]
-        out += [f"REFUSED    {s}: {d} exists with a different profile (use --keep-both to store "
-                f"both, or remove {d} first)" for s, d in self.refused]
-        out += [f"INVALID    {s}: {e}" for s, e in self.invalid]
-        return out
-
-
-def _copy_durably(src: Path, dest: Path, overwrite: bool) -> bool:
-    """Copy src to dest through a verified, fsync'ed temporary file. False: dest existed."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_path(dest)
-    try:
-        shutil.copyfile(src, tmp)
-        _fsync_file(tmp)
-        load_profile(tmp)  # the copy itself is complete and valid before it gets its name
-        return _publish(tmp, dest, overwrite)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def import_profiles(src: str | Path, dst: str | Path,
-                    on_conflict: Literal["refuse", "keep-both"] = "refuse") -> ImportReport:
-    """Copy every valid profile under `src` (a file or a library directory) into the library
-    `dst`, each to its canonical `library_path`. Never overwrites a different file: identical
-    profiles are skipped, different ones refused or (keep-both) stored as
-    `<dtype>-mb<k>.<checksum12>.h5` beside the existing one. Safe when several processes import
-    into the same library at once: every published file is complete and verified."""
-    report = ImportReport()
-    dst = Path(dst)
-    for s in profile_files(src):
-        try:
-            profile = load_profile(s)
-        except ProfileError as e:
-            report.invalid.append((s, str(e)))
-            continue
-        checksum = profile_checksum(profile)
-        dest = library_path(dst, profile.fingerprint)
-        for _ in range(3):  # an existing file may vanish between the link attempt and the compare
-            published = _copy_durably(s, dest, overwrite=False)
-            if published:
-                report.imported.append((s, dest))
-                break
-            try:
-                existing = stored_checksum(dest)
-            except FileNotFoundError:
-                continue
-            except ProfileError:
-                existing = None  # a damaged existing file is a different file: never replaced here
-            if existing == checksum:
-                report.identical.append((s, dest))
-            elif on_conflict == "keep-both":
-                alt = dest.with_name(f"{dest.stem}.{checksum[:12]}{SUFFIX}")
-                published = _copy_durably(s, alt, overwrite=False)
-                if published:
-                    report.kept_both.append((s, alt))
-                else:
-                    report.identical.append((s, alt))  # same checksum name: same content
-            else:
-                report.refused.append((s, dest))
-            break
-    return report
 
 
 # ----------------------------------------------------------------------------- comparison

@@ -4,9 +4,9 @@ when a plot is asked for)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from oobleck_hpc.files import atomic_open, temp_path
 from oobleck_hpc.sim.engine import CATEGORIES, PolicyResult
 
 _SHORT = {"effective": "effective", "redundant": "redundant", "idle": "idle",
@@ -77,7 +77,7 @@ def check_plot_target(path: str | Path) -> None:
     if not parent.is_dir():
         raise PlotError(f"{where}: {str(parent)!r} is not a directory. Fix: pass a path in an "
                         "existing directory")
-    probe = _tmp_path(p)
+    probe = temp_path(p)
     try:
         with open(probe, "xb"):
             pass
@@ -93,10 +93,6 @@ def check_plot_target(path: str | Path) -> None:
                         "'matplotlib>=3.8' (or reinstall: pip install -e .), or leave out "
                         "--plot") from e
     matplotlib.use("Agg")  # files only, never a display
-
-
-def _tmp_path(p: Path) -> Path:
-    return p.with_name(f".{p.name}.{os.getpid()}.tmp")
 
 
 def _window_s(duration_s: float) -> float:
@@ -179,11 +175,9 @@ def plot(results: dict[str, PolicyResult], path: str | Path, job: str = "",
     file next to it, then renamed. Call check_plot_target(path) first."""
     p = Path(path)
     fig = goodput_figure(results, job, failure_rate, failure_times_s, join_times_s)
-    tmp = _tmp_path(p)
     try:
-        fig.savefig(tmp, dpi=120, format=p.suffix.lower().lstrip("."))
-        tmp.replace(p)
+        with atomic_open(p) as f:
+            fig.savefig(f, dpi=120, format=p.suffix.lower().lstrip("."))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise PlotError(f"--plot {path}: writing failed ({e.strerror}). Fix: pass a path on a "
                         "writable file system with free space") from e

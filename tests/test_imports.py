@@ -1,0 +1,226 @@
+"""The package's shape, read from its source with `ast` (no module is imported here):
+
+- no import cycle between modules of oobleck_hpc;
+- no module of oobleck_hpc imports from `tests`, and no file of oobleck_hpc/ mentions OOBLECK_TEST;
+- production code never imports `oobleck_hpc.testing` (test and benchmark support only);
+- no module of oobleck_hpc is longer than 500 lines;
+- no function of oobleck_hpc/elastic/ is longer than 60 lines.
+
+The dependency graph: every module `oobleck_hpc/a/b.py` is the node `oobleck_hpc.a.b`, and a
+package's `__init__.py` is the node of the package (`oobleck_hpc/a/__init__.py` -> `oobleck_hpc.a`).
+Every import statement counts, at the top of a module or inside a function or a method (a lazy
+import runs too, only later), relative imports resolved against the module's package:
+
+- `import a.b.c` depends on `a.b.c` (the longest prefix that is a module of the package);
+- `from a.b import c` depends on `a.b.c` when that is a module, else on `a.b`;
+- importing `a.b.c` also runs the `__init__.py` of the packages `a` and `a.b`: the module depends
+  on those packages too, except on its own enclosing packages (already being imported when the
+  module runs, so not a new dependency; a package's `__init__` that imports one of its own
+  modules is the ordinary shape of a package).
+
+Not counted: imports under `if TYPE_CHECKING:`, which never run (they name types for
+annotations only); a module that needs the name at run time must import it for real, and then
+it counts.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "oobleck_hpc"
+MAX_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
+    return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+            or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _import_nodes(tree: ast.AST):
+    """Every Import / ImportFrom node, at any depth, outside `if TYPE_CHECKING:` bodies."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _imported_names(module: str, path: Path, modules: set[str] | frozenset = frozenset()
+                    ) -> list[tuple[str, int]]:
+    """(absolute dotted name, line) of everything `module` imports: `a.b` for `import a.b`;
+    for `from a.b import c`, `a.b.c` when that is one of `modules`, else `a.b`."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+            continue
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")
+            parts = parts[:len(parts) - (node.level - 1)]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            out.append((sub if sub in modules else base, node.lineno))
+    return out
+
+
+def _enclosing(name: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`]."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def dependency_graph(package: Path = PACKAGE) -> dict[str, dict[str, int]]:
+    """module -> {module it depends on -> line of the first import that makes it so}."""
+    modules = _modules(package)
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        own = set(_enclosing(module)) | ({module} if path.name == "__init__.py" else set())
+        deps: dict[str, int] = {}
+        for name, line in _imported_names(module, path, set(modules)):
+            target = name
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if not target:
+                continue  # not a module of the package
+            deps.setdefault(target, line)
+            for package in _enclosing(target):  # the packages whose __init__ runs first
+                if package in modules and package not in own:
+                    deps.setdefault(package, line)
+        deps.pop(module, None)
+        graph[module] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One cycle [m0, m1, ..., m0] of the graph, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path = [root]
+        iters = [iter(sorted(graph[root]))]
+        state[root] = 1
+        while iters:
+            nxt = next(iters[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                iters.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                iters.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    return "\n".join(f"  {a} -> {b}  (import at line {graph[a][b]} of {a})"
+                     for a, b in zip(cycle, cycle[1:]))
+
+
+def test_the_graph_sees_every_kind_of_import(tmp_path):
+    """The parser itself, on a small package: top-level, lazy, relative and submodule imports,
+    the enclosing packages' __init__, and TYPE_CHECKING imports left out."""
+    files = {
+        "__init__.py": "from pkg.a import f\n",
+        "a.py": "from pkg import d\n\ndef f():\n    from . import b  # lazy, relative\n",
+        "b.py": "from .sub.c import g\n",
+        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import x\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "import pkg.a\n\ndef g():\n    return pkg.a\n",
+    }
+    for name, text in files.items():
+        path = tmp_path / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    graph = dependency_graph(tmp_path / "pkg")
+    assert graph == {
+        "pkg": {"pkg.a": 1},
+        "pkg.a": {"pkg.d": 1, "pkg.b": 4},
+        "pkg.b": {"pkg.sub.c": 1, "pkg.sub": 1},
+        "pkg.d": {},
+        "pkg.sub": {},
+        "pkg.sub.c": {"pkg.a": 1},
+    }
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]  # through a lazy import
+    assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"b": 1}}) is None
+    # On the package itself: a lazy import (ModelConfig.check) and the package it runs first.
+    real = dependency_graph()
+    assert {"oobleck_hpc.models.configs", "oobleck_hpc.models"} <= set(real["oobleck_hpc.config"])
+
+
+def test_no_import_cycles():
+    graph = dependency_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, ("import cycle between modules of oobleck_hpc:\n" + _describe(cycle, graph)
+                           + "\nFix: move what both need into a third module")
+
+
+def test_the_package_does_not_depend_on_the_tests():
+    offenders = []
+    for module, path in _modules().items():
+        for name, line in _imported_names(module, path):
+            if name == "tests" or name.startswith("tests."):
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    for path in sorted(PACKAGE.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".sh", ".txt", ".md", ".yaml", ".json"):
+            for i, text in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if re.search("OOBLECK_TEST", text):
+                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{i} mentions OOBLECK_TEST")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_production_code_never_imports_the_testing_support():
+    offenders = []
+    for module, path in _modules().items():
+        if module == "oobleck_hpc.testing" or module.startswith("oobleck_hpc.testing."):
+            continue
+        for name, line in _imported_names(module, path):
+            if name == "oobleck_hpc.testing" or name.startswith("oobleck_hpc.testing."):
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_function_of_the_elastic_layer_is_longer_than_60_lines():
+    long = []
+    for path in sorted((PACKAGE / "elastic").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name}() {n} lines")
+    assert not long, "\n".join(long) + "\nFix: split it into named steps"
+
+
+def test_no_module_is_longer_than_500_lines():
+    too_long = {}
+    for path in _modules().values():
+        name = path.relative_to(PACKAGE.parent).as_posix()
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            too_long[name] = lines
+    assert not too_long, (f"modules over {MAX_LINES} lines: {too_long}; split them by concern "
+                          f"(one module per concern, re-exported where callers import them)")
