@@ -80,7 +80,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.nodes < 3:
         ap.error("--nodes must be at least 3 (one killed, one hung, one left)")
-    worker = [sys.executable, "-m", "oobleck_hpc.elastic.echo_worker"]
+    worker = [sys.executable, "-m", "oobleck_hpc.testing.echo_worker"]
     figures: dict[str, list[float]] = {"kill_detect_s": [], "kill_agree_s": [],
                                        "hang_detect_s": [], "hang_agree_s": []}
     base = Path(tempfile.mkdtemp(prefix="bench-control-plane-"))

@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oobleck_hpc.config import load_job  # noqa: E402
-from oobleck_hpc.engine.harness import WorkerPool  # noqa: E402
+from oobleck_hpc.testing.harness import WorkerPool  # noqa: E402
 from oobleck_hpc.errors import PlanningError  # noqa: E402
 from oobleck_hpc.data import dataset_for  # noqa: E402
 from oobleck_hpc.models.base import build_model  # noqa: E402

@@ -24,6 +24,16 @@ workers, `oobleck-hpc kill-node`) to the first training step committed afterward
 `speedup` = restart_baseline_s / recovery_s (medians over --reps). Targets: kill -> first
 committed step <= 0.5 s and hang <= lease + 0.5 s, with checkpointing on (issue 12); recovery in
 place also under the hog; speedup >= 10 over checkpoint-restart on this 2-core machine (issue 5).
+
+Memory (issue 16), per model of --memory-models (default gpt-wide and gpt-wide-2x: weights
+dominate, 0.6 and 1.2 GB of training state per worker), 4 nodes x 1 worker, 2 pipelines of 2
+nodes, no checkpoints (nothing but the recovery allocates): each worker's peak RSS (VmHWM, reset
+through /proc/PID/clear_refs) over steady steps before the kill, from the kill to two steps after
+the recovery, and over steady steps after it. `peak_rss_steady_mb` / `peak_rss_recovery_mb`: the
+worst worker's; `recovery_over_steady`: the worst worker's ratio of its recovery peak to its own
+steady peak (the larger of before and after: a rank that takes over layers holds more after);
+target <= 1.15. `init_s`: building the new plan's engine (the slowest rank), which must not grow
+with the layers a rank receives: the two models are compared.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from pathlib import Path
 import yaml
 
 from oobleck_hpc.elastic.events import read_events, read_jsonl
+from oobleck_hpc.report import recovery_phases
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,20 +149,7 @@ def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) ->
     events = [e for e in read_events(run_dir / "events.jsonl") if e["t"] >= t_kill]
     first = next(e for e in events if e["kind"] == "recovered")
     after = [r for r in rows if r["time"] > t_kill]
-
-    def t_of(kind: str, pick=min) -> float:
-        ts = [e["t"] for e in events if e["kind"] == kind and e["t"] <= first["t"]]
-        return pick(ts)
-
-    t_detect = min(e["t"] for e in events
-                   if e["kind"] in ("failure_detected", "step_failed", "round_started"))
-    marks = [("detect", t_detect), ("agree", t_of("membership_agreed")),
-             ("plan", t_of("plan_chosen")), ("regroup", t_of("groups_rebuilt")),
-             ("transfer", t_of("state_transferred", max)), ("first_step", first["t"])]
-    phases, prev = {}, t_kill
-    for name, t in marks:
-        phases[name] = round(max(0.0, t - prev), 4)
-        prev = max(prev, t)
+    phases = recovery_phases(events, first, t_kill)  # the phases `oobleck-hpc report` shows
     return {"mode": mode, "recovery_s": round(first["t"] - t_kill, 4),
             "first_row_after_kill_s": round(after[0]["time"] - t_kill, 4),
             "phases": phases, "code": proc.returncode, "lost": first["lost"],
@@ -189,6 +187,84 @@ def restart_once(work: Path, nodes: int, kill_at: int, steps: int) -> dict:
             "resumed_at_step": rows[0]["step"], "steps_before_kill": done_before}
 
 
+def worker_pids(run_dir: Path) -> dict[str, int]:
+    """node -> pid of its worker (4 x 1 worker: the agent's only child)."""
+    out = {}
+    for node, agent in json.loads((run_dir / "agents.json").read_text()).items():
+        try:
+            children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+        except OSError:
+            continue
+        if children:
+            out[node] = int(children[0])
+    return out
+
+
+def peak_mb(pids: dict[str, int], reset: bool = False) -> dict[str, float]:
+    """Each process's peak RSS since its last reset (VmHWM), in MB; `reset`: start anew."""
+    out = {}
+    for node, pid in pids.items():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            out[node] = int(next(x for x in status.splitlines()
+                                 if x.startswith("VmHWM:")).split()[1]) / 1024
+            if reset:
+                Path(f"/proc/{pid}/clear_refs").write_text("5")
+        except (OSError, StopIteration):
+            pass
+    return out
+
+
+def memory_once(work: Path, model: str, steps: int = 40) -> dict:
+    """One kill of a 2-node pipeline's second node, peaks measured around it (module doc)."""
+    from oobleck_hpc.launch.local import kill_node
+
+    run_dir = work / f"memory-{model}"
+    run_dir.mkdir(parents=True)
+    job = work / f"memory-{model}.yaml"
+    d = job_dict(run_dir, 4, steps, None)
+    d["model"]["name"] = model
+    d["train"].update(microbatch_size=1, global_microbatches=2)  # 2 pipelines over 4 nodes
+    d["cluster"]["gpus_per_node"] = 1
+    d["profile"] = {"library": str(work / "no-profiles"), "analytic": True, "device": "A40"}
+    d["fault_tolerance"]["collective_timeout_s"] = 30.0
+    job.write_text(yaml.safe_dump(d))
+    metrics = run_dir / "metrics.jsonl"
+    proc = start(job, run_dir, metrics, work / f"memory-{model}.log")
+    try:
+        wait_steps(metrics, 3, proc, 600)
+        pids = worker_pids(run_dir)
+        peak_mb(pids, reset=True)
+        wait_steps(metrics, 7, proc, 300)
+        before = peak_mb(pids, reset=True)
+        t_kill = kill_node(run_dir, "node1")
+        deadline = time.monotonic() + 300
+        while not any(e["kind"] == "recovered" for e in read_events(run_dir / "events.jsonl")):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"no recovery of {model} (log: {work})")
+            time.sleep(0.05)
+        done = len(read_jsonl(metrics))
+        wait_steps(metrics, done + 2, proc, 300)
+        during = peak_mb(pids, reset=True)
+        wait_steps(metrics, done + 6, proc, 300)
+        after = peak_mb(pids)
+    finally:
+        stop(proc, run_dir)
+    events = [e for e in read_events(run_dir / "events.jsonl") if e["t"] >= t_kill]
+    moved = [e for e in events if e["kind"] == "state_transferred"]
+    survivors = [n for n in pids if n != "node1"]
+    steady = {n: max(before.get(n, 0.0), after.get(n, 0.0)) for n in survivors}
+    return {"model": model, "peak_rss_steady_mb": round(max(steady.values()), 1),
+            "peak_rss_recovery_mb": round(max(during[n] for n in survivors), 1),
+            "recovery_over_steady": round(max(during[n] / steady[n] for n in survivors), 3),
+            "init_s": max(e.get("init_seconds", 0.0) for e in moved),
+            "layers_received": sum(e["layers_in"] for e in moved),
+            "bytes_received_mb": round(sum(e["received_bytes"] for e in moved) / 1e6, 1),
+            "per_worker_mb": {n: {"before": round(before.get(n, 0.0), 1),
+                                  "recovery": round(during[n], 1),
+                                  "after": round(after.get(n, 0.0), 1)} for n in survivors}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -197,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, default=4, help="committed steps before the kill")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--memory-models", default="gpt-wide,gpt-wide-2x",
+                   help="models of the memory measurement (comma-separated; '' skips it)")
+    p.add_argument("--skip-latency", action="store_true",
+                   help="only the memory measurement")
     a = p.parse_args(argv)
     if a.nodes < 4:
         p.error("--nodes must be >= 4 (issue 5: >= 4 nodes x 2 workers)")
@@ -204,14 +284,25 @@ def main(argv: list[str] | None = None) -> int:
     modes = ("kill", "hang", "kill_under_hog")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     bases = []
+    memory = []
     try:
-        for i in range(a.reps):
+        for model in [m for m in a.memory_models.split(",") if m]:
+            memory.append(memory_once(work, model))
+        for i in range(0 if a.skip_latency else a.reps):
             for m in modes:
                 runs[m].append(oobleck_once(work / f"rep{i}", a.nodes, a.kill_at, a.steps, m))
             bases.append(restart_once(work / f"rep{i}", a.nodes, a.kill_at, a.steps))
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
+    mem = {"memory": memory, "memory_target_ratio": 1.15,
+           "memory_meets_target": all(x["recovery_over_steady"] <= 1.15 for x in memory)}
+    if a.skip_latency:
+        print(json.dumps(mem, indent=1) if a.json else "\n".join(
+            f"{x['model']}: steady {x['peak_rss_steady_mb']} MB, recovery "
+            f"{x['peak_rss_recovery_mb']} MB (x{x['recovery_over_steady']}), init "
+            f"{x['init_s']:.3f} s" for x in memory))
+        return 0
     med = {m: statistics.median(r["recovery_s"] for r in runs[m]) for m in modes}
     phases = {m: {k: statistics.median(r["phases"][k] for r in runs[m])
                   for k in runs[m][0]["phases"]} for m in modes}
@@ -227,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                              and in_place),
            "checkpoint_every_steps": 3, "lease_s": LEASE_S,
            "nodes": a.nodes, "workers_per_node": 2, "model": "gpt-tiny", "reps": a.reps,
-           "runs": runs, "baselines": bases, "host": platform.node(), "cpus": os.cpu_count()}
+           "runs": runs, "baselines": bases, "host": platform.node(), "cpus": os.cpu_count(),
+           **mem}
     if a.json:
         print(json.dumps(out, indent=1))
     else:

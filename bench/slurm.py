@@ -69,7 +69,7 @@ def one_run(base: Path, index: int) -> dict:
         "cluster": {"launch": "slurm", "nodes": 4, "gpus_per_node": 2, "device": "cpu"},
         "fault_tolerance": {"heartbeat_s": 0.5, "lease_s": 3.0},
         "slurm": {"time_min": 5, "agent_command": "{python} -m oobleck_hpc.agent --job {job} "
-                  "--run-dir {run_dir} -- {python} -m oobleck_hpc.elastic.echo_worker"},
+                  "--run-dir {run_dir} -- {python} -m oobleck_hpc.testing.echo_worker"},
     }))
     workers = [f"{n}.{r}" for n in NODES for r in (0, 1)]
     survivors = [w for w in workers if not w.startswith(VICTIM + ".")]

@@ -1,5 +1,5 @@
 """The control plane with real processes: node agents (`python -m oobleck_hpc.agent`) on this
-machine, each owning echo workers (oobleck_hpc/elastic/echo_worker.py: no torch), killed and
+machine, each owning echo workers (oobleck_hpc/testing/echo_worker.py: no torch), killed and
 stopped with real signals. A node = one agent and its workers, in their own process group; a node
 failure kills the group. Every test has a hard timeout and kills every group it started.
 
@@ -37,7 +37,7 @@ class Cluster:
         self.run_dir, self.n, self.workers = run_dir, n, workers
         (run_dir / "ctl").mkdir(parents=True)
         self.agents = LocalAgents.start(
-            run_dir, n, workers, command=[sys.executable, "-m", "oobleck_hpc.elastic.echo_worker"],
+            run_dir, n, workers, command=[sys.executable, "-m", "oobleck_hpc.testing.echo_worker"],
             heartbeat_s=HEARTBEAT_S, lease_s=LEASE_S, quorum=quorum, startup_s=20, kill_grace_s=1)
         self.names, self.procs = self.agents.names, self.agents.procs
 

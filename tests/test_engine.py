@@ -62,7 +62,7 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def pool():
-    from oobleck_hpc.engine.harness import WorkerPool
+    from oobleck_hpc.testing.harness import WorkerPool
 
     p = WorkerPool(nodes=4, gpus_per_node=G)
     yield p

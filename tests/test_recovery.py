@@ -212,7 +212,7 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
     import threading
     import time
 
-    from oobleck_hpc.elastic.driver import _open_store
+    from oobleck_hpc.elastic.rendezvous import open_store
     from oobleck_hpc.elastic.membership import Superseded
 
     server = socket.socket()
@@ -232,7 +232,7 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
     t0 = time.monotonic()
     try:
         with pytest.raises(Superseded):
-            _open_store("127.0.0.1", server.getsockname()[1], False, 20.0,
+            open_store("127.0.0.1", server.getsockname()[1], False, 20.0,
                         abort=lambda: time.monotonic() > opened)
         assert time.monotonic() - t0 < 2.0
     finally:

@@ -1,5 +1,5 @@
 """The real per-node agents (oobleck_hpc.agent, elastic control plane) under the real Slurm
-controller of slurm/dev-cluster.sh, with the echo worker (oobleck_hpc/elastic/echo_worker.py) as
+controller of slurm/dev-cluster.sh, with the echo worker (oobleck_hpc/testing/echo_worker.py) as
 each node's 2 workers: a node killed or frozen mid-run is agreed away by the survivors, and the
 job finishes on them -- same job id, no requeue."""
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 NODES = ["n1", "n2", "n3", "n4"]
 AGENT = ("{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir} "
-         "-- {python} -m oobleck_hpc.elastic.echo_worker")
+         "-- {python} -m oobleck_hpc.testing.echo_worker")
 
 
 def memberships(run_dir: Path, worker: str) -> list[dict]:

@@ -11,7 +11,9 @@ training process groups -- and has no single point of failure:
                 (report a failure as a value, wait for the next membership, exchange a digest).
 - `events`      `EventLog(path).emit(kind, **fields)`: the run's JSONL event file, for every module.
 - `wire`        message framing and the `Roster` (the launcher's node list: name -> host:port).
-- `echo_worker` the smallest worker that follows the interface (used by the tests).
+- `driver`      `ElasticDriver`: a worker's steps, transactional, recovering in place
+                (`recovery`: the rounds; `rendezvous`: a generation's store; `transfer`: layer
+                state between replicas; `faults`: the job file's injected failures).
 
 The agent process itself is `python -m oobleck_hpc.agent` (oobleck_hpc/agent.py). Nothing here
 imports torch: workers pay for torch, agents start in tens of milliseconds.

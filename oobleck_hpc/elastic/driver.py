@@ -27,7 +27,7 @@ never an exception: engine.py), a failed vote or a round opened by the agents tu
    difference is a hard error (never continue with a wrong model). A round that lost no node
    (the agents found every peer alive after a failed collective: a slow rank, a port clash)
    retries the step on the same plan with fresh groups, at most MAX_RETRIES times in a row;
-   then RecoveryError.
+   then RecoveryError. (Steps 2-6 are the rounds of elastic/recovery.py.)
 4. Groups: the generation's store (hosted by local rank 0 of `m.store_node`), `Comm.init` with the
    generation number (a fresh key prefix), `PlanGroups.build`.
 5. Transfer: a new Engine on the new plan at the same TrainState, the rank's kept layers copied
@@ -69,60 +69,27 @@ recovered (first committed step after the recovery, with the phase times); steps
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Superseded
-from oobleck_hpc.errors import GuaranteeExceeded, OobleckError
+from oobleck_hpc.elastic.recovery import Recovery, RecoveryError, RecoveryRounds
+from oobleck_hpc.elastic.rendezvous import open_store, release_connections, wait_arrivals, wait_port
+from oobleck_hpc.errors import OobleckError
 
 if TYPE_CHECKING:
-    from oobleck_hpc.engine.engine import StepResult
-
-MAX_RETRIES = 3
-"""Consecutive in-place retries of a step with no node lost before the checkpoint fallback."""
-MAX_ROUNDS = 3
-"""Failed reconfiguration rounds of one recovery before the checkpoint fallback (each bounded
-by the agreement timeout): a recovery never loops for ever."""
-
-
-class RecoveryError(OobleckError):
-    """Survivors disagree on the state to resume from: in-place recovery cannot continue."""
-
-    exit_code = 75  # as GuaranteeExceeded: fall back to the last checkpoint
-
+    from oobleck_hpc.engine.state import StepResult
 
 class RoundOpened(Exception):
     """Raised from the engine's on_phase hook when the agents opened a membership round."""
 
 
-@dataclass
-class Recovery:
-    """One completed in-place recovery, as this worker saw it."""
-
-    step: int
-    """The step that failed and was replayed (numbered from 1)."""
-    lost: tuple[str, ...]
-    generation: int
-    plan: str
-    t_failed: float
-    t_recovered: float = 0.0
-    phases: dict[str, float] = field(default_factory=dict)
-    rounds: int = 1
-    bytes_moved: int = 0
-
-    @property
-    def seconds(self) -> float:
-        return self.t_recovered - self.t_failed
-
-
-class ElasticDriver:
+class ElasticDriver(RecoveryRounds):
     """One worker's training, recovering in place (see module docstring)."""
 
     def __init__(self, job, model, profile, dataset, device: torch.device, client, events: EventLog,
@@ -341,175 +308,6 @@ class ElasticDriver:
                                 f"{self.agree_s:.0f} s ({e}); falling back to the last "
                                 "checkpoint") from e
 
-    # ------------------------------------------------------------------ recovery
-
-    def recover(self, step: int, phase: str, why: str, peer: int | None) -> None:
-        from oobleck_hpc.engine import Engine
-        from oobleck_hpc.planning.reconfigure import reconfigure, transfer_plan
-        from oobleck_hpc.planning.cost import job_profile
-        from oobleck_hpc.elastic import transfer
-
-        t_failed = time.time()
-        suspects = []
-        if peer is not None and self.plan is not None and 0 <= peer < self.plan.world_size:
-            suspects = [self.plan.ranks[peer].node]
-        suspects = [s for s in suspects if s != self.node]
-        self.events.emit("step_failed", step=step + 1, phase=phase, peer=peer, suspects=suspects,
-                         error=why[:300], generation=self.gen)
-        self.client.report_failure("comm_error", f"step {step + 1} {phase}: {why[:200]}",
-                                   suspects, gen=self.gen)
-        if self.faults is not None:
-            self.faults.on_failed_step(step + 1)
-        engine, self.engine = self.engine, None
-        if self.base is None:  # the current engine was the base
-            self.base, self.base_plan = engine, self.plan
-        # An engine holding a prepared step stays until the survivors settled whether that
-        # step commits (_reconcile); any other engine that is not the base goes.
-        held = engine if engine is not None and engine.prepared is not None else None
-        if engine is not None and engine is not self.base and held is None:
-            engine.close()
-        self._teardown()
-        rec = self._pending or Recovery(step + 1, (), self.gen, "", t_failed)
-        if self._pending is not None:
-            rec.rounds += 1
-        self._pending = rec
-        while True:
-            t0 = time.time()
-            m = self._wait_membership(self.gen)
-            self.gen = m.gen
-            t1 = time.time()
-            rec.phases["agree"] = rec.phases.get("agree", 0.0) + (t1 - t0)
-            try:
-                held = self._reconcile(m.gen, held)
-                lost = tuple(n for n in self.base_plan.nodes if n not in m.nodes)
-                if lost:
-                    # The same (core-scaled) profile the templates were built from.
-                    try:
-                        new_plan = reconfigure(self.base_plan, lost, self.templates,
-                                               job_profile(self.job, self.profile),
-                                               self.job.fault_tolerance.f)
-                    except GuaranteeExceeded as e:
-                        e.survivors = m.nodes  # the requeued job starts on the nodes it has
-                        raise
-                else:  # nothing lost: retry the step on the same plan with fresh groups
-                    self._retries += 1
-                    if self._retries > MAX_RETRIES:
-                        raise RecoveryError(
-                            f"step {self.base.state.step + 1} failed {self._retries} times in a row "
-                            f"with no node lost (last: {why[:200]}); falling back to the last "
-                            "checkpoint")
-                    new_plan = self.base_plan
-                new_plan = replace(new_plan, generation=m.gen)
-                new_rank = new_plan.rank_of(self.node, self.local_rank)
-                state = self.base.state
-                t2 = time.time()
-                rec.phases["plan"] = rec.phases.get("plan", 0.0) + (t2 - t1)
-                if new_rank == 0:
-                    self.events.emit("membership_agreed", generation=m.gen, nodes=list(m.nodes),
-                                     lost=list(lost), store=m.store_addr)
-                    self._plan_chosen(new_plan, lost=lost, plan_seconds=round(t2 - t1, 4))
-                mine = [self.base_plan.digest(), new_plan.digest(), state.step, state.cursor]
-                values = self.client.exchange(f"recover-{m.gen}", mine, timeout=self.agree_s,
-                                              gen=m.gen)
-                other = [v for per_node in values.values() for v in per_node if v != mine]
-                if other:
-                    raise RecoveryError(
-                        f"survivors disagree on the recovery of generation {m.gen}: this rank "
-                        f"has (base plan, new plan, step, cursor) = {mine}, another {other[0]}; "
-                        "falling back to the last checkpoint")
-                if self.faults is not None:
-                    self.faults("reconfiguration", state.step + 1)
-                if self._round_opened():  # the exchange may have completed here only
-                    raise Superseded(f"generation {m.gen} superseded before regrouping")
-                t3 = time.time()
-                comm, groups = self._regroup(m, new_plan, self.rendezvous_s)
-                t4 = time.time()
-                rec.phases["regroup"] = rec.phases.get("regroup", 0.0) + (t4 - t3)
-                if new_rank == 0:
-                    self.events.emit("groups_rebuilt", generation=m.gen, world=comm.world_size,
-                                     groups=len(groups.groups), seconds=round(t4 - t3, 4))
-                kept = {layer: self.base.layer_state(layer)
-                        for layer in range(new_plan.ranks[new_rank].layer_start,
-                                           new_plan.ranks[new_rank].layer_end)
-                        if layer in self.base.layers}
-                engine = Engine(self.job, self.model, new_plan, comm, groups, self.dataset,
-                                self.device, state=replace(state), layer_states=kept,
-                                on_phase=self._on_phase, abort=self._round_opened)
-                moves = transfer_plan(self.base_plan, new_plan, self.profile)
-                if self.faults is not None:
-                    self.faults("transfer", state.step + 1)
-                stats = transfer.execute(moves, new_rank, self.base, engine, comm.timeout)
-                t5 = time.time()
-                rec.phases["transfer"] = rec.phases.get("transfer", 0.0) + (t5 - t4)
-                rec.bytes_moved = sum(t.nbytes for t in moves)
-                self.events.emit("state_transferred", generation=m.gen, rank=new_rank,
-                                 sent_bytes=stats.sent_bytes, received_bytes=stats.received_bytes,
-                                 layers_in=stats.received_layers, layers_out=stats.sent_layers,
-                                 seconds=round(stats.seconds, 4))
-            except Superseded:
-                self._teardown()
-                continue
-            except (RuntimeError, TimeoutError, ValueError) as e:
-                if isinstance(e, RecoveryError):
-                    raise
-                # A failure during reconfiguration: report it and start a new round from the
-                # same base (module docstring).
-                self.events.emit("reconfiguration_failed", generation=m.gen, error=repr(e)[:300])
-                self.client.report_failure("comm_error", f"reconfiguration of generation "
-                                           f"{m.gen}: {e!r}"[:300], gen=m.gen)
-                self._teardown()
-                rec.rounds += 1
-                if rec.rounds > MAX_ROUNDS:
-                    raise RecoveryError(
-                        f"the recovery from step {rec.step} failed {rec.rounds} rounds (last: "
-                        f"{e!r}); falling back to the last checkpoint") from e
-                continue
-            rec.lost = tuple(sorted(set(rec.lost) | set(lost)))
-            rec.generation, rec.plan = m.gen, new_plan.digest()
-            self.plan, self.engine = new_plan, engine
-            return
-
-    def _reconcile(self, gen: int, held):
-        """Settle the step a failed vote left open (module docstring, "Transactional step").
-
-        Every survivor says where it stands: (base plan digest, committed step, cursor, digest
-        of the plan of a step it holds prepared or ""). The furthest committed step wins: a
-        survivor one step behind that holds that very step prepared commits it now (roll
-        forward; the vote completed somewhere, so every member had prepared it), a prepared
-        step nobody committed is dropped (roll back). Anything else cannot be made consistent
-        in place: RecoveryError. Returns the engine still holding a prepared step: None."""
-        state = self.base.state
-        mine = [self.base_plan.digest(), state.step, state.cursor,
-                held.plan.digest() if held is not None else ""]
-        values = self.client.exchange(f"reconcile-{gen}", mine, timeout=self.agree_s, gen=gen)
-        every = [v for per_node in values.values() for v in per_node]
-        target = max(v[1] for v in every)
-        ahead = {(v[0], v[1], v[2]) for v in every if v[1] == target}
-        if len(ahead) != 1:
-            raise RecoveryError(f"survivors committed step {target} on different plans or "
-                                f"cursors: {sorted(ahead)}; falling back to the last checkpoint")
-        digest, _, cursor = ahead.pop()
-        if state.step == target:
-            if held is not None:
-                held.rollback()
-                if held is not self.base:
-                    held.close()
-            return None
-        if not (state.step == target - 1 and held is not None and held.plan.digest() == digest
-                and held.state.cursor + held.sampler.global_batch == cursor):
-            raise RecoveryError(
-                f"this rank stands at step {state.step} (prepared: {mine[3] or 'none'}) while "
-                f"survivors committed step {target} on plan {digest}; falling back to the last "
-                "checkpoint")
-        result = held.commit()
-        if held is not self.base:
-            self.base.close()
-            self.base, self.base_plan = held, held.plan
-        self._rolled.append(result)
-        self.events.emit("rolled_forward", step=result.step + 1, generation=gen,
-                         plan=held.plan.digest())
-        return None
-
     # ------------------------------------------------------------------ groups
 
     def _regroup(self, m, plan, timeout_s: float):
@@ -530,15 +328,16 @@ class ElasticDriver:
         if not host:
             # TCPStore's client backs off up to a second between connection attempts; the host
             # is starting right now, so poll its port cheaply first.
-            _wait_port(m.store_host, m.store_port, timeout_s, self._round_opened)
+            wait_port(m.store_host, m.store_port, timeout_s, self._round_opened)
         old = self.store
-        self.store = _open_store(m.store_host, m.store_port, host, timeout_s, self._round_opened)
+        self.store = open_store(m.store_host, m.store_port, host, timeout_s, self._round_opened)
         self._store_at = None if host else (m.gen, m.store_host, m.store_port)
         del old
-        _wait_arrivals(self.store, f"oobleck/gen{m.gen}/arrived", plan.world_size, timeout_s,
+        wait_arrivals(self.store, f"oobleck/gen{m.gen}/arrived", plan.world_size, timeout_s,
                        self._round_opened)
         comm = Comm.init(self.store, rank, plan.world_size, m.gen,
-                         default_backend(self.device.type), self.timeout_s)
+                         default_backend(self.device.type), self.timeout_s,
+                         device=self.device, init_timeout_s=timeout_s)
         self.comm = comm
         try:
             groups = PlanGroups.build(plan, comm)
@@ -562,21 +361,18 @@ class ElasticDriver:
             self.comm = None
 
     def on_notice(self, kind: str, msg: dict[str, Any]) -> None:
-        """AgentClient callback when a round opens: shut down the connection to an older
-        generation's store (a store op waiting on a frozen host would never return:
-        `release_connections`), and with NCCL abort the communicators (an NCCL collective does
-        not time out promptly by itself); gloo relies on the short collective timeout and on
-        failed peers destroying their groups."""
+        """AgentClient callback (on the agent link's thread) when a round opens: shut down the
+        connection to an older generation's store (a store op waiting on a frozen host would
+        never return: `release_connections`), and abort this generation's NCCL communicators
+        (`Comm.abort`: pending collectives fail at once; idempotent, and harmless when the
+        groups are already gone); gloo relies on the engine's abortable waits and on failed
+        peers dropping their groups."""
         at = self._store_at
         if kind == "round" and at is not None and at[0] < msg.get("gen", 0):
             release_connections(at[1], at[2])
-        if kind == "round" and self.comm is not None and self.comm.backend == "nccl":
-            abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
-            if abort is not None:
-                try:
-                    abort()
-                except Exception:
-                    pass
+        comm = self.comm  # read once: the training thread may drop it meanwhile
+        if kind == "round" and comm is not None and comm.generation < msg.get("gen", 0):
+            comm.abort()
 
     def close(self) -> None:
         for e in (self.engine, self.base):
@@ -584,95 +380,6 @@ class ElasticDriver:
                 e.close()
         self._teardown(clean=True)
         self.store = None
-
-
-def _wait_arrivals(store, key: str, world_size: int, timeout_s: float, abort=None) -> None:
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while (arrived := store.add(key, 0)) < world_size:
-        if abort is not None and abort():
-            raise Superseded(f"a newer membership round opened while {arrived} of {world_size} "
-                             f"ranks had reached the store")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {arrived} of {world_size} ranks reached the store "
-                               f"within {timeout_s:.0f} s")
-        time.sleep(0.02)
-
-
-def _open_store(host: str, port: int, is_master: bool, timeout_s: float, abort=None):
-    """Generation store: the host creates it; a client connects on a helper thread while this
-    one polls abort() and gives up (Superseded) as soon as a newer round opens. torch retries a
-    client's connection until the store's timeout and cannot be interrupted: a store host that
-    dies between _wait_port and the connection held a survivor for that long while the others
-    had agreed on the next round (seen in CI, a second node lost during a recovery)."""
-    import torch.distributed as dist
-
-    from oobleck_hpc.engine.groups import run_abortable
-
-    def make():
-        return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
-
-    if is_master or abort is None:
-        return make()
-
-    def stop() -> BaseException | None:
-        if abort():
-            return Superseded(f"a newer membership round opened while connecting to the store "
-                              f"{host}:{port}")
-        return None
-
-    return run_abortable(make, stop, 0.02, "store-connect")
-
-
-def release_connections(host: str, port: int) -> int:
-    """Shut down every TCP connection of this process to host:port; returns how many.
-
-    A TCPStore client whose host froze (SIGSTOP, a hung node) waits for the reply of add() or
-    of a rendezvous' get() for ever: the store's timeout does not bound it (measured with torch
-    2.13: add() still blocked after 20 s on a 3 s store). After the shutdown the waiting call
-    fails at once (a RuntimeError, like any failure of the regroup) and the rank goes on to the
-    next round. Each descriptor is duplicated, the duplicate shut down and closed: the socket
-    stays torch's to close."""
-    import socket
-
-    wanted = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
-    done = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue  # closed meanwhile
-        try:
-            peer = sock.getpeername()
-            if (isinstance(peer, tuple) and peer[1] == port
-                    and peer[0].removeprefix("::ffff:") in wanted):
-                sock.shutdown(socket.SHUT_RDWR)
-                done += 1
-        except OSError:
-            pass  # not connected
-        finally:
-            sock.close()
-    return done
-
-
-def _wait_port(host: str, port: int, timeout_s: float, abort=None) -> None:
-    """Until host:port accepts connections; Superseded as soon as abort() (a newer round: the
-    host may have moved on and will never open this store)."""
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if abort is not None and abort():
-            raise Superseded(f"a newer membership round opened while waiting for the store "
-                             f"{host}:{port}")
-        try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return
-        except OSError:
-            time.sleep(0.005)
 
 
 def _peer_died(error: BaseException | None) -> bool:

@@ -1,36 +1,48 @@
-"""State transfer after a reconfiguration: copy lost layers from surviving replicas.
+"""State transfer after a reconfiguration: copy lost layers from surviving replicas, in place.
 
 Input: the planner's transfer plan (`planning.reconfigure.transfer_plan(old, new, profile)`), a
 tuple of `Transfer(layer, src_rank, dst_rank, nbytes)` with both ranks in the NEW plan's rank
-space; the source's layers live in its OLD engine (the one that committed the last step), the
-destination's in its NEW engine (built for the new plan, kept layers already loaded locally).
+space; the source's layers live in its BASE engine (the one that committed the last step), the
+destination's in its NEW engine, which allocated the layers it receives uninitialised
+(`Engine(receive=...)`).
 
 One format: a layer's state is `checkpoint.layer_state(module, optimizer)` -- `param/<name>`,
 `buffer/<name>`, `optim/<name>/<key>` (AdamW's exp_avg, exp_avg_sq, step) -- the dict that
-checkpoints store. On the wire it is one flat tensor per (layer, destination) in the parameters'
-dtype, the entries in sorted key order (AdamW's `step` is an integer-valued float: exact). Both
-ends derive the layout from the model itself (`expected_layout`): the destination knows its new
-layer's parameter shapes, and whether optimizer state exists follows from the training step
-(AdamW creates it at the first update; every survivor is at the same step). The source checks
-that what it holds has exactly that layout before sending.
+checkpoints store and engines load. Both ends derive the layout from the model itself
+(`expected_layout`): the destination knows its new layer's shapes, and whether optimizer state
+exists follows from the training step (AdamW creates it at the first update; every survivor is
+at the same step). The source checks that what it holds has exactly that layout before sending.
 
-Every transfer is posted at once (isend / irecv on the new world, tag = layer) and then waited
-with the collective timeout: a peer that dies during the transfer turns into an exception here,
-and the caller starts a new round.
+No staging copies: every tensor of the layout travels as itself -- the source sends its
+parameters, buffers and AdamW moments directly, and the destination receives straight into its
+new module's parameters and buffers and into freshly allocated moments in its new optimizer's
+state. Only AdamW's `step` counters (scalars, on the CPU for the non-fused optimizer) travel
+together in one small float64 tensor per layer on the communication device. So a transfer needs
+no memory beyond the received layers themselves. The tensors a source sends are its base
+engine's, unchanged until the new plan's first commit.
+
+Every message is posted at once -- gloo: isend / irecv on the new world, one tag per tensor
+(`layer * TAGS + i`); NCCL: one `batch_isend_irecv` group (no pair can deadlock) -- and then
+waited with the collective timeout: a peer that dies during the transfer turns into an
+exception here, and the caller starts a new round from the same base.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from oobleck_hpc.checkpoint import layer_state, load_layer_state
+from oobleck_hpc.checkpoint import layer_state
 from oobleck_hpc.planning.reconfigure import Transfer
 
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+TAGS = 4096
+"""Tag space per layer (gloo): tensors of one layer are tagged layer * TAGS + their index."""
 
 
 @dataclass
@@ -52,59 +64,96 @@ def expected_layout(module: torch.nn.Module, has_optim: bool) -> list[tuple[str,
     return sorted(out)
 
 
-def pack(module: torch.nn.Module, optimizer: torch.optim.Optimizer, has_optim: bool,
-         dtype: torch.dtype, device: torch.device, layer: int) -> torch.Tensor:
-    state = layer_state(module, optimizer)
-    layout = expected_layout(module, has_optim)
+def _messages(state: dict[str, torch.Tensor], layout: list[tuple[str, torch.Size]],
+              device: torch.device) -> tuple[list[torch.Tensor], list[str]]:
+    """The tensors that travel for one layer, in layout order: every non-`step` entry as it
+    is, then one float64 tensor of the `step` counters (names returned for unpacking)."""
+    tensors = [state[k] for k, _ in layout if not k.endswith("/step")]
+    steps = [k for k, _ in layout if k.endswith("/step")]
+    if steps:
+        tensors.append(torch.tensor([float(state[k]) for k in steps], dtype=torch.float64,
+                                    device=device))
+    return tensors, steps
+
+
+def _outgoing(engine, layer: int, has_optim: bool, device: torch.device) -> list[torch.Tensor]:
+    state = layer_state(engine.layers[layer], engine.optimizer)
+    layout = expected_layout(engine.layers[layer], has_optim)
     if sorted(state) != [k for k, _ in layout]:
         raise RuntimeError(f"layer {layer}: state keys {sorted(state)} differ from the expected "
                            f"{[k for k, _ in layout]} (optimizer state present: {has_optim})")
-    return torch.cat([state[k].detach().to(device=device, dtype=dtype).reshape(-1)
-                      for k, _ in layout])
+    tensors, _ = _messages({k: v.detach() for k, v in state.items()}, layout, device)
+    for t in tensors:
+        if not t.is_contiguous() or t.device != device:
+            raise RuntimeError(f"layer {layer}: a state tensor on {t.device} (contiguous: "
+                               f"{t.is_contiguous()}) cannot be sent from {device}")
+    return tensors
 
 
-def unpack(flat: torch.Tensor, layout: list[tuple[str, torch.Size]]) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for key, shape in layout:
-        n = shape.numel()
-        out[key] = flat[offset:offset + n].view(shape)
-        offset += n
-    if offset != flat.numel():
-        raise RuntimeError(f"transfer buffer has {flat.numel()} elements, layout needs {offset}")
-    return out
+def _incoming(engine, layer: int, has_optim: bool, device: torch.device
+              ) -> tuple[list[torch.Tensor], list[str]]:
+    """Where layer `layer`'s state lands in the new engine: its module's own parameters and
+    buffers, new AdamW moments put in place in its optimizer's state, and a buffer for the
+    `step` counters (set by `_set_steps` once received)."""
+    module = engine.layers[layer]
+    layout = expected_layout(module, has_optim)
+    state = {f"param/{n}": p.detach() for n, p in module.named_parameters()}
+    state.update({k: v for k, v in layer_state(module, None).items() if k.startswith("buffer/")})
+    if has_optim:
+        for name, p in module.named_parameters():
+            moments = {key: torch.empty_like(p, memory_format=torch.contiguous_format)
+                       for key in MOMENTS}
+            engine.optimizer.state[p] = moments
+            state.update({f"optim/{name}/{key}": t for key, t in moments.items()})
+            state[f"optim/{name}/step"] = torch.zeros(())
+    return _messages(state, layout, device)
+
+
+def _set_steps(engine, layer: int, steps: list[str], values: torch.Tensor) -> None:
+    """AdamW's `step` counters of a received layer, where torch keeps them (on the CPU unless
+    the optimizer is fused or capturable, as torch's own `Optimizer.load_state_dict` does)."""
+    params = dict(engine.layers[layer].named_parameters())
+    group = {id(p): g for g in engine.optimizer.param_groups for p in g["params"]}
+    for key, value in zip(steps, values.cpu().tolist()):
+        p = params[key.split("/")[1]]
+        g = group[id(p)]
+        on_param = g.get("fused", False) or g.get("capturable", False)
+        engine.optimizer.state[p]["step"] = torch.tensor(
+            value, dtype=torch.float32, device=p.device if on_param else "cpu")
 
 
 def execute(transfers: Sequence[Transfer], rank: int, old_engine, new_engine,
             timeout) -> TransferStats:
     """Run this rank's part of the transfer plan (see module docstring)."""
-    import time
-
     t0 = time.perf_counter()
     has_optim = new_engine.state.step > 0
-    dtype, device = new_engine.dtype, new_engine.device
+    device = new_engine.device
+    nccl = dist.get_backend() == "nccl"
     stats = TransferStats()
-    works: list[tuple[dist.Work, int]] = []
-    incoming: list[tuple[int, torch.Tensor, list]] = []
-    keep_alive: list[torch.Tensor] = []
+    ops: list[tuple[str, torch.Tensor, int, int]] = []  # (isend|irecv, tensor, peer, tag)
+    received: list[tuple[int, list[str], torch.Tensor]] = []
     for t in transfers:
         if t.src_rank == rank and t.dst_rank != rank:
-            flat = pack(old_engine.layers[t.layer], old_engine.optimizer, has_optim, dtype,
-                        device, t.layer)
-            keep_alive.append(flat)
-            works.append((dist.isend(flat, dst=t.dst_rank, tag=t.layer), t.dst_rank))
-            stats.sent_bytes += flat.numel() * flat.element_size()
+            tensors = _outgoing(old_engine, t.layer, has_optim, device)
+            ops += [("isend", x, t.dst_rank, t.layer * TAGS + i) for i, x in enumerate(tensors)]
+            stats.sent_bytes += sum(x.numel() * x.element_size() for x in tensors)
             stats.sent_layers += 1
         elif t.dst_rank == rank:
-            layout = expected_layout(new_engine.layers[t.layer], has_optim)
-            flat = torch.empty(sum(s.numel() for _, s in layout), dtype=dtype, device=device)
-            works.append((dist.irecv(flat, src=t.src_rank, tag=t.layer), t.src_rank))
-            incoming.append((t.layer, flat, layout))
-    for work, _peer in works:
+            tensors, steps = _incoming(new_engine, t.layer, has_optim, device)
+            ops += [("irecv", x, t.src_rank, t.layer * TAGS + i) for i, x in enumerate(tensors)]
+            if steps:
+                received.append((t.layer, steps, tensors[-1]))
+            stats.received_bytes += sum(x.numel() * x.element_size() for x in tensors)
+            stats.received_layers += 1
+    if nccl and ops:
+        works = dist.batch_isend_irecv([dist.P2POp(getattr(dist, op), x, peer)
+                                        for op, x, peer, _ in ops])
+    else:
+        works = [dist.isend(x, dst=peer, tag=tag) if op == "isend" else
+                 dist.irecv(x, src=peer, tag=tag) for op, x, peer, tag in ops]
+    for work in works:
         work.wait(timeout)
-    for layer, flat, layout in incoming:
-        load_layer_state(new_engine.layers[layer], new_engine.optimizer, unpack(flat, layout),
-                         layer=layer)
-        stats.received_bytes += flat.numel() * flat.element_size()
-        stats.received_layers += 1
+    for layer, steps, values in received:
+        _set_steps(new_engine, layer, steps, values)
     stats.seconds = time.perf_counter() - t0
     return stats

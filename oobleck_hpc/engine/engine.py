@@ -1,8 +1,13 @@
 """One rank's part of a plan: its stage, its 1F1B action list, per-layer gradient sync, AdamW.
 
 Build (once per plan): the rank builds only its layers [layer_start, layer_end), deterministic
-from (seed, layer), so replicas start bit-identical without a broadcast (or loads them from
-`layer_states`, given by a reconfiguration or a checkpoint). Receive buffers are preallocated
+from (seed, layer), so replicas start bit-identical without a broadcast. A layer whose state
+comes from elsewhere is never initialised: `adopt` (a reconfiguration's kept layers) hands over
+another engine's modules and AdamW state as they are -- the same tensors, nothing copied; a
+layer in `layer_states` (a checkpoint) or in `receive` (state that a transfer will write) is
+allocated uninitialised (`build_layer(i, "meta")` then `to_empty`), so building an engine costs
+the same however many layers it receives. A layer's state has one format everywhere
+(`checkpoint.layer_state`: param/, buffer/, optim/ tensors). Receive buffers are preallocated
 from `model.layer_output_shape`: no shapes travel at run time.
 
 Step (`Engine.step()`), for the global batch at `state.cursor`:
@@ -48,50 +53,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from oobleck_hpc.checkpoint import layer_state, load_layer_state
 from oobleck_hpc.config import JobConfig
-from oobleck_hpc.engine.groups import Comm, PlanGroups, run_abortable
+from oobleck_hpc.engine.groups import Comm, PlanGroups, Waiter
 from oobleck_hpc.engine.optim import clip_coefficient, lr_at, make_optimizer, set_lr
 from oobleck_hpc.engine.sampler import Dataset, GlobalSampler
 from oobleck_hpc.engine.schedule import Action, max_in_flight, pipeline_schedule, validate
+from oobleck_hpc.engine.state import StepResult, TrainState
 from oobleck_hpc.models.base import LayerModel
 from oobleck_hpc.planning.plan import Plan
 
 PHASES = ("forward", "backward", "gradient_sync", "reduce", "optimizer", "commit")
-
-
-@dataclass
-class TrainState:
-    """What advances when a step commits (and what a checkpoint stores besides the layers)."""
-
-    step: int = 0
-    cursor: int = 0
-    """Samples of the global stream consumed so far."""
-
-
-@dataclass
-class StepResult:
-    step: int
-    ok: bool
-    loss: float = math.nan
-    """Mean loss over the global batch (same value on every rank)."""
-    grad_norm: float = math.nan
-    lr: float = math.nan
-    samples: int = 0
-    seconds: float = 0.0
-    error: BaseException | None = None
-    phase: str | None = None
-    """Where it failed: forward, backward, gradient_sync or optimizer."""
-    peer: int | None = None
-    """The rank the failing transfer talked to (None for collectives and compute)."""
-    group: tuple[int, ...] | None = None
-    """The ranks of the failing collective."""
 
 
 @dataclass
@@ -114,10 +93,6 @@ class Segment:
         return x
 
 
-class Aborted(RuntimeError):
-    """The `abort` callback asked the step to stop waiting (returned as a failed step)."""
-
-
 @dataclass
 class _Failure(Exception):
     phase: str
@@ -131,9 +106,12 @@ class Engine:
 
     groups: the plan's groups (`PlanGroups.build(plan, comm)`); dataset: any object with
     `__len__` and `sample(i) -> (x, y)`; state: where training stands (default: step 0, cursor
-    0); layer_states: per owned layer, `layer_state()` of a holder of the same layer (weights and
-    AdamW state; what a reconfiguration copies or a checkpoint restores), else layers are built
-    fresh from (seed, index); on_phase: fault-injection hook (see module docstring).
+    0); on_phase: fault-injection hook (see module docstring). Where each owned layer comes
+    from (module docstring): `adopt`, an engine whose modules and AdamW state this one takes
+    over for the layers both hold (the other engine must not step again: it may only be read,
+    e.g. as the source of a transfer, and closed); `layer_states`, per layer a `layer_state()`
+    dict to load (a checkpoint); `receive`, layers a transfer will fill; else built fresh from
+    (seed, index).
     """
 
     def __init__(self, job: JobConfig, model: LayerModel, plan: Plan, comm: Comm,
@@ -141,12 +119,14 @@ class Engine:
                  state: TrainState | None = None,
                  layer_states: dict[int, dict[str, torch.Tensor]] | None = None,
                  on_phase: Callable[[str, int], None] | None = None,
-                 abort: Callable[[], bool] | None = None):
+                 abort: Callable[[], bool] | None = None, *,
+                 adopt: Engine | None = None, receive: Collection[int] = ()):
         self.job, self.model, self.plan, self.comm, self.groups = job, model, plan, comm, groups
         self.device = torch.device(device)
         self.state = state or TrainState()
         self.on_phase = on_phase
         self.abort = abort
+        self._waiter = Waiter("engine-wait")
         self._pending: StepResult | None = None
         self.train = job.train
         self.bf16 = job.model.dtype == "bfloat16"
@@ -172,14 +152,25 @@ class Engine:
         fwd = [a for a in self.actions if a.kind == "F"]
         self.rows = fwd[0].rows if fwd else (0, 0)
 
-        # Layers: built here from (seed, index), or loaded from transferred/checkpointed state.
+        # Layers: adopted, allocated for state that is loaded or received, or built fresh.
+        adopted = {i: m for i, m in (adopt.layers.items() if adopt is not None else ())
+                   if info.layer_start <= i < info.layer_end}
+        loaded = set(layer_states or ()) | set(receive)
         self.layers: dict[int, nn.Module] = {}
         for layer in range(info.layer_start, info.layer_end):
-            module = model.build_layer(layer, self.device)
-            self.layers[layer] = module
+            if layer in adopted:
+                self.layers[layer] = adopted[layer]
+            elif layer in loaded:
+                self.layers[layer] = _uninitialised(model, layer, self.device)
+            else:
+                self.layers[layer] = model.build_layer(layer, self.device)
         self.dtype = next((p.dtype for m in self.layers.values() for p in m.parameters()),
                           torch.float32)
         self.optimizer = make_optimizer(self.layers.values(), job.train, self.device)
+        for layer, module in adopted.items():  # AdamW state moves with its parameters
+            for p in module.parameters():
+                if p in adopt.optimizer.state:
+                    self.optimizer.state[p] = adopt.optimizer.state[p]
         for layer, st in (layer_states or {}).items():
             self.load_layer_state(layer, st)
 
@@ -216,7 +207,9 @@ class Engine:
                                         counts_norm=self.comm.rank == owners[0]))
         for seg in segments:
             params = [p for m in seg.modules for p in m.parameters()]
-            seg.flat = torch.zeros(sum(p.numel() for p in params), dtype=self.dtype,
+            # empty, not zeros: every step zeroes it first (_pipeline), and an untouched
+            # allocation costs nothing until then
+            seg.flat = torch.empty(sum(p.numel() for p in params), dtype=self.dtype,
                                    device=self.device)
             offset = 0
             for p in params:
@@ -227,27 +220,14 @@ class Engine:
     # ------------------------------------------------------------------ per-layer state
 
     def layer_state(self, layer: int) -> dict[str, torch.Tensor]:
-        """Weights and optimizer state of one owned layer (tensors shared, not copied)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.layers[layer].named_parameters():
-            out[f"param/{name}"] = p.detach()
-            for key, value in self.optimizer.state.get(p, {}).items():
-                out[f"optim/{name}/{key}"] = value
-        return out
+        """Weights, buffers and optimizer state of one owned layer (`checkpoint.layer_state`:
+        tensors shared, not copied)."""
+        return layer_state(self.layers[layer], self.optimizer)
 
     def load_layer_state(self, layer: int, state: dict[str, torch.Tensor]) -> None:
-        """Overwrite an owned layer's weights and optimizer state (copies the tensors)."""
-        for name, p in self.layers[layer].named_parameters():
-            with torch.no_grad():
-                p.copy_(state[f"param/{name}"])
-            prefix = f"optim/{name}/"
-            optim = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            if optim:
-                # The fused AdamW keeps `step` on the parameter's device, the others on the CPU.
-                fused = bool(self.optimizer.defaults.get("fused"))
-                self.optimizer.state[p] = {
-                    k: v.detach().clone().to(p.device if k != "step" or fused else "cpu")
-                    for k, v in optim.items()}
+        """Overwrite an owned layer's weights, buffers and optimizer state (copies the tensors;
+        strict: `checkpoint.load_layer_state`)."""
+        load_layer_state(self.layers[layer], self.optimizer, state, layer=layer)
 
     # ------------------------------------------------------------------ the step
 
@@ -319,6 +299,23 @@ class Engine:
             seg.work = None
         self._ctx = {}
         self._sends = []
+        self._outputs = {}
+
+    def release_step_memory(self) -> None:
+        """Free what only a running step needs -- gradient buffers, activation and gradient
+        transfer buffers -- keeping layers, AdamW state and TrainState: an engine that will
+        never step again but still serves its state (the elastic layer's base engine during a
+        recovery, until the new plan's first commit). Needs no prepared step."""
+        if self._pending is not None:
+            raise RuntimeError("release_step_memory() with a prepared step: commit or roll back")
+        self._abandon()
+        for seg in self.segments:
+            for m in seg.modules:
+                for p in m.parameters():
+                    p.grad = None  # a view of seg.flat (or of a newer engine's buffer)
+            seg.flat = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.act_slots = []
+        self.grad_buf = None
 
     def _pipeline(self, step: int) -> torch.Tensor:
         """Run this rank's action list. Each run of consecutive transfers is posted together:
@@ -433,23 +430,13 @@ class Engine:
         if not self.first:
             self._outputs[("SEND_GRAD", k)] = grad
 
-    def _wait(self, work: dist.Work) -> None:
-        """Wait for `work`, bounded by the collective timeout. With `abort` given, the blocking
-        wait runs on a helper thread while this one polls abort() (gloo's p2p works never report
-        is_completed() and a gloo wait cannot be interrupted): when abort() turns true the step
-        gives up at once instead of waiting out the timeout for a peer that already left the
-        step. The abandoned wait ends by itself at the timeout; its groups are dropped by the
-        caller (groups.Comm.abandon)."""
-        if self.abort is None:
-            work.wait(self.comm.timeout)
-            return
-
-        def stop() -> BaseException | None:
-            if self.abort():
-                return Aborted("the elastic layer aborted the step (a membership round opened)")
-            return None
-
-        run_abortable(lambda: work.wait(self.comm.timeout), stop, 0.002, "engine-wait")
+    def _wait(self, work: dist.Work, sync: bool = False) -> None:
+        """Wait for `work`, bounded by the collective timeout; when `abort()` turns true the
+        step gives up at once instead of waiting out the timeout for a peer that already left
+        the step (`Comm.wait`: NCCL never blocks the CPU unless `sync`, gloo waits on the
+        engine's one helper thread). The abandoned work's groups are dropped by the caller
+        (groups.Comm.abandon)."""
+        self.comm.wait(work, self._waiter, self.abort, sync=sync)
 
     def _start_sync(self, seg: Segment) -> None:
         if seg.group is not None:
@@ -468,8 +455,9 @@ class Engine:
                 except Exception as e:
                     raise _Failure("gradient_sync", None, seg.owners, e) from e
                 seg.work = None
-            if seg.counts_norm:
-                sq += seg.flat.double().square().sum()
+            if seg.counts_norm:  # in the buffer's dtype, fp32 accumulation at least: no copy
+                acc = torch.float64 if seg.flat.dtype == torch.float64 else torch.float32
+                sq += torch.linalg.vector_norm(seg.flat, dtype=acc).double().square()
         stats = torch.stack([loss_sum.double(), sq])
         world = tuple(range(self.comm.world_size))
         try:
@@ -480,7 +468,8 @@ class Engine:
         try:
             # Abortable like every other wait: completing it commits nothing by itself (with
             # step(commit=False) the caller decides, after a vote, whether the step commits).
-            self._wait(work)
+            # Its result is read on the CPU next: on NCCL the wait is synchronous.
+            self._wait(work, sync=True)
         except Exception as e:
             raise _Failure("reduce", None, world, e) from e
         return stats.cpu()
@@ -488,70 +477,21 @@ class Engine:
     # ------------------------------------------------------------------ cleanup
 
     def close(self) -> None:
-        """Drop the layers, optimizer and buffers (the process groups belong to the caller)."""
+        """Drop the layers, optimizer and buffers (the process groups belong to the caller).
+        Layers another engine adopted stay alive there."""
         self.layers.clear()
         self.segments = []
         self.act_slots = []
         self.grad_buf = None
         self.optimizer = None  # type: ignore[assignment]
+        self._waiter.close()
 
 
-@dataclass
-class Reference:
-    """The single-process reference: the same global batches through the whole model with the
-    same optimizer, microbatch by microbatch. What the engine must equal (tests, benchmark)."""
-
-    job: JobConfig
-    model: LayerModel
-    dataset: Dataset
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    def __post_init__(self) -> None:
-        self.layers = [self.model.build_layer(i, self.device) for i in range(self.model.num_layers)]
-        self.optimizer = make_optimizer(self.layers, self.job.train, self.device)
-        self.sampler = GlobalSampler(self.dataset, self.job.train.microbatch_size,
-                                     self.job.train.global_microbatches, seed=self.job.model.seed)
-        self.state = TrainState()
-        self.params = [p for m in self.layers for p in m.parameters()]
-
-    def step(self) -> float:
-        self.optimizer.zero_grad(set_to_none=False)
-        total = 0.0
-        bf16 = self.job.model.dtype == "bfloat16"
-        for g in range(self.job.train.global_microbatches):
-            x, y = self.sampler.microbatch(self.state.cursor, g)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-                h = x.to(self.device)
-                for m in self.layers:
-                    h = m(h)
-            loss = self.model.loss(h, y.to(self.device)).sum()
-            total += float(loss.detach())
-            (loss / self.sampler.global_batch).backward()
-        if self.job.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.job.train.grad_clip)
-        set_lr(self.optimizer, lr_at(self.state.step, self.job.train))
-        self.optimizer.step()
-        self.state.step += 1
-        self.state.cursor += self.sampler.global_batch
-        return total / self.sampler.global_batch
-
-
-def reference_run(job: JobConfig, steps: int, dtype: torch.dtype = torch.float64
-                  ) -> tuple[list[float], dict[int, dict[str, torch.Tensor]]]:
-    """`steps` steps of the single-process `Reference` for `job`, built in `dtype` (default
-    float64: the exactness checks of the engine and of every recovery compare against it).
-    Returns the per-step losses and each layer's final parameters."""
-    from oobleck_hpc.data import dataset_for
-    from oobleck_hpc.models.base import build_model
-
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = build_model(job.model)
-        ref = Reference(job, model, dataset_for(job.data, model.seq_len))
-        losses = [ref.step() for _ in range(steps)]
-        params = {i: {n: p.detach().clone() for n, p in m.named_parameters()}
-                  for i, m in enumerate(ref.layers)}
-    finally:
-        torch.set_default_dtype(old)
-    return losses, params
+def _uninitialised(model: LayerModel, layer: int, device: torch.device) -> nn.Module:
+    """Layer `layer` allocated on `device` without initialising it (its state is loaded next):
+    `build_layer(i, "meta")` then `to_empty`. A layer with non-persistent buffers (computed
+    when it is built, never part of its state: e.g. a cached mask) is built for real instead."""
+    meta = model.build_layer(layer, "meta")
+    if any(m._non_persistent_buffers_set for m in meta.modules()):
+        return model.build_layer(layer, device)
+    return meta.to_empty(device=device)

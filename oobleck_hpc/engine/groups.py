@@ -2,14 +2,16 @@
 
 Lifecycle (the elastic layer relies on exactly this):
 
-    comm = Comm.init(store, rank, world_size, generation, backend, timeout_s)   # default group
+    comm = Comm.init(store, rank, world_size, generation, backend, timeout_s, device)
     groups = PlanGroups.build(plan, comm)     # every distinct rank set of >= 2 ranks, once
     ... train ...
-    comm.destroy()                            # destroys the default group AND every subgroup
+    comm.destroy()                            # a clean end: destroys the world and every subgroup
+    comm.abandon()                            # after a failure: drop them at once (see there)
 
 `init` wraps the caller's store in a `PrefixStore("oobleck/gen<generation>/")`, so a rebuilt
-world never reads keys left by an older one (torchft does the same). After `destroy` nothing of
-the old groups is left in torch.distributed; the same processes can `init` a new generation
+world never reads keys left by an older one (torchft does the same; the generation number comes
+from the agents' agreement, one decision per generation). After `destroy` or `abandon` nothing
+of the old groups is left in torch.distributed; the same processes can `init` a new generation
 with a different world size and rank. The collective timeout is short (the job's
 `fault_tolerance.collective_timeout_s`): it bounds how long a hung peer can stall anything.
 
@@ -19,49 +21,113 @@ stage included), so ONE all-reduce over that set sums both the in-node data-para
 the pipelines' contributions. Layers with identical holder sets share a group and a flat buffer.
 Point-to-point traffic uses the default group. Every rank creates every group, in the same
 (sorted) order, as `new_group` requires.
+
+NCCL (GPUs). Communicators are created eagerly, bound to the rank's device (`device_id` of
+`init_process_group` and `new_group`), while the regroup's long timeout (`init_timeout_s`)
+applies; every group's collective timeout is then set to the short one (`set_timeout`). So the
+first collective after a regroup never pays for communicator creation against the collective
+timeout. Async error handling is CleanUpOnly (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, unless the
+environment chose): a timed-out collective aborts its communicator and fails its work, it never
+takes the process down -- a survivor must outlive the groups of a generation it gave up.
+After a failure `abandon()` ABORTS every communicator of the generation (`ProcessGroup.abort()`)
+before dropping the groups; `abort()` alone (the elastic layer, from the agent link's thread,
+when a round opens) does the same without touching the registry, and is safe to call twice or
+after the groups are gone. Waits on NCCL work never block the CPU or start a thread
+(`Waiter.wait`: a stream dependency; the step's last all-reduce is polled with
+`Work.is_completed()`).
+
+gloo (CPU). A gloo wait cannot be interrupted and its point-to-point works never report
+`is_completed()`: `Waiter` runs the blocking wait on ONE helper thread, reused wait after wait,
+while the caller polls its abort condition; a wait given up leaves that thread stuck until the
+collective timeout, and the next wait gets a fresh one. `abandon()` cannot abort gloo pairs: it
+unregisters the groups without shutting them down and keeps them referenced, so that no
+destructor blocks; their pending work fails at its own timeout, in the background.
+
+torch.distributed APIs this module relies on (torch 2.13 - 2.14), public unless marked:
+init_process_group(store=, device_id=, timeout=), new_group(ranks, timeout=, backend=,
+device_id=), PrefixStore, destroy_process_group, is_initialized, group.WORLD, Work.wait /
+is_completed / exception, ProcessGroup.abort / set_timeout (public methods, documented as
+experimental for NCCL); PRIVATE: `distributed_c10d._world` (its pg_map, pg_names, pg_group_ranks,
+pg_backend_config, pg_to_tag, tags_to_pg, pg_coalesce_state, group_count),
+`distributed_c10d._update_default_pg` and `distributed_c10d._unregister_all_process_groups`
+(abandon: dropping groups without waiting, which no public API does).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from oobleck_hpc.planning.plan import Plan
 
-
 T = TypeVar("T")
+
+
+class Waiter:
+    """Runs blocking calls that cannot be interrupted (a gloo wait, a TCPStore connection) on
+    one helper thread, reused call after call, while the caller polls a stop condition (module
+    docstring, "gloo")."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._inbox: queue.SimpleQueue | None = None
+
+    def run(self, fn: Callable[[], T], stop: Callable[[], BaseException | None],
+            poll_s: float) -> T:
+        """`fn()` on the helper thread; raises what `stop()` returns as soon as it returns an
+        exception (the call is then abandoned: it ends by itself at its own timeout, its result
+        dropped, and the next `run` starts a fresh thread)."""
+        if self._inbox is None:
+            self._inbox = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._inbox,), daemon=True,
+                             name=self.name).start()
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._inbox.put((fn, box, done))
+        while not done.wait(poll_s):
+            if (error := stop()) is not None:
+                self._inbox.put(None)  # its thread leaves once the abandoned call returns
+                self._inbox = None
+                raise error
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self._inbox is not None:
+            self._inbox.put(None)
+            self._inbox = None
+
+
+def _serve(inbox: queue.SimpleQueue) -> None:
+    while (job := inbox.get()) is not None:
+        fn, box, done = job
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append((False, e))
+        finally:
+            done.set()
 
 
 def run_abortable(fn: Callable[[], T], stop: Callable[[], BaseException | None], poll_s: float,
                   name: str) -> T:
-    """`fn()` -- a blocking torch.distributed call that cannot be interrupted (a gloo wait, a
-    TCPStore connection) -- on a helper thread; this thread polls `stop()` every `poll_s` and
-    raises what it returns as soon as it returns an exception. The abandoned call ends by itself
-    at its own timeout; its result is dropped."""
-    done = threading.Event()
-    result: list[tuple[bool, object]] = []
-
-    def run() -> None:
-        try:
-            result.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            result.append((False, e))
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True, name=name).start()
-    while not done.wait(poll_s):
-        if (error := stop()) is not None:
-            raise error
-    ok, value = result[0]
-    if not ok:
-        raise value  # type: ignore[misc]
-    return value  # type: ignore[return-value]
+    """A one-off `Waiter.run` (a store connection): its thread leaves when `fn` returns."""
+    waiter = Waiter(name)
+    try:
+        return waiter.run(fn, stop, poll_s)
+    finally:
+        waiter.close()
 
 
 def default_backend(device_type: str) -> str:
@@ -77,37 +143,83 @@ class Comm:
     generation: int
     backend: str
     timeout_s: float
+    device: torch.device | None = None
+    """The rank's GPU (NCCL: communicators are bound to it); None on the CPU."""
+    groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
+    """Every group of this generation: the world first, then the plan's subgroups."""
+    _aborted: bool = field(default=False, repr=False)
 
     @property
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
 
+    @property
+    def nccl(self) -> bool:
+        return self.backend == "nccl"
+
     @classmethod
     def init(cls, store: dist.Store, rank: int, world_size: int, generation: int,
-             backend: str = "gloo", timeout_s: float = 5.0) -> Comm:
+             backend: str = "gloo", timeout_s: float = 5.0, device: torch.device | None = None,
+             init_timeout_s: float | None = None) -> Comm:
+        """The generation's world. `init_timeout_s` (default `timeout_s`) bounds the creation of
+        the communicators; `timeout_s` every collective afterwards (module docstring)."""
         if dist.is_initialized():
             raise RuntimeError("a process group is still initialised: call Comm.destroy() first")
+        nccl = backend == "nccl"
+        if nccl:
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # CleanUpOnly
         prefixed = dist.PrefixStore(f"oobleck/gen{generation}/", store)
+        t_init = datetime.timedelta(seconds=max(timeout_s, init_timeout_s or 0.0))
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(rank, world_size, generation, backend, timeout_s)
+                                timeout=t_init, device_id=device if nccl else None)
+        comm = cls(rank, world_size, generation, backend, timeout_s, device if nccl else None)
+        comm.groups.append(dist.group.WORLD)
+        return comm
+
+    def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
+        group = dist.new_group(ranks, timeout=self.timeout, backend=self.backend,
+                               device_id=self.device)
+        self.groups.append(group)
+        return group
+
+    def ready(self) -> None:
+        """Every group is built: from now on the short collective timeout applies to all."""
+        if self.nccl:
+            for g in self.groups:
+                if g not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+                    g.set_timeout(self.timeout)
 
     def destroy(self) -> None:
         """Tear down the default group and every subgroup created under it."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.groups.clear()
+
+    def abort(self) -> None:
+        """NCCL: abort every communicator of this generation -- its pending collectives fail at
+        once instead of at the timeout, and its watchdog stops. Idempotent, safe from another
+        thread and after `abandon`/`destroy`; nothing to do for gloo (see `abandon`)."""
+        if not self.nccl or self._aborted:
+            return
+        self._aborted = True
+        for g in list(self.groups):
+            if g in (None, dist.GroupMember.NON_GROUP_MEMBER):
+                continue
+            try:
+                g.abort()
+            except Exception:  # noqa: BLE001 - already torn down: nothing left to abort
+                pass
 
     def abandon(self) -> None:
-        """Drop this generation's groups at once, even with collectives in flight.
-
-        `destroy()` waits for pending work (gloo: up to the collective timeout; measured here:
-        9 s left of a 10 s timeout), and a gloo wait cannot be aborted. After a failure the
-        elastic layer instead unregisters every group from torch.distributed (as destroy does)
-        WITHOUT shutting them down, and keeps the objects referenced in `_ABANDONED` so that no
-        destructor blocks either: their pending work fails at its own timeout, in the
-        background, and nobody waits for it. The next generation's `init` then starts clean.
-        Uses torch.distributed's private registry (`distributed_c10d._world`)."""
+        """Drop this generation's groups at once, even with collectives in flight (module
+        docstring): NCCL communicators are aborted first; gloo groups are unregistered without
+        a shutdown (`destroy()` would wait for pending work: up to the collective timeout, and
+        a gloo wait cannot be aborted) and kept referenced in `_ABANDONED` so that no destructor
+        blocks. The next generation's `init` then starts clean. Uses torch.distributed's
+        private registry (module docstring)."""
+        self.abort()
         if not dist.is_initialized():
+            self.groups.clear()
             return
         c10d = dist.distributed_c10d
         world = c10d._world
@@ -118,6 +230,42 @@ class Comm:
             table.clear()
         c10d._unregister_all_process_groups()
         world.group_count = 0
+        self.groups.clear()
+
+    def wait(self, work: dist.Work, waiter: Waiter, abort: Callable[[], bool] | None,
+             sync: bool = False) -> None:
+        """Wait for `work`, bounded by the collective timeout, giving up as soon as `abort()`
+        turns true (raising `Aborted`). NCCL: a stream dependency, the CPU runs on -- unless
+        `sync` (the result is read on the CPU next): then `is_completed()` is polled here. gloo:
+        on the waiter's thread while this one polls `abort()` (module docstring)."""
+        if self.nccl:
+            if not sync:
+                work.wait()
+                return
+            deadline = time.monotonic() + self.timeout_s
+            while not work.is_completed():
+                if abort is not None and abort():
+                    raise Aborted("the elastic layer aborted the step (a membership round opened)")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a collective did not complete within {self.timeout_s} s")
+                time.sleep(0.0005)
+            if not work.is_success():
+                raise RuntimeError(f"collective failed: {work.exception()!r}")
+            return
+        if abort is None:
+            work.wait(self.timeout)
+            return
+
+        def stop() -> BaseException | None:
+            if abort():
+                return Aborted("the elastic layer aborted the step (a membership round opened)")
+            return None
+
+        waiter.run(lambda: work.wait(self.timeout), stop, 0.002)
+
+
+class Aborted(RuntimeError):
+    """The `abort` callback asked a wait to stop (the step is returned as failed)."""
 
 
 _ABANDONED: list[dist.ProcessGroup] = []
@@ -145,9 +293,10 @@ class PlanGroups:
             if len(ranks) == comm.world_size:
                 out.groups[ranks] = dist.group.WORLD
             else:
-                group = dist.new_group(list(ranks), timeout=comm.timeout, backend=comm.backend)
+                group = comm.new_group(list(ranks))
                 if comm.rank in ranks:
                     out.groups[ranks] = group
+        comm.ready()
         return out
 
     def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:

@@ -42,6 +42,10 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     for c in [
         GPTConfig("gpt-tiny", n_layer=4, d_model=64, n_head=4, seq_len=64, vocab_size=256),
         GPTConfig("gpt-mini", n_layer=8, d_model=256, n_head=8, seq_len=128, vocab_size=256),
+        # Wide and shallow in time: weights dominate memory (50 MB of fp32 weights per block)
+        # while a step stays cheap on a CPU (bench/recovery.py measures recovery's memory).
+        GPTConfig("gpt-wide", n_layer=6, d_model=1024, n_head=16, seq_len=32, vocab_size=256),
+        GPTConfig("gpt-wide-2x", n_layer=12, d_model=1024, n_head=16, seq_len=32, vocab_size=256),
         GPTConfig("gpt2-small", n_layer=12, d_model=768, n_head=12, seq_len=1024, vocab_size=50257),
         GPTConfig("gpt3-350m", n_layer=24, d_model=1024, n_head=16, seq_len=2048, vocab_size=50257),
         GPTConfig("gpt3-1.3b", n_layer=24, d_model=2048, n_head=16, seq_len=2048, vocab_size=50257),

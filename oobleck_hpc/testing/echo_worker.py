@@ -13,7 +13,7 @@ Used by the control-plane tests and as a template for a real worker, with no tor
   0) or exit on purpose with `code`; a file `STOP` makes it say "done" and exit 0;
 - exits with the fencing's exit code when fenced (3 excluded, 75 requeue, 2 bad input).
 
-Run it under an agent:  python -m oobleck_hpc.agent ... -- python -m oobleck_hpc.elastic.echo_worker
+Run it under an agent:  python -m oobleck_hpc.agent ... -- python -m oobleck_hpc.testing.echo_worker
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from oobleck_hpc.engine.engine import Engine, Reference, TrainState
+    from oobleck_hpc.engine import Engine, Reference, TrainState
     from oobleck_hpc.engine.groups import Comm, PlanGroups
     from oobleck_hpc.models.base import build_model
 

@@ -1,0 +1,37 @@
+"""What a training step returns (`StepResult`: a value, failed or not) and what advances when it
+commits (`TrainState`): the engine's two small public types, shared with the reference, the
+elastic layer and the checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainState:
+    """What advances when a step commits (and what a checkpoint stores besides the layers)."""
+
+    step: int = 0
+    cursor: int = 0
+    """Samples of the global stream consumed so far."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    ok: bool
+    loss: float = math.nan
+    """Mean loss over the global batch (same value on every rank)."""
+    grad_norm: float = math.nan
+    lr: float = math.nan
+    samples: int = 0
+    seconds: float = 0.0
+    error: BaseException | None = None
+    phase: str | None = None
+    """Where it failed: forward, backward, gradient_sync or optimizer."""
+    peer: int | None = None
+    """The rank the failing transfer talked to (None for collectives and compute)."""
+    group: tuple[int, ...] | None = None
+    """The ranks of the failing collective."""
