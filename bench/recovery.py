@@ -16,7 +16,7 @@ workers, `oobleck-hpc kill-node`) to the first training step committed afterward
   regroup (-> process groups rebuilt on the new store), transfer (-> last rank finished copying
   layer state), first_step (-> the replayed step committed). `recovery_s` = kill -> committed.
 - checkpoint-restart baseline (what torchrun elastic / Varuna do): the same job checkpointing
-  every step (checkpoint.py, async, as resume.py does); after `--kill-at` steps node1 is killed
+  every step (oobleck_hpc/checkpoint, async, as resume.py does); after `--kill-at` steps node1 is killed
   and, as those launchers do, every other process is stopped at once (detection is taken as
   free), the job is relaunched on the survivors, reloads the latest checkpoint and resumes:
   `restart_baseline_s` = kill -> first step committed by the relaunched job.
