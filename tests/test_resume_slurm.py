@@ -27,6 +27,8 @@ import pytest
 import yaml
 from helpers import wait_until
 
+from oobleck_hpc.elastic.events import read_events
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,10 +120,10 @@ def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_c
         out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
                              check=True).stdout
         batch_host = re.search(r"BatchHost=(\S+)", out).group(1)
-        # The plan (printed by rank 0): pipelines of stages "L<a>-<b>@<node>:<gpu>".
-        plan = logs(run_dir, f"agent-{job_id}-r0-*")
-        stages = [re.findall(r"L(\d+)-(\d+)@(\w+):", line)
-                  for line in plan.splitlines() if re.match(r"\s*pipeline \d+:", line)]
+        # The plan (rank 0's plan_chosen event): pipelines of stages "L<a>-<b>@<node>:<gpu>".
+        chosen = next(e for e in read_events(run_dir / "events.jsonl")
+                      if e["kind"] == "plan_chosen" and e["generation"] == 0)
+        stages = [re.findall(r"L(\d+)-(\d+)@(\w+):", line) for line in chosen["layout"]]
         mine = next(p for p in stages if any(n == batch_host for _, _, n in p))
         lo, hi = next((int(a), int(b)) for a, b, n in mine if n == batch_host)
         other = next(n for p in stages if p is not mine for a, b, n in p
