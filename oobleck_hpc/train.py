@@ -17,13 +17,10 @@ checkpoint fallback takes over (resume.py). For exact comparisons with a referen
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, GuaranteeExceeded, OobleckError
@@ -31,131 +28,6 @@ from oobleck_hpc.files import atomic_open
 
 _client = None
 """This worker's AgentClient, once connected (entry() tells the agent about intended exits)."""
-
-
-@dataclass
-class Progress:
-    """The run as the current plan's rank 0 reports it: a tqdm bar on a TTY, a log line every
-    `log_every` steps otherwise, and one JSON line per committed step in the metrics file
-    (steps numbered from 1, as on the console and in the events). Every rank records its
-    committed steps (the same values everywhere); only the current plan's rank 0 (`active`: it
-    changes when a node is lost) writes and prints. The metrics file holds every step committed
-    by this attempt exactly once, whoever dies: the writer appends, under a lock on the file,
-    the steps it kept after the last one the file's tail records for this attempt (the previous
-    writer may have died between committing a step and writing it), and every rank does the
-    same after the last step. Each line names its run and attempt (oobleck_hpc/runs.py): a
-    requeued attempt appends the steps it replays after its checkpoint with its own number."""
-
-    total: int
-    log_every: int
-    metrics: Path | None
-    run: str = ""
-    attempt: int = 0
-    active: bool = False
-    bar: object = None
-    losses: list[float] = field(default_factory=list)
-    samples: int = 0
-    seconds: float = 0.0
-    _rows: deque = field(default_factory=lambda: deque(maxlen=KEEP_ROWS))
-    _printed: int = -1
-
-    def __post_init__(self) -> None:
-        if self.metrics is not None:
-            self.metrics.parent.mkdir(parents=True, exist_ok=True)
-
-    def record(self, results, plan_id: str, generation: int, active: bool) -> None:
-        """Steps committed on this rank (driver.step()'s list), on plan `plan_id`."""
-        for r in results:
-            self.losses.append(r.loss)
-            self.samples += r.samples
-            self.seconds += r.seconds
-            self._rows.append({"step": r.step + 1, "loss": r.loss, "samples": r.samples,
-                               "seconds": r.seconds, "grad_norm": r.grad_norm, "lr": r.lr,
-                               "plan": plan_id, "generation": generation, "time": time.time(),
-                               "run": self.run, "attempt": self.attempt})
-        if active and not self.active and self.bar is None and sys.stdout.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, initial=len(self.losses) - len(results),
-                            unit="step", dynamic_ncols=True)
-        self.active = active
-        if not active:
-            return
-        for row in self._append_missing():
-            if self.bar is not None:
-                self.bar.update(1)
-                self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
-            elif row["step"] % self.log_every == 0 or row["step"] == self.total:
-                print(f"step {row['step']}/{self.total}  loss {row['loss']:.4f}  "
-                      f"{row['samples'] / max(row['seconds'], 1e-9):.1f} samples/s", flush=True)
-
-    def finish(self) -> None:
-        """Every rank, after the last step: write what the file lacks (the writer may have died
-        after the last commit, before writing it)."""
-        self._append_missing()
-        if self.bar is not None:
-            self.bar.close()
-
-    def _append_missing(self) -> list[dict]:
-        """Under an exclusive lock on the file: append the kept steps after the last one it
-        records for this attempt (a torn last line, from a writer killed mid-write, is ended
-        first). Returns the rows written (without a file: the rows not reported yet)."""
-        if self.metrics is None:
-            new = [row for row in self._rows if row["step"] > self._printed]
-        else:
-            with open(self.metrics, "a+b") as f:
-                _lock(f, LOCK_WAIT_S)
-                end = f.seek(0, os.SEEK_END)
-                f.seek(max(0, end - TAIL_BYTES))
-                tail = f.read()
-                if tail and not tail.endswith(b"\n"):
-                    f.write(b"\n")
-                last = _last_step_in(tail, self.run, self.attempt)
-                new = [row for row in self._rows if row["step"] > last]
-                f.write("".join(json.dumps(row) + "\n" for row in new).encode())
-        if new:
-            self._printed = new[-1]["step"]
-        return new
-
-
-TAIL_BYTES = 8192
-"""How much of the metrics file's end is read to find the last step it records."""
-
-
-LOCK_WAIT_S = 5.0
-"""Longest wait for the metrics file's lock: a writer frozen (SIGSTOP) while holding it must
-not stop the others; after that they write without it."""
-
-
-def _lock(f, wait_s: float) -> None:
-    import fcntl
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.01)
-
-
-def _last_step_in(tail: bytes, run: str, attempt: int) -> int:
-    """The step of the last complete JSON line of attempt (`run`, `attempt`) in `tail` (0: none:
-    the attempt wrote nothing yet, or earlier lines of the file are another attempt's)."""
-    for line in reversed(tail.split(b"\n")):
-        try:
-            row = json.loads(line)
-            if (row.get("run", ""), row.get("attempt", 0)) == (run, attempt):
-                return int(row["step"])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-    return 0
-
-
-KEEP_ROWS = 1000
-"""Committed steps a rank keeps for the metrics file in case it becomes the writer."""
 
 
 def pick_device(job, env):
@@ -187,17 +59,17 @@ def pick_device(job, env):
 
 def main() -> int:
     from oobleck_hpc.bootstrap import detect
+    from oobleck_hpc.checkpoint import read_latest_pointer
     from oobleck_hpc.config import load_job
     from oobleck_hpc.data import dataset_for
     from oobleck_hpc.elastic.client import AgentClient
-    from oobleck_hpc.elastic.driver import ElasticDriver
+    from oobleck_hpc.elastic.driver import ElasticDriver, RecoveryError
     from oobleck_hpc.elastic.events import EventLog
     from oobleck_hpc.elastic.faults import FaultInjector
+    from oobleck_hpc.elastic.membership import Fenced
     from oobleck_hpc.models.base import build_model
     from oobleck_hpc.profiling import resolve_profile
-    from oobleck_hpc.checkpoint import read_latest_pointer
-    from oobleck_hpc.elastic.driver import RecoveryError
-    from oobleck_hpc.elastic.membership import Fenced
+    from oobleck_hpc.progress import Progress
     from oobleck_hpc.resume import Resume
 
     # Who am I, and what is the job. The node agent started this process and owns its link.

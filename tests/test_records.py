@@ -1,6 +1,6 @@
 """Run records and the user's view, without processes: run ids and the run directory
 (oobleck_hpc/runs.py), the console's story (oobleck_hpc/story.py), the metrics writer's
-numbering (train.Progress) and the report (oobleck_hpc/report.py) on a hand-made run."""
+numbering (progress.Progress) and the report (oobleck_hpc/report.py) on a hand-made run."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def test_report_plot_marks_the_run(tmp_path):
 
 
 def test_metrics_lines_count_steps_from_one_and_name_their_attempt(tmp_path, capsys):
-    from oobleck_hpc.train import Progress
+    from oobleck_hpc.progress import Progress
 
     @dataclass
     class Result:
