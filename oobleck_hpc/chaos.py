@@ -78,7 +78,6 @@ AFTER_VOTE_PHASES = ("optimizer", "commit")
 """Fire after the commit vote completed: the step commits on every other node."""
 STEP_PHASES = IN_STEP_PHASES
 """Fire inside a training step."""
-OUTCOMES = ("in_place", "fallback", "wrong_state", "dead_end", "hung")
 
 
 # ----------------------------------------------------------------------------- fault sets

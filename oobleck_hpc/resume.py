@@ -62,7 +62,6 @@ Watchdog: rank 0 beats RUN_DIR/heartbeat (launch/watch.py) at most once a second
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -105,7 +104,6 @@ class Resume:
     """Where the restored run stands (None: a fresh start)."""
     layer_states: dict[int, dict[str, torch.Tensor]] | None = None
     """This rank's layers from the checkpoint (None: build them fresh)."""
-    restored_step: int | None = None
     _owners: tuple[str, dict[int, int]] | None = None
     _hooked: Any = None
     _last_beat: float = 0.0
@@ -183,7 +181,6 @@ class Resume:
         if ts.step != step:
             raise CheckpointError(f"{ckpt.path}: train state says step {ts.step}, directory {step}")
         self.state = TrainState(step=ts.step, cursor=ts.samples_seen)
-        self.restored_step = step
         if self.rank == 0:
             seconds = time.perf_counter() - t0
             self.log(f"restored step {step} (cursor {ts.samples_seen}) from {ckpt.path} onto plan "
@@ -388,11 +385,3 @@ def _published(events: Any, root: Path, stats: Any) -> None:
         size = stats.bytes
     events.emit("checkpoint_saved", step=stats.step, bytes=size, seconds=round(stats.write_s, 3),
                 path=str(path))
-
-
-def read_requeue_record(run_dir: str | Path) -> dict[str, Any] | None:
-    """RUN_DIR/requeue.json as written by the last job that left for a requeue (None if absent)."""
-    try:
-        return json.loads((Path(run_dir) / REQUEUE_RECORD).read_text())
-    except (FileNotFoundError, ValueError):
-        return None

@@ -160,7 +160,6 @@ def test_frozen_node_is_dropped_and_fenced(slurm_cluster, tmp_path):
     wait_until(lambda: all("SIGUSR2" in (run_dir / "probe" / f"{n}.beats").read_text()
                            for n in NODES), 10, "every probe to note SIGUSR2")
     subprocess.run([str(slurm_cluster), "freeze-node", "n2"], check=True, capture_output=True)
-    t_freeze = time.time()
     try:
         wait_until(lambda: job_nodes(job_id) == ["n1", "n3", "n4"], 40, "n2 to leave the job")
     finally:

@@ -216,10 +216,6 @@ class Checkpointer:
             err, self._error = self._error, None
             raise CheckpointError(f"rank {self.rank}: writing a checkpoint failed: {err}") from err
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def _run(self, job: _Job, stats: SaveStats, live: dict | None, stream: Any,
              snapshot_done: threading.Event | None) -> None:
         t0 = time.perf_counter()

@@ -61,7 +61,7 @@ A worker's life with this link (the shape train.py / the reconfigure driver foll
     client = AgentClient.from_env(on_notice=abort_collectives_on_round)
     m = client.wait_membership(timeout=300)                    # generation 0 (the roster)
     store = TCPStore(m.store_host, m.store_port, is_master=client.hosts_store(m))
-    plan = plan_job(job, profile, list(m.nodes)); build groups (key prefix m.store_prefix)
+    plan = plan_job(job, profile, list(m.nodes)); build groups (key prefix gen<m.gen>/)
     loop over steps:
         a step returns a failure value -> client.report_failure("comm_error", str(err), suspects)
         m = client.wait_membership(after_gen=m.gen, timeout=...)   # the agreed survivors
@@ -110,11 +110,6 @@ class Membership:
     def store_addr(self) -> str:
         """'host:port' (the format of OOBLECK_STORE)."""
         return f"{self.store_host}:{self.store_port}"
-
-    @property
-    def store_prefix(self) -> str:
-        """A key prefix unique to this generation (for a store shared across generations)."""
-        return f"gen{self.gen}/"
 
     @classmethod
     def from_msg(cls, m: dict[str, Any]) -> Membership:

@@ -337,6 +337,3 @@ def moved_bytes(old: Plan, new: Plan, profile: ModelProfile) -> int:
     """Bytes crossing between GPUs in the transfer plan (local copies included)."""
     return sum(t.nbytes for t in transfer_plan(old, new, profile))
 
-
-def survivors_of(plan: Plan, lost: Sequence[str]) -> list[str]:
-    return [n for n in plan.nodes if n not in set(lost)]

@@ -119,7 +119,7 @@ class _Solver:
 
     def __init__(self, ar: _Arrays, qmax: int):
         self.ar, self.qmax = ar, qmax
-        L, G = ar.L, ar.G
+        L = ar.L
         feasible = np.isfinite(ar.time[1:]) & (ar.fit[1:] >= 1)
         a_i, b_i = np.nonzero(feasible.any(axis=0))
         self.width = w = max(1, int((b_i - a_i).max()) if len(a_i) else 1)

@@ -165,7 +165,7 @@ def profile_layers(model: LayerModel, microbatch_size: int, seq_len: int, dtype:
             inp_r = inp[:r] if i == 0 else inp[:r].detach().requires_grad_(True)
             tg_r, go_r = targets[:r], None if grad_out is None else grad_out[:r]
 
-            def fwd_r(inp_r=inp_r, tg_r=tg_r) -> torch.Tensor:
+            def fwd_r(inp_r=inp_r, tg_r=tg_r, layer=layer) -> torch.Tensor:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     out = layer(inp_r)
                     return model.loss(out, tg_r).mean() if i == last else out
