@@ -35,7 +35,7 @@ from typing import Any
 from oobleck_hpc import runs
 from oobleck_hpc.elastic.events import read_events, read_jsonl
 from oobleck_hpc.errors import OobleckError
-from oobleck_hpc.story import SIGNS, Story
+from oobleck_hpc.story import SIGNS, Story, plural
 
 PHASES = ("detect", "agree", "plan", "regroup", "transfer", "first_step")
 
@@ -199,14 +199,14 @@ def text(rep: dict[str, Any]) -> str:
                      f"median {rep['step_time_s']['median'] * 1000:.1f} ms, p90 "
                      f"{rep['step_time_s']['p90'] * 1000:.1f} ms")
     lines.append(f"goodput {rep['goodput_samples_per_s']:.1f} samples/s (throughput "
-                 f"{rep['throughput_samples_per_s']:.1f}; {st['replayed']} step(s) computed "
-                 f"twice)")
+                 f"{rep['throughput_samples_per_s']:.1f}; {plural(st['replayed'], 'step')} "
+                 "computed twice)")
     lost = rep["time_lost_s"]
     lines.append("time lost: " + ", ".join(f"{k} {v:.2f} s" for k, v in lost.items()))
     if rep["recoveries"]:
         lines.append("\nrecoveries (seconds from the fault):")
-        lines.append(f"{'step':>5} {'lost':<14} {'total':>6}  " + " ".join(f"{p:>10}" for p in PHASES)
-                     + "  moved")
+        lines.append(f"{'step':>5} {'lost':<14} {'total':>6}  "
+                     + " ".join(f"{p:>10}" for p in PHASES) + "  moved")
         for r in rep["recoveries"]:
             lines.append(f"{r['step']:>5} {','.join(r['lost']) or '(retry)':<14} "
                          f"{r['recovery_s']:>6.2f}  "
@@ -271,8 +271,9 @@ def plot(rep: dict[str, Any], rows: list[dict], path: str) -> None:
     if rep["attempts"] > 1:
         ax_loss.legend(loc="upper right", fontsize=8)
     fig.suptitle(f"{rep['job'] or 'run'} {rep['run']}: {rep['steps']['committed']} steps, "
-                 f"{len(rep['recoveries'])} recoveries in place, {len(rep['requeues'])} "
-                 f"requeues; goodput {rep['goodput_samples_per_s']:.1f} samples/s")
+                 f"{plural(len(rep['recoveries']), 'recovery', 'recoveries')} in place, "
+                 f"{plural(len(rep['requeues']), 'requeue')}; "
+                 f"goodput {rep['goodput_samples_per_s']:.1f} samples/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
