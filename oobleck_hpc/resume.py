@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,11 +119,14 @@ class Resume:
     @classmethod
     def start(cls, job: JobConfig, plan: Plan, rank: int, comm: Any, device: Any,
               run_dir: str | Path, profile: ModelProfile | None = None,
-              faults: Any = None, events: Any = None) -> Resume:
+              faults: Any = None, events: Any = None,
+              abort: Callable[[], bool] | None = None) -> Resume:
         """Install the stop-signal handlers, open the checkpoint directory and restore from the
         latest good checkpoint onto `plan` (every rank of the world must call this). A peer
-        lost during the restore raises RuntimeError (train.py rendezvous again and retries).
-        `faults`: the worker's fault injector (its `checkpoint` window fires in a save)."""
+        lost during the restore raises RuntimeError (train.py rendezvous again and retries) --
+        at once when `abort` (the driver's `round_opened`) turns true, else at the regroup's
+        timeout. `faults`: the worker's fault injector (its `checkpoint` window fires in a
+        save)."""
         from oobleck_hpc.checkpoint import Checkpointer, StopSignals
 
         stop = StopSignals.install()
@@ -135,7 +139,7 @@ class Resume:
             cp.on_published = lambda stats: _published(events, cp.root, stats)
         if cp is not None:
             try:
-                self._restore(plan, comm)
+                self._restore(plan, comm, abort)
             except BaseException:
                 stop.uninstall()
                 raise
@@ -150,7 +154,7 @@ class Resume:
 
         return cls(job, 0, Path(run_dir), device, None, StopSignals(), events=events)
 
-    def _restore(self, plan: Plan, comm: Any) -> None:
+    def _restore(self, plan: Plan, comm: Any, abort: Callable[[], bool] | None) -> None:
         from oobleck_hpc.checkpoint import CheckpointError, find_latest, open_checkpoint
         from oobleck_hpc.engine import TrainState
 
@@ -163,7 +167,8 @@ class Resume:
                 self.log(f"refused a checkpoint: {why}")
             if found.checkpoint is not None:
                 step = found.checkpoint.step
-        step = int(self._all_reduce_max([step], comm.world_size)[0])
+        # Rank 0 may take long verifying a large checkpoint: the regroup's timeout bounds it.
+        step = int(comm.all_reduce_max([step], abort, comm.setup_timeout_s)[0])
         if step < 0:
             if self.rank == 0:
                 self.log(f"no checkpoint under {root}: starting from step 0")
@@ -227,17 +232,6 @@ class Resume:
         if cp is not None and (due or clock_due) and step < self.job.train.steps:
             self._save(engine, sync=False)
         return None
-
-    def _all_reduce_max(self, values: list[float], world_size: int) -> list[float]:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64)
-        if world_size > 1:
-            if dist.get_backend() == "nccl":
-                t = t.to(self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.cpu().tolist()
 
     def _save(self, engine: Engine, sync: bool) -> None:
         from oobleck_hpc.checkpoint import CheckpointError, TrainState, plan_tag, shard_owners

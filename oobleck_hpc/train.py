@@ -106,9 +106,9 @@ def main() -> int:
                 if faults is not None:
                     faults("restore", first_step + 1)
                 ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile, faults,
-                                    events)
+                                    events, abort=driver.round_opened)
                 break
-            except RuntimeError as e:
+            except (RuntimeError, TimeoutError) as e:
                 plan, comm = driver.start(first_step, failed=f"restore: {e!r}")
         driver.build_engine(state=ckpt.state, layer_states=ckpt.layer_states)
 

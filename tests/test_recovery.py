@@ -240,6 +240,50 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
 
 
 @pytest.mark.timeout(60)
+def test_the_restore_agreement_gives_way_to_a_newer_round():
+    """A node lost during the restore (chaos seed 7007, trial 6: node0, the store host, left at
+    the restore; the workers still building the groups failed and left the start, those
+    already in the restore's all-reduce waited the regroup's timeout, 300 s, for peers that
+    never came). The agreement is bounded by that timeout and ends as soon as the agents open
+    the next round (`abort`: the driver's `round_opened`)."""
+    import datetime
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from oobleck_hpc.engine import Comm
+    from oobleck_hpc.engine.groups import Aborted
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    # The survivor that left the failed start: in the world, never in the agreement.
+    peer = subprocess.Popen([sys.executable, "-c", f"""
+import datetime, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", {store.port}, is_master=False,
+                      timeout=datetime.timedelta(seconds=30))
+dist.init_process_group("gloo", store=dist.PrefixStore("oobleck/gen0/", store), rank=1,
+                        world_size=2, timeout=datetime.timedelta(seconds=120))
+time.sleep(120)
+"""])
+    comm = None
+    try:
+        comm = Comm.init(store, 0, 2, 0, "gloo", timeout_s=2.0, init_timeout_s=120.0)
+        assert comm.setup_timeout_s == 120.0
+        t0 = time.monotonic()
+        with pytest.raises(Aborted):
+            comm.all_reduce_max([3.0], abort=lambda: time.monotonic() > t0 + 0.5,
+                                timeout_s=comm.setup_timeout_s)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        if comm is not None:
+            comm.abandon()
+        peer.kill()
+        peer.wait()
+
+
+@pytest.mark.timeout(60)
 def test_a_store_op_on_a_frozen_host_fails_once_a_round_opens():
     """A hung node hosting the generation's store: a survivor's store.add() would wait for its
     reply for ever (the store timeout does not bound it). When the agents open the next round,

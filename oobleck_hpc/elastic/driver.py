@@ -177,7 +177,7 @@ class ElasticDriver(RecoveryRounds):
 
         self.engine = Engine(self.job, self.model, self.plan, self.comm, self._groups,
                              self.dataset, self.device, state=state, layer_states=layer_states,
-                             on_phase=self._on_phase, abort=self._round_opened)
+                             on_phase=self._on_phase, abort=self.round_opened)
         return self.engine
 
     @property
@@ -283,7 +283,7 @@ class ElasticDriver(RecoveryRounds):
                          note=sharing_note(self.job, self.profile), layout=plan.layout(),
                          **fields)
 
-    def _round_opened(self) -> bool:
+    def round_opened(self) -> bool:
         """The agents opened a membership round (or decided one) past this generation."""
         r = self.client.round_open
         m = self.client.membership
@@ -292,7 +292,7 @@ class ElasticDriver(RecoveryRounds):
     def _on_phase(self, phase: str, step: int) -> None:
         if self.faults is not None:
             self.faults(phase, step + 1)  # the engine's step index; faults count from 1
-        if phase not in ("optimizer", "commit") and self._round_opened():
+        if phase not in ("optimizer", "commit") and self.round_opened():
             # past the vote a step commits whatever happens (module docstring)
             r = self.client.round_open
             raise RoundOpened(f"membership round opened (suspects: "
@@ -328,13 +328,13 @@ class ElasticDriver(RecoveryRounds):
         if not host:
             # TCPStore's client backs off up to a second between connection attempts; the host
             # is starting right now, so poll its port cheaply first.
-            wait_port(m.store_host, m.store_port, timeout_s, self._round_opened)
+            wait_port(m.store_host, m.store_port, timeout_s, self.round_opened)
         old = self.store
-        self.store = open_store(m.store_host, m.store_port, host, timeout_s, self._round_opened)
+        self.store = open_store(m.store_host, m.store_port, host, timeout_s, self.round_opened)
         self._store_at = None if host else (m.gen, m.store_host, m.store_port)
         del old
         wait_arrivals(self.store, f"oobleck/gen{m.gen}/arrived", plan.world_size, timeout_s,
-                       self._round_opened)
+                       self.round_opened)
         comm = Comm.init(self.store, rank, plan.world_size, m.gen,
                          default_backend(self.device.type), self.timeout_s,
                          device=self.device, init_timeout_s=timeout_s)

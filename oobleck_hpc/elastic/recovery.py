@@ -161,7 +161,7 @@ class RecoveryRounds:
                 "the last checkpoint")
         if self.faults is not None:
             self.faults("reconfiguration", state.step + 1)
-        if self._round_opened():  # the exchange may have completed here only
+        if self.round_opened():  # the exchange may have completed here only
             raise Superseded(f"generation {m.gen} superseded before regrouping")
         t0 = time.time()
         comm, groups = self._regroup(m, new_plan, self.rendezvous_s)
@@ -185,7 +185,7 @@ class RecoveryRounds:
         receive = [i for i in range(info.layer_start, info.layer_end) if i not in self.base.layers]
         engine = Engine(self.job, self.model, new_plan, comm, groups, self.dataset, self.device,
                         state=replace(self.base.state), on_phase=self._on_phase,
-                        abort=self._round_opened, adopt=self.base, receive=receive)
+                        abort=self.round_opened, adopt=self.base, receive=receive)
         t1 = time.time()
         rec.phases["init"] = rec.phases.get("init", 0.0) + (t1 - t0)
         try:

@@ -145,6 +145,9 @@ class Comm:
     timeout_s: float
     device: torch.device | None = None
     """The rank's GPU (NCCL: communicators are bound to it); None on the CPU."""
+    setup_timeout_s: float = 0.0
+    """The regroup's long timeout (`init`'s `init_timeout_s`): creating the communicators, and
+    the agreements of a start that may wait on one rank's disk (`all_reduce_max`)."""
     groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
     """Every group of this generation: the world first, then the plan's subgroups."""
     _aborted: bool = field(default=False, repr=False)
@@ -172,7 +175,8 @@ class Comm:
         t_init = datetime.timedelta(seconds=max(timeout_s, init_timeout_s or 0.0))
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
                                 timeout=t_init, device_id=device if nccl else None)
-        comm = cls(rank, world_size, generation, backend, timeout_s, device if nccl else None)
+        comm = cls(rank, world_size, generation, backend, timeout_s, device if nccl else None,
+                   setup_timeout_s=t_init.total_seconds())
         comm.groups.append(dist.group.WORLD)
         return comm
 
@@ -233,27 +237,30 @@ class Comm:
         self.groups.clear()
 
     def wait(self, work: dist.Work, waiter: Waiter, abort: Callable[[], bool] | None,
-             sync: bool = False) -> None:
-        """Wait for `work`, bounded by the collective timeout, giving up as soon as `abort()`
-        turns true (raising `Aborted`). NCCL: a stream dependency, the CPU runs on -- unless
-        `sync` (the result is read on the CPU next): then `is_completed()` is polled here. gloo:
-        on the waiter's thread while this one polls `abort()` (module docstring)."""
+             sync: bool = False, timeout_s: float | None = None) -> None:
+        """Wait for `work`, bounded by `timeout_s` (default: the collective timeout), giving up
+        as soon as `abort()` turns true (raising `Aborted`). NCCL: a stream dependency, the CPU
+        runs on -- unless `sync` (the result is read on the CPU next): then `is_completed()` is
+        polled here. gloo: on the waiter's thread while this one polls `abort()` (module
+        docstring)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self.nccl:
             if not sync:
                 work.wait()
                 return
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + timeout_s
             while not work.is_completed():
                 if abort is not None and abort():
                     raise Aborted("the elastic layer aborted the step (a membership round opened)")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"a collective did not complete within {self.timeout_s} s")
+                    raise TimeoutError(f"a collective did not complete within {timeout_s} s")
                 time.sleep(0.0005)
             if not work.is_success():
                 raise RuntimeError(f"collective failed: {work.exception()!r}")
             return
+        timeout = datetime.timedelta(seconds=timeout_s)
         if abort is None:
-            work.wait(self.timeout)
+            work.wait(timeout)
             return
 
         def stop() -> BaseException | None:
@@ -261,7 +268,24 @@ class Comm:
                 return Aborted("the elastic layer aborted the step (a membership round opened)")
             return None
 
-        waiter.run(lambda: work.wait(self.timeout), stop, 0.002)
+        waiter.run(lambda: work.wait(timeout), stop, 0.002)
+
+    def all_reduce_max(self, values: list[float], abort: Callable[[], bool] | None = None,
+                       timeout_s: float | None = None) -> list[float]:
+        """Element-wise max of `values` over this generation's world, as `wait` bounds it. A
+        start's agreement (the checkpoint to restore) passes the driver's `round_opened` and
+        `setup_timeout_s`: a node lost meanwhile must not leave its peers waiting for that long
+        timeout (a survivor that already left the failed start never joins the call)."""
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+        waiter = Waiter("all-reduce-max")
+        try:
+            self.wait(work, waiter, abort, sync=True, timeout_s=timeout_s)
+        finally:
+            waiter.close()
+        return t.cpu().tolist()
 
 
 class Aborted(RuntimeError):
