@@ -80,8 +80,8 @@ class Story:
 
     def _plan_chosen(self, e: dict) -> str:
         self.plans[e.get("attempt", 0), e.get("generation", 0)] = e
-        if e.get("generation", 0) > 0:
-            return ""  # told by the recovery it belongs to
+        if e.get("generation", 0) > 0 and not e.get("start"):
+            return ""  # told by the recovery it belongs to (a start on survivors: told here)
         text = (f"plan {e['plan'][:8]} on {plural(e.get('nodes', 0), 'node')} x "
                 f"{plural(e.get('gpus_per_node', 1), 'GPU')}: "
                 f"{plural(len(e['pipelines']), 'pipeline')} of {e['pipelines']} nodes, "

@@ -109,6 +109,16 @@ def test_the_story_tells_each_transition_once_with_the_users_recovery_time():
     ]
 
 
+def test_the_story_tells_the_plan_of_a_start_on_survivors():
+    """A node lost while the job starts: no recovery follows (nothing trained yet), the new
+    plan is the start's own (chaos seed 7007, trial 6: the console said nothing of it)."""
+    story = Story()
+    (line,) = story.feed(ev(1.0, "plan_chosen", "node1/0", generation=1, plan="cccccccc33",
+                            pipelines=[1, 1, 1, 1], microbatches=[1, 1, 1, 1], nodes=4,
+                            gpus_per_node=2, lost=["node0"], start=True))
+    assert line.startswith("plan cccccccc on 4 nodes x 2 GPUs: 4 pipelines of [1, 1, 1, 1]")
+
+
 def test_the_story_warns_of_a_worker_that_crashed_after_its_work():
     story = Story()
     assert story.feed(ev(1.0, "worker_exited", "node2", local_rank=1, code=0, done=0)) == []

@@ -154,7 +154,7 @@ class ElasticDriver(RecoveryRounds):
                 self.comm, self._groups = self._regroup(m, plan, self.store_timeout_s)
                 self.plan = plan
                 if self.comm.rank == 0:
-                    self._plan_chosen(plan, lost=m.lost)
+                    self._plan_chosen(plan, lost=m.lost, start=True)
                 return plan, self.comm
             except (Superseded, RuntimeError, TimeoutError, ValueError) as e:
                 if isinstance(e, RecoveryError):
