@@ -51,7 +51,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -322,9 +321,6 @@ def max_rel_diff(final_dir: Path, reference: dict[int, dict[str, Any]]) -> float
     return worst
 
 
-_REQUEUED = re.compile(r"^\[requeue\] attempt \d+ exited 75", re.M)
-
-
 def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, templates,
               profile, steps: int, checkpoint_every: int, timeout_s: float, tol: float,
               max_requeues: int) -> Trial:
@@ -362,7 +358,7 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
     trial.fired = [x for x in trial.faults if (f"node{x.node}", x.step, x.phase, x.kind) in fired]
     trial.expected = expected_outcomes(trial.fired, plan, templates, profile,
                                        base.fault_tolerance.f)  # the agents' default quorum
-    trial.requeues = len(_REQUEUED.findall((trial_dir / "out.log").read_text(errors="replace")))
+    trial.requeues = sum(e.get("kind") == "requeued" for e in events)  # the launcher's record
     if trial.exit is None:
         trial.outcome = "hung"
     elif trial.exit != 0:

@@ -274,6 +274,9 @@ def test_small_seeded_campaign_of_kills(tmp_path, capsys):
         assert t["ok"] and t["outcome"] in t["expected"], (t, f"logs: {t['dir']}/out.log")
         assert t["max_rel_diff"] is not None and t["max_rel_diff"] <= 1e-9, t
         assert t["recovery_s"] or not t["fired"], t
+        # a requeue counts as a fallback: the observer agrees with what the console told
+        told = (Path(t["dir"]) / "out.log").read_text().count("\nrequeued: attempt ")
+        assert t["requeues"] == told and (t["outcome"] == "fallback") == (told > 0), t
     assert code == 0
     s = result["summary"]
     assert s["within_f"] + s["beyond_f"] == 3
