@@ -60,6 +60,8 @@ class Story:
     """(attempt, generation) -> its plan_chosen event."""
     recoveries: int = 0
     requeues: int = 0
+    steps: int = 0
+    """The run's steps (its `run_started` event; 0: not seen)."""
 
     def feed(self, e: dict[str, Any]) -> list[str]:
         kind, attempt = e.get("kind", ""), e.get("attempt", 0)
@@ -92,6 +94,10 @@ class Story:
             text += f" ({e['note']})"
         return "\n".join([text] + [f"  {x}" for x in e.get("layout", [])])
 
+    def _run_started(self, e: dict) -> str:
+        self.steps = e.get("steps", 0)
+        return ""
+
     def _restored(self, e: dict) -> str:
         return (f"restored: step {e['step']} from {e.get('path', 'the checkpoint')} in "
                 f"{e.get('seconds', 0):.2f} s")
@@ -118,8 +124,12 @@ class Story:
         plan = self.plans.get((e.get("attempt", 0), e.get("generation", 0)), {})
         shape = f" (pipelines of {plan['pipelines']} nodes)" if plan.get("pipelines") else ""
         lost = e.get("lost") or []
-        what = (f"lost {', '.join(lost)}; step {e['step']} replayed" if lost
-                else f"step {e['step']} retried in place")
+        if self.steps and e["step"] > self.steps:  # lost after the last step's commit
+            what = f"lost {', '.join(lost) or 'no node'} after the last step; the end agreed"
+        elif lost:
+            what = f"lost {', '.join(lost)}; step {e['step']} replayed"
+        else:
+            what = f"step {e['step']} retried in place"
         moved = e.get("bytes_moved", 0)
         return (f"recovered: {what} on plan {str(e.get('plan', ''))[:8]}{shape} "
                 f"{e['t'] - t0:.2f} s after the fault"

@@ -119,6 +119,15 @@ def test_the_story_tells_the_plan_of_a_start_on_survivors():
     assert line.startswith("plan cccccccc on 4 nodes x 2 GPUs: 4 pipelines of [1, 1, 1, 1]")
 
 
+def test_the_story_tells_a_loss_after_the_last_step_as_the_end_agreed():
+    story = Story()
+    assert story.feed(ev(0.0, "run_started", "launcher", steps=12)) == []
+    (line,) = story.feed(ev(2.0, "recovered", step=13, generation=1, lost=["node2"],
+                            seconds=0.1, plan="d" * 16))
+    assert line.startswith("recovered: lost node2 after the last step; the end agreed on plan "
+                           "dddddddd"), line
+
+
 def test_the_story_warns_of_a_worker_that_crashed_after_its_work():
     story = Story()
     assert story.feed(ev(1.0, "worker_exited", "node2", local_rank=1, code=0, done=0)) == []

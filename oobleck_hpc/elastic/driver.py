@@ -190,13 +190,20 @@ class ElasticDriver(RecoveryRounds):
         """Run the next step until it commits, recovering in place on failures (raises
         GuaranteeExceeded, RecoveryError, Fenced when that is impossible). Returns the steps
         committed by this call in order: the one it ran, preceded by a step rolled forward
-        during a recovery (module docstring, "Transactional step").
+        during a recovery (module docstring, "Transactional step"); only the rolled step when
+        it was the last.
 
         `ballot`: this rank's numbers for the commit vote (resume.py: a save due by the clock,
         a stop signal seen); their elementwise max over every rank of the vote that committed
         the step this call ran is left in `self.agreed`."""
         while True:
             step = self.engine.state.step
+            if step >= self.job.train.steps:
+                # The step rolled forward by a recovery was the last one: nothing is left to
+                # run (the ranks whose vote completed are ending the run; `finish` is the new
+                # plan's first commit).
+                done, self._rolled = self._rolled, []
+                return done
             try:
                 result = self.engine.step(commit=False)
             except RoundOpened as e:
