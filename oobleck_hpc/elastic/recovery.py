@@ -14,7 +14,8 @@ from oobleck_hpc.elastic.membership import Superseded
 from oobleck_hpc.errors import EXIT_REQUEUE, GuaranteeExceeded, OobleckError
 
 MAX_RETRIES = 3
-"""Consecutive in-place retries of a step with no node lost before the checkpoint fallback."""
+"""Consecutive generations with no node lost since the one before (the step retried in place,
+or a new plan's first step failing again) before the checkpoint fallback."""
 MAX_ROUNDS = 3
 """Failed reconfiguration rounds of one recovery before the checkpoint fallback (each bounded
 by the agreement timeout): a recovery never loops for ever."""
@@ -117,12 +118,20 @@ class RecoveryRounds:
     def _replan(self, m, rec: Recovery, why: str):
         """The plan for the survivors of generation `m`: reconfigured without the nodes the base
         plan lost, or the base plan itself when none was lost (a retry in place, at most
-        MAX_RETRIES in a row). Returns (plan, lost nodes)."""
+        MAX_RETRIES in a row: also counted when a recovery's new plan fails its first step with
+        no further loss, which would otherwise reconfigure from the base for ever). Returns
+        (plan, lost nodes)."""
         from oobleck_hpc.planning.cost import job_profile
         from oobleck_hpc.planning.reconfigure import reconfigure
 
         t0 = time.time()
         lost = tuple(n for n in self.base_plan.nodes if n not in m.nodes)
+        if not m.lost:  # the agents' decision: the same on every survivor
+            self._retries += 1
+            if self._retries > MAX_RETRIES:
+                raise RecoveryError(
+                    f"step {self.base.state.step + 1} failed {self._retries} times in a row with "
+                    f"no node lost (last: {why[:200]}); falling back to the last checkpoint")
         if lost:
             try:  # the same (core-scaled) profile the templates were built from
                 new_plan = reconfigure(self.base_plan, lost, self.templates,
@@ -132,11 +141,6 @@ class RecoveryRounds:
                 e.survivors = m.nodes  # the requeued job starts on the nodes it has
                 raise
         else:
-            self._retries += 1
-            if self._retries > MAX_RETRIES:
-                raise RecoveryError(
-                    f"step {self.base.state.step + 1} failed {self._retries} times in a row with "
-                    f"no node lost (last: {why[:200]}); falling back to the last checkpoint")
             new_plan = self.base_plan
         new_plan = replace(new_plan, generation=m.gen)
         rec.phases["plan"] = rec.phases.get("plan", 0.0) + (time.time() - t0)
