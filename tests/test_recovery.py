@@ -256,6 +256,48 @@ def test_a_recovery_that_rolls_the_last_step_forward_runs_no_further_step():
 
 
 @pytest.mark.timeout(30)
+def test_a_rolled_forward_step_is_not_told_as_replayed():
+    """This rank's vote of step 19 did not complete, another's did (and that one went on to
+    step 20, where its node died): the survivors commit 19 here (roll forward) and replay 20.
+    The recovery is told as 'step 20 replayed' (the demo said 'step 19 replayed' when rank 0
+    was the one behind)."""
+    from types import SimpleNamespace
+
+    from oobleck_hpc.elastic.driver import ElasticDriver
+    from oobleck_hpc.elastic.recovery import Recovery
+    from oobleck_hpc.engine import StepResult, TrainState
+
+    job = job_from_dict(job_dict(Path("/nonexistent")))
+    plan = SimpleNamespace(digest=lambda: "p0")
+
+    class Held:  # the base engine, holding step 19 (index 18) prepared
+        state = TrainState(step=18, cursor=18 * 8)
+        sampler = SimpleNamespace(global_batch=8)
+
+        def __init__(self):
+            self.plan = plan
+
+        def commit(self):
+            self.state = TrainState(step=19, cursor=19 * 8)
+            return StepResult(step=18, ok=True)
+
+    class FakeClient:
+        node, local_rank = "node0", 0
+
+        def exchange(self, key, value, timeout, gen=None, on_sent=None):
+            return {"node0": [value], "node1": [["p0", 19, 19 * 8, ""]]}  # node1 committed 19
+
+    driver = ElasticDriver(job, None, None, None, torch.device("cpu"), FakeClient(),
+                           events=_NullEvents())
+    held = Held()
+    driver.base, driver.base_plan = held, plan
+    driver._pending = Recovery(19, (), 0, "", 0.0)  # failed in step 19's vote
+    driver._reconcile(1, held)
+    assert held.state.step == 19 and [r.step for r in driver._rolled] == [18]
+    assert driver._pending.step == 20
+
+
+@pytest.mark.timeout(30)
 def test_generations_without_a_loss_end_in_the_fallback_even_after_a_reconfiguration():
     """A recovery's new plan whose first step keeps failing with no further loss: every round
     used to reconfigure from the base plan again (its lost node counted as new each time), for

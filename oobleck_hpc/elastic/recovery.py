@@ -32,7 +32,8 @@ class Recovery:
     """One completed in-place recovery, as this worker saw it."""
 
     step: int
-    """The step that failed and was replayed (numbered from 1)."""
+    """The step replayed on the new plan (numbered from 1): the one that failed here, or the
+    next one when the failed one was rolled forward (`_reconcile`)."""
     lost: tuple[str, ...]
     generation: int
     plan: str
@@ -258,6 +259,8 @@ class RecoveryRounds:
             self.base.close()
             self.base, self.base_plan = held, held.plan
         self._rolled.append(result)
+        if self._pending is not None:  # the failed step is committed now: the next is replayed
+            self._pending.step = result.step + 2
         self.events.emit("rolled_forward", step=result.step + 1, generation=gen,
                          plan=held.plan.digest())
         return None
