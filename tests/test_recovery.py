@@ -175,13 +175,9 @@ def test_guarantee_exceeded_raises_at_once():
     from oobleck_hpc.elastic.driver import ElasticDriver
     from oobleck_hpc.engine import TrainState
     from oobleck_hpc.errors import GuaranteeExceeded
-    from oobleck_hpc.planning import plan_job
-    from oobleck_hpc.profiling import resolve_profile
 
-    job = job_from_dict(job_dict(Path("/nonexistent")))
-    profile = resolve_profile(job)
-    nodes = [f"node{i}" for i in range(5)]
-    _, templates, plan = plan_job(job, profile, nodes)
+    job, profile, templates, plan = planned_job()
+    nodes = plan.nodes
 
     class FakeClient:
         node, local_rank = "node0", 0
@@ -310,15 +306,11 @@ def test_generations_without_a_loss_end_in_the_fallback_even_after_a_reconfigura
     from oobleck_hpc.elastic.driver import ElasticDriver
     from oobleck_hpc.elastic.recovery import MAX_RETRIES, Recovery, RecoveryError
     from oobleck_hpc.engine import TrainState
-    from oobleck_hpc.planning import plan_job
     from oobleck_hpc.planning.cost import job_profile
     from oobleck_hpc.planning.reconfigure import reconfigure
-    from oobleck_hpc.profiling import resolve_profile
 
-    job = job_from_dict(job_dict(Path("/nonexistent")))
-    profile = resolve_profile(job)
-    nodes = [f"node{i}" for i in range(5)]
-    _, templates, base = plan_job(job, profile, nodes)
+    job, profile, templates, base = planned_job()
+    nodes = base.nodes
 
     class FakeClient:
         node, local_rank = "node3", 0
@@ -340,6 +332,17 @@ def test_generations_without_a_loss_end_in_the_fallback_even_after_a_reconfigura
         driver._replan(Membership(gen, survivors, (), "node0", "h", 1), rec, "timed out")
     with pytest.raises(RecoveryError, match="times in a row with no node lost"):
         driver._replan(Membership(9, survivors, (), "node0", "h", 1), rec, "timed out")
+
+
+def planned_job():
+    """The test job on its 5 nodes without any process: (job, profile, templates, plan)."""
+    from oobleck_hpc.planning import plan_job
+    from oobleck_hpc.profiling import resolve_profile
+
+    job = job_from_dict(job_dict(Path("/nonexistent")))
+    profile = resolve_profile(job)
+    _, templates, plan = plan_job(job, profile, [f"node{i}" for i in range(5)])
+    return job, profile, templates, plan
 
 
 class _NullEvents:
