@@ -260,7 +260,7 @@ class RecoveryRounds:
             self.base, self.base_plan = held, held.plan
         self._rolled.append(result)
         if self._pending is not None:  # the failed step is committed now: the next is replayed
-            self._pending.step = result.step + 2
+            self._pending.step = held.state.step + 1
         self.events.emit("rolled_forward", step=result.step + 1, generation=gen,
                          plan=held.plan.digest())
         return None
