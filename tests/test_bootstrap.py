@@ -20,6 +20,7 @@ from oobleck_hpc.bootstrap.environment import (
     detect,
 )
 from oobleck_hpc.config import job_from_dict
+from oobleck_hpc.elastic import wire
 from oobleck_hpc.elastic.wire import Roster
 from oobleck_hpc.errors import ConfigError
 from oobleck_hpc.launch.slurm_task import verdict
@@ -94,6 +95,33 @@ def test_discovery_record_round_trip_and_roster_format(tmp_path):
     assert other.digest != found.digest  # order is part of what everyone must agree on
     with pytest.raises(TimeoutError, match="restart 2"):
         wait_for_discovery(tmp_path, "42", 2, timeout_s=0.3)
+
+
+def test_handed_out_ports_avoid_the_ephemeral_range_and_each_other(monkeypatch, tmp_path):
+    """The ports discovery and the local launcher hand to agents and stores never lie in the
+    kernel's ephemeral range (where srun's own listeners and every outgoing connection get
+    theirs: the race seen in loop round 6), are distinct, and skip a port in use."""
+    lo, hi = wire._ephemeral_range()
+    ports = wire.free_ports(200)
+    assert len(set(ports)) == 200
+    assert all(wire.PORT_FLOOR <= p < 65536 and not lo <= p <= hi for p in ports), ports
+    # A narrow window outside the range: [PORT_FLOOR, PORT_FLOOR + 3) with one port taken.
+    narrow = tmp_path / "ip_local_port_range"
+    narrow.write_text(f"{wire.PORT_FLOOR + 3} 65535\n")
+    monkeypatch.setattr(wire, "_EPHEMERAL", narrow)
+    taken = wire.reserve_port()
+    if not wire.PORT_FLOOR <= taken.getsockname()[1] < wire.PORT_FLOOR + 3:
+        taken.close()
+        pytest.skip("the three ports above PORT_FLOOR are in use on this host")
+    try:
+        for _ in range(20):
+            with wire.reserve_port() as s:
+                assert s.getsockname()[1] != taken.getsockname()[1]
+    finally:
+        taken.close()
+    # No room outside the range: the OS picks.
+    narrow.write_text("1024 65535\n")
+    assert wire.free_port() > 0
 
 
 @pytest.mark.parametrize("codes, left, expected", [

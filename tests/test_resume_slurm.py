@@ -121,8 +121,10 @@ def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_c
                              check=True).stdout
         batch_host = re.search(r"BatchHost=(\S+)", out).group(1)
         # The plan (rank 0's plan_chosen event): pipelines of stages "L<a>-<b>@<node>:<gpu>".
-        chosen = next(e for e in read_events(run_dir / "events.jsonl")
-                      if e["kind"] == "plan_chosen" and e["generation"] == 0)
+        plans = [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "plan_chosen"]
+        assert plans and plans[0]["generation"] == 0, \
+            f"the job did not start on all four nodes: plans {plans}; see {run_dir}/logs"
+        chosen = plans[0]
         stages = [re.findall(r"L(\d+)-(\d+)@(\w+):", line) for line in chosen["layout"]]
         mine = next(p for p in stages if any(n == batch_host for _, _, n in p))
         lo, hi = next((int(a), int(b)) for a, b, n in mine if n == batch_host)

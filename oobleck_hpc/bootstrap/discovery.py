@@ -18,15 +18,16 @@ touches MPI (independent processes under `srun --no-kill --kill-on-bad-exit=0`),
 failures after that runs on the elastic control plane (plain TCP). See the package docstring for
 what was measured.
 
-The free ports are picked in the discovery step and bound by the agents a moment later; if another
-process took one in between, that agent fails to bind and reports it (a rare, visible failure).
+The free ports are picked in the discovery step and bound by the agents a moment later. They lie
+outside the kernel's ephemeral range (`wire.reserve_port`), so no bind-to-0 or outgoing connection
+on the host, srun's own included, can take one in between; if another process picks the same port
+by chance, that agent fails to bind and reports it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from oobleck_hpc.bootstrap.environment import NodeEnvironment, current_job_nodes, detect
-from oobleck_hpc.elastic.wire import NodeAddress, Roster
+from oobleck_hpc.elastic.wire import NodeAddress, Roster, reserve_port
 from oobleck_hpc.files import write_json
 
 ROSTER_FILE = "roster.json"
@@ -108,8 +109,8 @@ def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discove
     env = env or detect()
     comm = MPI.COMM_WORLD
     # Hold the picked ports bound until everyone has agreed: otherwise two tasks on one host (the
-    # local cluster's fake nodes) could be handed the same just-released port.
-    held = [_reserve(env.address)]
+    # local cluster's fake nodes) could pick the same port.
+    held = [reserve_port(env.address)]
     try:
         mine = NodeRecord(env.node, env.address, held[0].getsockname()[1], env.device_count)
         records = tuple(NodeRecord(**r) for r in comm.allgather(asdict(mine)))
@@ -122,7 +123,7 @@ def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discove
             raise RuntimeError(f"two nodes published the same address and port: {endpoints}; "
                                "set OOBLECK_NODE_ADDR to each node's own address")
         if comm.rank == 0:
-            held.append(_reserve(env.address))
+            held.append(reserve_port(env.address))
             store_port = held[-1].getsockname()[1]
             controller = tuple(current_job_nodes(env.job_id)) if env.source == "slurm" else ()
             head = (store_port, controller)
@@ -141,14 +142,6 @@ def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discove
         for sock in held:
             sock.close()
         MPI.Finalize()
-
-
-def _reserve(address: str) -> socket.socket:
-    """A socket bound to a free port (SO_REUSEADDR, so that the agent can bind it right after)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((address, 0))
-    return sock
 
 
 def wait_for_discovery(run_dir: str | Path, job_id: str, restart_count: int,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Sequence
 
-from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port
+from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
 
 
 @dataclass
@@ -52,7 +52,8 @@ class LocalAgents:
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
-        roster = Roster(tuple(NodeAddress(m, "127.0.0.1", free_port()) for m in names), free_port())
+        *ports, store_port = free_ports(len(names) + 1)
+        roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)), store_port)
         roster.write(run_dir / "roster.json")
         argv = [sys.executable, "-m", "oobleck_hpc.agent", "--roster", str(run_dir / "roster.json"),
                 "--run-dir", str(run_dir), "--workers", str(workers), "--quorum", quorum,

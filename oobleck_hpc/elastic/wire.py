@@ -18,6 +18,7 @@ rendezvous store, hosted by the first node (default: the first node's port + 1).
 from __future__ import annotations
 
 import json
+import random
 import socket
 import struct
 from dataclasses import dataclass
@@ -135,10 +136,66 @@ class Roster:
         return cls.from_dict(data, source=str(path))
 
 
+# Ports we hand out for others to bind later (agents, stores) come from above this floor and
+# outside the kernel's ephemeral range: every bind-to-0 and every outgoing connection on the host
+# (srun's I/O listeners, gloo's pairs, Slurm's daemons) gets an ephemeral port, so none of them
+# can take ours between our pick and the binder's bind. Seen before this rule: the agents' srun
+# bound the port discovery had just picked for the agent on the same host (exit 2).
+PORT_FLOOR = 20000
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PICK = random.SystemRandom()  # not the process's (possibly seeded) generator: pickers must differ
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in _EPHEMERAL.read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _handed_out_ports() -> list[range]:
+    """The ports reserve_port picks from: above PORT_FLOOR, below or above the ephemeral range."""
+    lo, hi = _ephemeral_range()
+    return [r for r in (range(PORT_FLOOR, min(lo, 65536)), range(max(hi + 1, PORT_FLOOR), 65536))
+            if len(r)]
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound to a free TCP port on `host`, outside the ephemeral range (above). The
+    port is picked at random and bound without SO_REUSEADDR, so that a port in any use is skipped
+    and two concurrent pickers rarely meet; where the ephemeral range leaves no room, the OS
+    picks. Keep it open until the port is handed on and close it just before the binder binds
+    (a socket that never listened leaves no TIME_WAIT behind)."""
+    ranges = _handed_out_ports()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        for _ in range(256 if ranges else 0):
+            (port_range,) = _PICK.choices(ranges, weights=[len(r) for r in ranges])
+            port = _PICK.choice(port_range)
+            try:
+                sock.bind((host, port))
+                return sock
+            except OSError:
+                continue
+        sock.bind((host, 0))
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago on `host` (reserve_port's rule, all
+    held until all are picked). The caller (or the process it tells) binds them soon after; the
+    binder reports a port taken in between. The package's one free-port helper (stdlib only)."""
+    held = [reserve_port(host) for _ in range(count)]
+    try:
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (the OS picks it). The caller (or the
-    process it tells) binds it soon after; between the two another process could take it, which
-    the binder reports. The package's one free-port helper (stdlib only)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
