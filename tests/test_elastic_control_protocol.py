@@ -10,10 +10,14 @@ crashed node's last messages arrive). Checked on every run:
 - liveness: once detection is complete and the network is quiet, every node still running
   (neither crashed nor fenced) holds the same decision, whose view is exactly those nodes, and
   no round is left open;
-- no spurious generation: every decided generation loses at least one node, unless a node asked
-  for a retry in place of the generation before (`retry`: same view, fresh store);
+- no spurious generation: every decided generation loses or adds at least one node, unless a
+  node asked for a retry in place of the generation before (`retry`: same view, fresh store) or
+  joins were pending (two rounds opened for different joiners keep only the joiners both add);
 - a falsely suspected node ends fenced (it never silently stays in) unless the node that
-  suspected it is itself gone.
+  suspected it is itself gone;
+- with spares (nodes outside generation 0 that ask to join at random moments): a node that left
+  a decided view never comes back into a later one, and every spare still running that asked
+  to join is a member at the end.
 """
 
 from __future__ import annotations
@@ -28,17 +32,21 @@ from oobleck_hpc.elastic.membership import Decision, MembershipCore
 
 
 class SimNet:
-    def __init__(self, n: int, seed: int, quorum: str = "majority"):
+    def __init__(self, n: int, seed: int, quorum: str = "majority", spares: int = 0):
         self.rng = random.Random(seed)
-        self.names = tuple(f"n{i}" for i in range(n))
+        self.names = tuple(f"n{i}" for i in range(n + spares))
         ports = itertools.count(1000)
-        self.cores = {m: MembershipCore(m, self.names, 999, lambda: next(ports), quorum) for m in self.names}
+        self.cores = {m: MembershipCore(m, self.names, 999, lambda: next(ports), quorum,
+                                        members0=self.names[:n]) for m in self.names}
+        self.spares = self.names[n:]
+        self.asked: set[str] = set()  # spares that asked to join
         self.links: dict[tuple[str, str], deque] = {(a, b): deque() for a in self.names for b in self.names if a != b}
         self.crashed: set[str] = set()
         self.detected: set[tuple[str, str]] = set()  # (observer, crashed) pairs already told
         self.decisions: dict[str, dict[int, Decision]] = {m: {} for m in self.names}
         self.false_suspicions: set[tuple[str, str]] = set()  # (suspecter, suspected)
         self.retried: set[int] = set()  # generations some node opened a retry round for
+        self.joins_pending = False  # some node asked to join: a round may then change nothing
 
     def down(self, m: str) -> bool:
         return m in self.crashed or self.cores[m].fenced is not None
@@ -51,11 +59,14 @@ class SimNet:
         for kind, fields in core.notes:
             if kind == "retry":
                 self.retried.add(fields["gen"])
+            if kind == "join_requested":
+                self.joins_pending = True
             if kind == "decided":
                 d = Decision.from_msg(fields)
                 assert d.gen not in self.decisions[m], f"{m} decided generation {d.gen} twice"
-                assert d.lost or d.gen in self.retried, \
-                    f"{m}: generation {d.gen} loses no node and nobody asked for a retry"
+                assert d.lost or d.joined or d.gen in self.retried or self.joins_pending, \
+                    f"{m}: generation {d.gen} changes no node and nobody asked for a retry"
+                assert set(d.joined) <= self.asked, f"{m}: {d.joined} joined without asking"
                 self.decisions[m][d.gen] = d
         core.notes.clear()
 
@@ -68,8 +79,12 @@ class SimNet:
         for obs in self.names:
             if self.down(obs):
                 continue
+            core = self.cores[obs]
+            watched = {*core.decided.nodes, *core.joiners, *core._round_adds}  # grows with joins
+            if not core.joined and core.proposal is None:
+                watched = set()  # a spare watches nobody until a round adds it
             for dead in self.names:
-                if dead != obs and self.down(dead) and (obs, dead) not in self.detected:
+                if dead in watched and self.down(dead) and (obs, dead) not in self.detected:
                     options.append(("detect", obs, dead))
         if chaos:
             alive = [m for m in self.names if not self.down(m)]
@@ -77,6 +92,7 @@ class SimNet:
             pairs = [("false", a, b) for a in alive for b in alive if a != b]
             options += self.rng.sample(pairs, min(3, len(pairs)))
             options += [("retry", m, "") for m in alive]
+            options += [("join", m, "") for m in alive if not self.cores[m].joined] * 2
         if not options:
             return False
         kind, a, b = self.rng.choice(options)
@@ -94,12 +110,17 @@ class SimNet:
                 for (x, _y), q in self.links.items():
                     if x == a and q and self.rng.random() < 0.5:
                         q.pop()
+        elif kind == "join":
+            self.asked.add(a)
+            self.cores[a].request_join()
+            self.drain(a)
         elif kind == "retry":
             self.cores[a].retry("a collective failed, every peer answered the probe")
             self.drain(a)
         elif kind == "false":
-            self.false_suspicions.add((a, b))
             self.cores[a].suspect(b, "lease_expired")
+            if b in self.cores[a].suspects:  # not a node it does not watch (a spare outside)
+                self.false_suspicions.add((a, b))
             self.drain(a)
         return True
 
@@ -109,16 +130,38 @@ class SimNet:
                 da, db = self.decisions[a][g], self.decisions[b][g]
                 if a in db.nodes and b in da.nodes:
                     assert da == db, f"generation {g}: {a} decided {da}, {b} decided {db}"
+        for m, decided in self.decisions.items():  # who left a view never comes back
+            gone: set[str] = set()
+            for g in sorted(decided):
+                assert not gone & set(decided[g].nodes), f"{m}: {gone} back in generation {g}"
+                gone |= set(decided[g].lost)
+
+    def quiesce(self) -> None:
+        """Deliver and detect until nothing is left; then a spare that asked to join and is not
+        in yet asks again, of the members still running (a replacement reads the current view
+        from the run directory), until none is left to ask."""
+        while True:
+            while self.step(chaos=False):
+                pass
+            members = [m for m in self.names if not self.down(m) and self.cores[m].joined]
+            waiting = [s for s in self.asked if not self.down(s) and not self.cores[s].joined]
+            if not members or not waiting:
+                return
+            for s in waiting:
+                self.cores[s].request_join(to=members)
+                self.drain(s)
 
 
-def run(n: int, seed: int, chaos_steps: int, quorum: str = "majority") -> SimNet:
-    net = SimNet(n, seed, quorum)
+def run(n: int, seed: int, chaos_steps: int, quorum: str = "majority", spares: int = 0) -> SimNet:
+    net = SimNet(n, seed, quorum, spares)
     for i in range(chaos_steps):
         net.step(chaos=net.rng.random() < 0.05)
-    while net.step(chaos=False):
-        pass
+    net.quiesce()
     net.check_safety()
-    running = [m for m in net.names if not net.down(m)]
+    running = [m for m in net.names if not net.down(m) and net.cores[m].joined]
+    if running:
+        waiting = [s for s in net.asked if not net.down(s) and not net.cores[s].joined]
+        assert not waiting, f"{waiting} asked to join and are still outside {running}"
     if running:
         finals = {(net.cores[m].decided.gen, net.cores[m].decided.nodes) for m in running}
         assert len(finals) == 1, f"running nodes disagree: {finals}"
@@ -139,6 +182,15 @@ def test_random_schedules_are_safe_and_live(n):
         outcomes.add(len(running))
     # The sweep must exercise real recoveries, not only total collapse or nothing at all.
     assert any(0 < k < n for k in outcomes), outcomes
+
+
+@pytest.mark.parametrize("n, spares", [(2, 1), (3, 2), (4, 1), (5, 3)])
+def test_random_schedules_with_spares_joining_are_safe_and_live(n, spares):
+    grown = 0
+    for seed in range(300):
+        net = run(n, seed, chaos_steps=40 * (n + spares), spares=spares)
+        grown += any(d.joined for ds in net.decisions.values() for d in ds.values())
+    assert grown > 100, grown  # the sweep must exercise joins
 
 
 @pytest.mark.parametrize("n", [3, 4, 6])
@@ -301,3 +353,66 @@ def test_bye_finished_early_and_abort(how, expect):
     else:
         assert all(net.cores[m].fence_code == 2 and "bad input" in net.cores[m].fenced
                    for m in others)
+
+
+def test_a_spare_joins_at_the_next_generation_with_nothing_lost():
+    net = SimNet(4, seed=11, spares=1)
+    spare = net.cores["n4"]
+    assert not spare.joined and not spare.retry("no") and spare.decided.nodes == net.names[:4]
+    spare.exchange("plan", 1)
+    assert ("exchange_failed", {"gen": 0, "key": "plan", "reason": "not a member yet"}) in spare.notes
+    net.asked.add("n4")
+    spare.request_join()
+    net.drain("n4")
+    net.quiesce()
+    for m in net.names:
+        d = net.cores[m].decided
+        assert (d.gen, d.nodes, d.lost, d.joined, d.store_node) == (1, net.names, (), ("n4",), "n0")
+        assert not net.cores[m].fenced and net.cores[m].joined
+
+
+def test_a_loss_and_a_join_agree_on_the_survivors_plus_the_joiner():
+    for seed in range(20):
+        net = SimNet(4, seed=seed, spares=1)
+        net.crashed.add("n2")
+        net.asked.add("n4")
+        net.cores["n4"].request_join()
+        net.drain("n4")
+        net.quiesce()
+        net.check_safety()
+        for m in ("n0", "n1", "n3", "n4"):
+            assert net.cores[m].decided.nodes == ("n0", "n1", "n3", "n4") and not net.cores[m].fenced
+        # One round or two: n2 is lost and n4 added, whatever the interleaving.
+        history = net.decisions["n0"].values()
+        assert {n for d in history for n in d.lost} == {"n2"}
+        assert {n for d in history for n in d.joined} == {"n4"}
+
+
+def test_a_joiner_that_dies_while_joining_and_an_excluded_member_never_come_back():
+    net = SimNet(3, seed=13, spares=1)
+    net.asked.add("n3")
+    net.cores["n3"].request_join()
+    net.drain("n3")
+    for m in ("n0", "n1", "n2"):  # the members open a round that adds n3 ...
+        net.cores[m].handle("n3", net.links[("n3", m)].popleft())
+        net.drain(m)
+    net.crashed.add("n3")  # ... which dies before it proposes
+    net.quiesce()
+    for m in ("n0", "n1", "n2"):
+        d = net.cores[m].decided
+        assert (d.nodes, d.joined) == (("n0", "n1", "n2"), ()) and "n3" in net.cores[m].suspects
+    # A new process under the same name (not a new incarnation) is refused: FENCE.
+    again = MembershipCore("n3", net.names, 999, lambda: 1, members0=net.names[:3])
+    again.request_join(to=["n0"])
+    net.cores["n0"].handle("n3", again.outbox[0][1])
+    (reply,) = [msg for dst, msg in net.cores["n0"].outbox if dst == "n3"]
+    again.handle("n0", reply)
+    assert again.fenced and "excluded" in again.fenced
+    # So is a member the others excluded (here falsely suspected), asking to join again.
+    net = SimNet(3, seed=14)
+    net.cores["n0"].suspect("n2", "lease_expired")
+    net.drain("n0")
+    net.quiesce()
+    assert net.cores["n2"].fenced
+    net.cores["n0"].handle("n2", {"type": "join", "how": "spare"})
+    assert net.cores["n0"].outbox[-1] == ("n2", {"type": "fence", "gen": 1, "nodes": ["n0", "n1"]})

@@ -13,7 +13,8 @@ State of one agent
   permanent: a suspected node is never taken back (a falsely suspected node is fenced instead).
 - `left`: nodes that said BYE because they finished (the job is ending): no longer expected.
 - `proposal`: while a round for generation g = decided.gen + 1 is open, the agent's proposed view
-  P = decided.nodes - suspects - left. Within one generation an agent's proposals only shrink.
+  P = decided.nodes - suspects - left + the round's joiners (step 7). Within one generation an
+  agent's proposals only shrink.
 
 Message flow
 ------------
@@ -60,6 +61,22 @@ Message flow
    -- no quorum, an agreement timeout (control.py), a mutual exclusion -- because then nobody
    may be going on: it falls back to the last checkpoint and the job is requeued.
 
+7. Joins: a node outside the view -- a spare of the allocation (a roster node outside generation
+   0, `members0`), or a replacement -- asks with JOIN (`request_join`). A member records the
+   joiner and opens a round at once if none is open (else the next round takes it). A round's
+   joiners are fixed when it opens: those the member knew of, or, when a peer's PROPOSE opened it,
+   those that proposal adds. They come after the surviving nodes, in name order, so that every
+   agent computes the same tuple and the store stays on an old member. A PROPOSE goes to the
+   round's joiners too; a joiner takes the carried decision as its own last one and proposes
+   like a member, and the decision needs its proposal like any other. Absorbing a peer's
+   proposal drops the joiners that the peer's proposal does not add: they wait for the next
+   round, which opens as soon as this one decides. The quorum counts old members only. A joiner
+   that fails (suspected, BYE, FAILED) is suspected for good: it is never added. A node that
+   left a decided view is answered with FENCE when it asks to join again (a repaired node
+   comes back under a new name, a new incarnation). A spare watches nobody and opens no round
+   until a round adds it; before that it only follows the members' decisions. Messages about
+   generations before the one that added a node do not exclude it.
+
 Why two survivors cannot decide differently
 -------------------------------------------
 Claim: if A decides V and B decides W for the same generation g, with A in W and B in V, then
@@ -72,7 +89,11 @@ the pair (r, B) then satisfies the claim's premise with adoption depth one less,
 induction. So survivors (nodes that stay in each other's decided views) agree exactly. A
 retry round changes nothing here: its first proposal is the decided view, which every later
 proposal of the generation is a subset of, so proposals still form shrinking chains; it only
-allows a decided generation that loses no node. The only
+allows a decided generation that loses no node. Joins keep it too: a round's joiners are
+fixed when the agent opens it and only leave it afterwards, so each agent's proposals still
+shrink, a joiner's included (its first proposal is the one it opens the round with), and the
+argument above never used that a view is a subset of the last decided one. A round whose
+joiners were all dropped may decide a generation that changes nothing. The only
 disagreement possible is asymmetric -- A decided V containing B while B decided W without A
 (A was suspected after its proposal had left) -- and then A is fenced as soon as any message of
 B reaches it (B's proposals exclude A), or, if none does, when its next round finds no quorum or
@@ -152,14 +173,18 @@ class Decision:
     store_node: str
     """The node whose worker hosts this generation's rendezvous store (first node in `nodes`)."""
     store_port: int
+    joined: tuple[str, ...] = ()
+    """Nodes of this generation that were not in the previous one (joins, step 7)."""
 
     def to_msg(self) -> dict[str, Any]:
         return {"gen": self.gen, "nodes": list(self.nodes), "lost": list(self.lost),
-                "store_node": self.store_node, "store_port": self.store_port}
+                "store_node": self.store_node, "store_port": self.store_port,
+                "joined": list(self.joined)}
 
     @classmethod
     def from_msg(cls, m: dict[str, Any]) -> Decision:
-        return cls(m["gen"], tuple(m["nodes"]), tuple(m["lost"]), m["store_node"], m["store_port"])
+        return cls(m["gen"], tuple(m["nodes"]), tuple(m["lost"]), m["store_node"], m["store_port"],
+                   tuple(m.get("joined", ())))
 
 
 @dataclass
@@ -173,6 +198,9 @@ class MembershipCore:
     store_port0: int
     alloc_port: Callable[[], int]
     quorum: Quorum = "majority"
+    members0: tuple[str, ...] = ()
+    """Generation 0's nodes (roster order; empty: the whole roster). The other roster nodes are
+    spares: they take part only once a round has added them (`request_join`, step 7)."""
     decided: Decision = field(init=False)
     proposal: tuple[str, ...] | None = field(init=False, default=None)
     suspects: dict[str, str] = field(init=False, default_factory=dict)
@@ -187,7 +215,19 @@ class MembershipCore:
     def __post_init__(self) -> None:
         if self.me not in self.roster:
             raise ValueError(f"node {self.me!r} is not in the roster {list(self.roster)}")
-        self.decided = Decision(0, tuple(self.roster), (), self.roster[0], self.store_port0)
+        members0 = tuple(self.members0) or tuple(self.roster)
+        if not set(members0) <= set(self.roster):
+            raise ValueError(f"generation 0 {list(members0)} is not part of the roster {list(self.roster)}")
+        self.decided = Decision(0, members0, (), members0[0], self.store_port0)
+        self.joined = self.me in members0
+        """False until a decided generation holds this node (a spare, a replacement)."""
+        self._since = 0  # the first generation that holds this node (once joined)
+        self.joiners: dict[str, str] = {}
+        """Nodes that asked to join and are not in the view yet (node -> how it asked)."""
+        self._removed: set[str] = set()
+        """Nodes that were members and left a decided view: they never come back (FENCE)."""
+        self._round_adds: tuple[str, ...] = ()  # the open round's joiners (shrinks like the view)
+        self._round_told: tuple[str, ...] = ()  # its joiners when it opened: they hear about it
         self._my_port = 0
         self._proposals: dict[int, dict[str, tuple[tuple[str, ...], int]]] = {}
         self._chain: dict[int, list[tuple[str, ...]]] = {}
@@ -205,8 +245,12 @@ class MembershipCore:
         if node == self.me:
             self.fence(f"own node failed: {how}")
             return
-        if node not in self.decided.nodes or node in self.suspects:
+        if not self.joined and self.proposal is None:
+            return  # a spare watches nobody until a round adds it: members' proposals tell it
+        if node in self.suspects or (node not in self.decided.nodes and node not in self.joiners
+                                     and node not in self._round_adds):
             return
+        self.joiners.pop(node, None)  # a joiner that failed never joins (its incarnation is over)
         self.suspects[node] = how
         self.notes.append(("suspect", {"node": node, "how": how, "gen": self.decided.gen}))
         self._update_round()
@@ -226,12 +270,22 @@ class MembershipCore:
         # From here on this node takes no part (no rounds over peers that exit after it).
         self.fenced, self.fence_code, self.proposal = f"left the job ({how})", code, None
 
+    def request_join(self, how: str = "spare", to: Sequence[str] = ()) -> None:
+        """This node, outside the view (a spare, a replacement), asks the members (`to`, by
+        default the last decided view it knows) to add it (step 7). Asking again is harmless;
+        the answer is a PROPOSE that adds it, or FENCE."""
+        if self.fenced or self.joined:
+            return
+        for node in to or self.decided.nodes:
+            self.outbox.append((node, {"type": "join", "how": how}))
+        self.notes.append(("join_requested", {"node": self.me, "gen": self.decided.gen, "how": how}))
+
     def retry(self, why: str) -> bool:
         """Open a round although nobody is suspected (retry in place: a collective failed while
         every peer is alive): the next generation keeps the same nodes with a fresh store, and
         the workers rebuild their groups on it. False (nothing done) when fenced or when a
         round is already open -- that round gives the workers their fresh generation."""
-        if self.fenced or self.proposal is not None:
+        if self.fenced or self.proposal is not None or not self.joined:
             return False
         self.notes.append(("retry", {"gen": self.round, "why": why}))
         self._update_round(join=True)
@@ -251,9 +305,9 @@ class MembershipCore:
         Completes with note ('exchange_done', {gen, key, values: {node: value}}) or
         ('exchange_failed', {gen, key, reason}) if a round starts first."""
         gen = self.decided.gen
-        if self.fenced or self.proposal is not None:
-            self.notes.append(("exchange_failed", {"gen": gen, "key": key,
-                                                   "reason": self.fenced or "membership round open"}))
+        if self.fenced or self.proposal is not None or not self.joined:
+            reason = self.fenced or ("membership round open" if self.joined else "not a member yet")
+            self.notes.append(("exchange_failed", {"gen": gen, "key": key, "reason": reason}))
             return
         self._my_exchanges.add((gen, key))
         self._values.setdefault((gen, key), {})[self.me] = value
@@ -267,9 +321,19 @@ class MembershipCore:
         if self.fenced:
             return
         kind = msg.get("type")
-        if src not in self.decided.nodes:
-            if kind == "bye" and msg.get("how") == "abort" and src in self.roster:
+        if not self.joined:
+            self._handle_as_spare(src, kind, msg)
+            return
+        gone = src in self._removed or src in self.suspects or src in self.left
+        if src not in self.decided.nodes and not (src in self._round_adds and not gone):
+            if kind == "bye" and msg.get("how") == "abort":
                 self._on_bye(src, msg)  # bad input stops the job, even if src was excluded
+                return
+            if not gone:  # a node that never was a member: a spare, a replacement
+                if kind in ("join", "propose"):
+                    self._on_join(src, msg.get("how", "joins a round"))
+                elif kind in ("bye", "failed") and src in self.joiners:
+                    self.suspect(src, f"{kind} while joining")
                 return
             if kind == "fence" and self.me not in msg.get("nodes", ()):
                 # We excluded each other (a partition, or two false suspicions at once): neither
@@ -277,8 +341,8 @@ class MembershipCore:
                 self.fence(f"{src} and this node excluded each other (split brain averted)",
                            code=EXIT_REQUEUE)
                 return
-            # Not (or no longer) a member of my view: tell it, once, that it is fenced.
-            if kind not in ("fence", "bye", "failed") and src not in self._fence_sent and src in self.roster:
+            # No longer a member of my view: tell it, once, that it is fenced.
+            if kind not in ("fence", "bye", "failed") and src not in self._fence_sent:
                 self._fence_sent.add(src)
                 self.outbox.append((src, {"type": "fence", "gen": self.decided.gen,
                                           "nodes": list(self.decided.nodes)}))
@@ -287,11 +351,13 @@ class MembershipCore:
         if kind == "fence":
             self.fence(f"fenced by {src} (its generation {msg.get('gen')} excludes this node)")
             return
-        for view_key in ("view", "nodes"):
-            if view_key in msg and self.me not in msg[view_key]:
-                self.fence(f"excluded by {src} (generation {msg.get('round', msg.get('gen'))})")
-                return
-        if "decided" in msg and self.me not in msg["decided"]["nodes"]:
+        # (Views from before the generation that added this node naturally leave it out.)
+        if ("view" in msg and self.me not in msg["view"] and msg["round"] > self._since) or \
+                ("nodes" in msg and self.me not in msg["nodes"] and msg["gen"] >= self._since):
+            self.fence(f"excluded by {src} (generation {msg.get('round', msg.get('gen'))})")
+            return
+        if "decided" in msg and self.me not in msg["decided"]["nodes"] \
+                and msg["decided"]["gen"] >= self._since:
             self.fence(f"excluded by {src} (its decided generation {msg['decided']['gen']})")
             return
         if kind == "failed":
@@ -308,9 +374,29 @@ class MembershipCore:
             self._on_exchange(src, msg)
         # heartbeat / hello / ping / pong: liveness only (tracked by the caller)
 
+    def _handle_as_spare(self, src: str, kind: Any, msg: dict[str, Any]) -> None:
+        """Before a decided generation holds this node, only the rounds that may add it matter."""
+        if kind == "fence":
+            self.fence(f"{src} refuses this node: it was a member and was excluded")
+        elif kind == "propose":
+            self._on_propose(src, msg)
+        elif kind == "decided":
+            self._on_decided(src, Decision.from_msg(msg))
+
+    def _on_join(self, src: str, how: str) -> None:
+        """A node outside the view asks to be added (step 7): at once if no round is open,
+        else in the next round."""
+        if src in self.joiners:
+            return
+        self.joiners[src] = how
+        self.notes.append(("join_request", {"node": src, "gen": self.decided.gen, "how": how}))
+        if self.proposal is None:
+            self._update_round()
+
     def _on_bye(self, src: str, msg: dict[str, Any]) -> None:
         how, code, reason = msg.get("how", "early"), msg.get("code"), msg.get("reason", "")
         if how == "finished":
+            self.joiners.pop(src, None)
             self.left.add(src)
             self.notes.append(("peer_left", {"node": src, "code": code}))
         elif how == "abort":
@@ -327,26 +413,39 @@ class MembershipCore:
     def _has_quorum(self, view: tuple[str, ...]) -> bool:
         return has_quorum(self.decided.nodes, view, self.quorum)
 
-    def _update_round(self, join: bool = False) -> None:
-        """Open or shrink the round for generation decided.gen + 1 after a change of suspects
-        (`join`: open it even without a local change, because a peer proposed)."""
+    def _update_round(self, join: bool = False, adds: tuple[str, ...] | None = None) -> None:
+        """Open or shrink the round for generation decided.gen + 1 after a change of suspects or
+        joiners (`join`: open it even without a local change, because a peer proposed; `adds`:
+        the joiners of the peer's proposal that opens it -- by default, this node's own)."""
         g = self.round
-        new = tuple(n for n in self.decided.nodes if n not in self.suspects and n not in self.left)
+        base = tuple(n for n in self.decided.nodes if n not in self.suspects and n not in self.left)
         if self.proposal is None:
+            if adds is None:
+                if not self.joined:
+                    return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
+                adds = tuple(self.joiners)
+            adds = tuple(sorted(adds))
+            new = base + adds
             if not join and new == self.decided.nodes:
                 return  # nothing to change
+            self._round_adds = self._round_told = adds
             self._my_port = self.alloc_port()
             for (xg, key) in sorted(self._my_exchanges):
                 self.notes.append(("exchange_failed", {"gen": xg, "key": key,
                                                        "reason": "membership round open"}))
             self._my_exchanges.clear()
-            self.notes.append(("round_started", {"gen": g, "suspects": dict(self.suspects)}))
-        elif new == self.proposal:
-            return
+            self.notes.append(("round_started", {"gen": g, "suspects": dict(self.suspects),
+                                                 "joiners": list(adds)}))
+        else:
+            self._round_adds = tuple(a for a in self._round_adds
+                                     if a not in self.suspects and a not in self.left)
+            new = base + self._round_adds
+            if new == self.proposal:
+                return
         if self.me not in new:
             self.fence("this node is suspected")
             return
-        if not self._has_quorum(new):
+        if not self._has_quorum(tuple(n for n in new if n in self.decided.nodes)):
             self.fence(f"no quorum: proposal {list(new)} of generation {g} holds too few of "
                         f"{list(self.decided.nodes)} (quorum={self.quorum})", code=EXIT_REQUEUE)
             return
@@ -357,20 +456,23 @@ class MembershipCore:
         msg = {"type": "propose", "round": g, "view": list(new), "port": self._my_port,
                "reasons": {n: self.suspects[n] for n in self.decided.nodes if n in self.suspects},
                "decided": self.decided.to_msg()}
-        for node in self.decided.nodes:
+        for node in self.decided.nodes + self._round_told:
             if node != self.me:
                 self.outbox.append((node, msg))
         self._check_decide()
 
     def _on_propose(self, src: str, msg: dict[str, Any]) -> None:
         carried = Decision.from_msg(msg["decided"])
-        if carried.gen >= self.decided.gen:
+        # A joiner's carried decision is a copy of a member's; a spare learns from any.
+        if carried.gen >= self.decided.gen and (src in self.decided.nodes or not self.joined):
             self._on_decided(src, carried)
             if self.fenced or src in self.suspects:
                 return
         g, view = msg["round"], tuple(msg["view"])
         if g <= self.decided.gen:
             return  # an older round, already decided here
+        if not self.joined and self.me not in view and self.proposal is None:
+            return  # a round that does not add this spare
         self._proposals.setdefault(g, {})[src] = (view, msg["port"])
         self._reasons[(g, src)] = msg.get("reasons", {})
         if g == self.round:
@@ -385,7 +487,19 @@ class MembershipCore:
                 self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}")
                 if self.fenced or self.round != g:
                     return  # fenced, or the suspicion completed the round (decided)
-        self._update_round(join=True)
+        # Joiners: a round opened by a peer's proposal adds what it adds; an open round keeps
+        # only the joiners the peer adds too (others wait for the next round).
+        adds = tuple(n for n in view if n not in self.decided.nodes and n not in self.suspects
+                     and n not in self._removed and n not in self.left)
+        if self.joined:
+            for a in adds:
+                if a not in self._round_adds:
+                    self._on_join(a, f"proposed by {src}")
+        if self.proposal is None:
+            self._update_round(join=True, adds=adds)
+        else:
+            self._round_adds = tuple(a for a in self._round_adds if a in view or a == self.me)
+            self._update_round(join=True)
         self._check_decide()
 
     def _check_decide(self) -> None:
@@ -396,7 +510,9 @@ class MembershipCore:
         if all(n in got and got[n][0] == view for n in view):
             store = view[0]
             self._decide(Decision(g, view, tuple(n for n in self.decided.nodes if n not in view),
-                                  store, got[store][1]), how="direct")
+                                  store, got[store][1],
+                                  tuple(n for n in view if n not in self.decided.nodes)),
+                         how="direct")
 
     def _on_decided(self, src: str, d: Decision) -> None:
         if d.gen < self.decided.gen:
@@ -406,7 +522,12 @@ class MembershipCore:
                 self.fence(f"safety check: {src} decided {list(d.nodes)} for generation {d.gen}, "
                             f"this node {list(self.decided.nodes)}")
             return
-        if d.gen > self.round or src in self.suspects:
+        if src in self.suspects:
+            return
+        if not self.joined and self.me not in d.nodes:
+            self._rebase(d)
+            return
+        if d.gen > self.round:
             return
         if d.nodes not in self._chain.get(d.gen, []):
             self.fence(f"safety check: {src} decided {list(d.nodes)} for generation {d.gen}, "
@@ -415,20 +536,20 @@ class MembershipCore:
         self._decide(d, how=f"adopted from {src}")
 
     def _decide(self, d: Decision, how: str) -> None:
-        old = self.decided.nodes
-        self.decided = d
-        self.proposal = None
+        told = self.decided.nodes + self._round_told + d.nodes
+        self._rebase(d)
+        if not self.joined:
+            self.joined, self._since = True, d.gen
+        self._removed.update(d.lost)
+        for node in d.nodes:
+            self.joiners.pop(node, None)
         self.notes.append(("decided", {**d.to_msg(), "how": how}))
         msg = {"type": "decided", **d.to_msg()}
-        for node in old:
+        for node in dict.fromkeys(told):
             if node != self.me:
                 self.outbox.append((node, msg))
-        for g in [g for g in self._proposals if g <= d.gen]:
-            del self._proposals[g]
-        # Suspicions of nodes still in the decided view (adoption) open the next round at once;
-        # proposals that arrived ahead of us are taken into account now.
-        for key in [k for k in self._reasons if k[0] <= d.gen]:
-            del self._reasons[key]
+        # Suspicions of nodes still in the decided view (adoption) and pending joiners open the
+        # next round at once; proposals that arrived ahead of us are taken into account now.
         for key in [k for k in self._values if k[0] < d.gen]:
             del self._values[key]
         self._update_round()
@@ -440,6 +561,17 @@ class MembershipCore:
         for (xg, key) in list(self._values):
             if xg == d.gen:
                 self._check_exchange(xg, key)
+
+    def _rebase(self, d: Decision) -> None:
+        """Take `d` as the last decided generation (a spare follows the members' decisions
+        without taking part; `_decide` for a member) and forget the rounds it closes."""
+        self.decided = d
+        self.proposal = None
+        self._round_adds = self._round_told = ()
+        for g in [g for g in self._proposals if g <= d.gen]:
+            del self._proposals[g]
+        for key in [k for k in self._reasons if k[0] <= d.gen]:
+            del self._reasons[key]
 
     def fence(self, reason: str, code: int = EXIT_UNRECOVERABLE) -> None:
         """Stop taking part: this node is excluded (or must behave as if it were). `code`: how
