@@ -141,3 +141,35 @@ def test_transfers_are_balanced_across_sources():
         for t in cross:
             sent[new.ranks[t.src_rank].node] = sent.get(new.ranks[t.src_rank].node, 0) + t.nbytes
         assert len(sent) >= 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_joined_nodes_restore_the_first_plans_speed_and_receive_all_their_layers(seed):
+    """Lose k <= f nodes, then k new nodes join (in a later generation, or in the same one):
+    the plan is as fast as the job's first plan on N nodes (instantiate is exact), every GPU of
+    a joined node receives all of its layers from survivors, and a pipeline that kept its nodes
+    and template receives nothing."""
+    rng = random.Random(200 + seed)
+    f = rng.randint(1, 2)
+    profile, templates, plan = _setup(seed, rng.randint(0, 6), f)
+    lost = rng.sample(list(plan.nodes), f)
+    fresh = [f"spare{i}" for i in range(f)]
+    shrunk = reconfigure(plan, lost, templates, profile, f)  # f losses: always within the guarantee
+    for base, gone in ((shrunk, []), (plan, lost)):
+        grown = reconfigure(base, gone, templates, profile, f, joined=fresh)
+        assert grown.generation == base.generation + 1
+        assert sorted(grown.nodes) == sorted(set(base.nodes) - set(gone) | set(fresh))
+        assert grown.predicted_iteration_ms == pytest.approx(plan.predicted_iteration_ms)
+        assert sum(p.microbatches for p in grown.pipelines) == plan.global_microbatches
+        transfers = check_transfers(base, grown, profile)
+        received = {(t.dst_rank, t.layer) for t in transfers}
+        kept = {(p.nodes, p.template) for p in base.pipelines}
+        for p in grown.pipelines:
+            ranks = [r for r in grown.ranks if r.node in p.nodes]
+            if (p.nodes, p.template) in kept:
+                assert not any(r.rank == d for r in ranks for d, _ in received)
+        for r in grown.ranks:
+            if r.node in fresh:
+                assert {l for d, l in received if d == r.rank} == set(range(r.layer_start, r.layer_end))
+    with pytest.raises(PlanningError, match="new to the plan"):
+        reconfigure(plan, [], templates, profile, f, joined=[plan.nodes[0]])

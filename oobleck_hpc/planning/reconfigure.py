@@ -1,7 +1,8 @@
-"""Reconfiguration after node losses (paper section 5.1) and the state-transfer plan.
+"""Reconfiguration after node losses (paper section 5.1) and joins, and the state-transfer plan.
 
-`reconfigure(plan, lost, templates, profile, f)` returns the next generation's plan on the
-surviving nodes. Candidates, each a list of node groups (one per new pipeline):
+`reconfigure(plan, lost, templates, profile, f, joined)` returns the next generation's plan on the
+surviving nodes plus the `joined` ones (spares, replacements). Candidates, each a list of node
+groups (one per new pipeline):
 
 - keep: every pipeline keeps its surviving nodes, in order, and takes the template of its new
   size (shrink). A pipeline left with fewer than n0 nodes (or a size with no template) is
@@ -10,7 +11,10 @@ surviving nodes. Candidates, each a list of node groups (one per new pipeline):
   spare one (ties: the earlier pipeline); if none can, it is merged into the smallest pipeline
   whose merged size has a template.
 - fresh: instantiate() on the survivors (the fastest plan), its pipelines mapped onto surviving
-  groups so that a surviving pipeline whose size reappears keeps its nodes and layout.
+  groups so that a surviving pipeline whose size reappears keeps its nodes and layout; the
+  joined nodes fill the pipelines left over, after the survivors that no kept group took.
+  With joins this is the only candidate (keep places no new node): growing back to N nodes
+  gives the plan instantiate() gives on N nodes, as fast as the job's first plan.
 
 Among the valid candidates (every size has a template, at least min(f + 1, M // n0) pipelines:
 `min_pipelines`) the new plan minimises (predicted step time, bytes of state to move), then the
@@ -35,7 +39,8 @@ Beyond the guarantee -- some layer has no surviving replica, or fewer than n0 no
 GuaranteeExceeded is raised: the job falls back to its last checkpoint.
 
 `transfer_plan(old, new, profile)`: for every (layer, destination rank) of the new plan whose GPU
-did not hold that layer in the old plan, one Transfer from a surviving GPU that held it. Both
+did not hold that layer in the old plan (a joined node's GPUs held none), one Transfer from a
+surviving GPU that held it. Both
 ranks are in the NEW plan's rank space (every source is a survivor, so it has a new rank). Bytes
 are the layer's parameters plus optimizer state. Sources are chosen greedily to balance bytes
 sent per node: transfers are taken largest first (then by layer, destination), each from the
@@ -134,8 +139,10 @@ def _plan_from_groups(groups: list[list[str]], templates: Mapping[int, Template]
     return replace(plan, pipelines=tuple(pipes))
 
 
-def _fresh_groups(plan: Plan, fresh: Plan, lost: set[str]) -> list[list[str]]:
-    """Map the fresh plan's pipeline sizes onto surviving groups to keep layouts."""
+def _fresh_groups(plan: Plan, fresh: Plan, lost: set[str], joined: Sequence[str] = ()
+                  ) -> list[list[str]]:
+    """Map the fresh plan's pipeline sizes onto surviving groups to keep layouts; the joined
+    nodes come last."""
     old = [[n for n in p.nodes if n not in lost] for p in plan.pipelines]
     old_t = [p.template for p in plan.pipelines]
     used = [False] * len(old)
@@ -151,7 +158,7 @@ def _fresh_groups(plan: Plan, fresh: Plan, lost: set[str]) -> list[list[str]]:
             groups.append(list(old[hit]))
         else:
             groups.append(None)
-    rest = [n for i, g in enumerate(old) if not used[i] for n in g]
+    rest = [n for i, g in enumerate(old) if not used[i] for n in g] + list(joined)
     out = []
     for p, g in zip(fresh.pipelines, groups):
         if g is None:
@@ -248,37 +255,42 @@ def _partitions(most: int, largest: int, count: int) -> list[tuple[int, ...]]:
 
 
 def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Template],
-                profile: ModelProfile, f: int) -> Plan:
-    """The next generation's plan after losing `lost` (see the module docstring)."""
+                profile: ModelProfile, f: int, joined: Sequence[str] = ()) -> Plan:
+    """The next generation's plan after losing `lost` and adding `joined` (module docstring)."""
     lost_set = set(lost)
     unknown = sorted(lost_set - set(plan.nodes))
     if unknown:
         raise PlanningError(f"lost nodes {unknown} are not part of the plan (nodes: "
                             f"{', '.join(plan.nodes[:8])}{'...' if len(plan.nodes) > 8 else ''})")
+    again = sorted(set(joined) & set(plan.nodes))
+    if again or len(set(joined)) != len(joined):
+        raise PlanningError(f"joined nodes {list(joined)} must be new to the plan and distinct "
+                            f"(already in it: {again})")
     if not templates:
         raise PlanningError("no templates to reconfigure with")
     n0 = min(templates)
     survivors = _check_guarantee(plan, lost_set, n0)
     B, gen = plan.global_microbatches, plan.generation + 1
-    need = min_pipelines(len(survivors), n0, f)
+    need = min_pipelines(len(survivors) + len(joined), n0, f)
     sizes = set(templates)
     candidates: list[Plan] = []
-    groups = _keep_groups(plan, lost_set, sizes, n0)
+    groups = None if joined else _keep_groups(plan, lost_set, sizes, n0)
     if groups is not None and len(groups) >= need:
         p = _plan_from_groups(groups, templates, B, profile, gen)
         if p is not None:
             candidates.append(p)
     try:
-        fresh = instantiate(templates, survivors, B, need - 1, profile, gen)
+        fresh = instantiate(templates, survivors + list(joined), B, need - 1, profile, gen)
     except PlanningError:
         fresh = None
     if fresh is not None:
-        p = _plan_from_groups(_fresh_groups(plan, fresh, lost_set), templates, B, profile, gen)
+        p = _plan_from_groups(_fresh_groups(plan, fresh, lost_set, joined), templates, B,
+                              profile, gen)
         if p is not None:
             candidates.append(p)
     if not candidates:
         raise GuaranteeExceeded(
-            f"no plan covers the {len(survivors)} surviving nodes with templates of sizes "
+            f"no plan covers the {len(survivors) + len(joined)} nodes with templates of sizes "
             f"{min(templates)}..{max(templates)}: falling back to the last checkpoint")
     scored = [(round(c.predicted_iteration_ms, 9), moved_bytes(plan, c, profile), i)
               for i, c in enumerate(candidates)]
