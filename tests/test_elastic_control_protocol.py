@@ -17,7 +17,7 @@ crashed node's last messages arrive). Checked on every run:
   suspected it is itself gone;
 - with spares (nodes outside generation 0 that ask to join at random moments): a node that left
   a decided view never comes back into a later one, and every spare still running that asked
-  to join is a member at the end.
+  to join is a member at the end, unless the job has all its nodes (then spares wait).
 """
 
 from __future__ import annotations
@@ -139,13 +139,13 @@ class SimNet:
     def quiesce(self) -> None:
         """Deliver and detect until nothing is left; then a spare that asked to join and is not
         in yet asks again, of the members still running (a replacement reads the current view
-        from the run directory), until none is left to ask."""
-        while True:
+        from the run directory), until none is left to ask (a few times: run() then checks)."""
+        for _ in range(5):
             while self.step(chaos=False):
                 pass
             members = [m for m in self.names if not self.down(m) and self.cores[m].joined]
             waiting = [s for s in self.asked if not self.down(s) and not self.cores[s].joined]
-            if not members or not waiting:
+            if not members or not waiting or len(members) >= len(self.names) - len(self.spares):
                 return
             for s in waiting:
                 self.cores[s].request_join(to=members)
@@ -159,9 +159,9 @@ def run(n: int, seed: int, chaos_steps: int, quorum: str = "majority", spares: i
     net.quiesce()
     net.check_safety()
     running = [m for m in net.names if not net.down(m) and net.cores[m].joined]
-    if running:
-        waiting = [s for s in net.asked if not net.down(s) and not net.cores[s].joined]
-        assert not waiting, f"{waiting} asked to join and are still outside {running}"
+    waiting = [s for s in net.asked if not net.down(s) and not net.cores[s].joined]
+    if running and waiting:  # spares wait only while the job has all its nodes
+        assert len(running) >= n, f"{waiting} asked to join and are still outside {running}"
     if running:
         finals = {(net.cores[m].decided.gen, net.cores[m].decided.nodes) for m in running}
         assert len(finals) == 1, f"running nodes disagree: {finals}"
@@ -190,7 +190,7 @@ def test_random_schedules_with_spares_joining_are_safe_and_live(n, spares):
     for seed in range(300):
         net = run(n, seed, chaos_steps=40 * (n + spares), spares=spares)
         grown += any(d.joined for ds in net.decisions.values() for d in ds.values())
-    assert grown > 100, grown  # the sweep must exercise joins
+    assert grown > 30, grown  # the sweep must exercise joins (spares go in only after a loss)
 
 
 @pytest.mark.parametrize("n", [3, 4, 6])
@@ -355,7 +355,7 @@ def test_bye_finished_early_and_abort(how, expect):
                    for m in others)
 
 
-def test_a_spare_joins_at_the_next_generation_with_nothing_lost():
+def test_a_spare_waits_until_a_loss_and_the_losss_round_swaps_it_in():
     net = SimNet(4, seed=11, spares=1)
     spare = net.cores["n4"]
     assert not spare.joined and not spare.retry("no") and spare.decided.nodes == net.names[:4]
@@ -364,10 +364,15 @@ def test_a_spare_joins_at_the_next_generation_with_nothing_lost():
     net.asked.add("n4")
     spare.request_join()
     net.drain("n4")
+    net.quiesce()  # the job has all its nodes: the spare waits, no round
+    assert all(net.cores[m].decided.gen == 0 and net.cores[m].proposal is None for m in net.names)
+    assert all(net.cores[m].joiners == {"n4": "spare"} for m in net.names[:4])
+    net.crashed.add("n2")
     net.quiesce()
-    for m in net.names:
+    for m in ("n0", "n1", "n3", "n4"):
         d = net.cores[m].decided
-        assert (d.gen, d.nodes, d.lost, d.joined, d.store_node) == (1, net.names, (), ("n4",), "n0")
+        assert (d.gen, d.nodes, d.lost, d.joined, d.store_node) == \
+            (1, ("n0", "n1", "n3", "n4"), ("n2",), ("n4",), "n0")
         assert not net.cores[m].fenced and net.cores[m].joined
 
 
@@ -393,14 +398,19 @@ def test_a_joiner_that_dies_while_joining_and_an_excluded_member_never_come_back
     net.asked.add("n3")
     net.cores["n3"].request_join()
     net.drain("n3")
-    for m in ("n0", "n1", "n2"):  # the members open a round that adds n3 ...
+    for m in ("n0", "n1", "n2"):
         net.cores[m].handle("n3", net.links[("n3", m)].popleft())
         net.drain(m)
+    net.crashed.add("n1")  # a loss: n0's round swaps the spare in ...
+    net.cores["n0"].suspect("n1", "connection_lost")
+    net.drain("n0")
+    assert net.cores["n0"].proposal == ("n0", "n2", "n3")
     net.crashed.add("n3")  # ... which dies before it proposes
     net.quiesce()
-    for m in ("n0", "n1", "n2"):
+    for m in ("n0", "n2"):
         d = net.cores[m].decided
-        assert (d.nodes, d.joined) == (("n0", "n1", "n2"), ()) and "n3" in net.cores[m].suspects
+        assert (d.nodes, d.lost, d.joined) == (("n0", "n2"), ("n1",), ())
+        assert "n3" in net.cores[m].suspects
     # A new process under the same name (not a new incarnation) is refused: FENCE.
     again = MembershipCore("n3", net.names, 999, lambda: 1, members0=net.names[:3])
     again.request_join(to=["n0"])

@@ -63,9 +63,11 @@ Message flow
 
 7. Joins: a node outside the view -- a spare of the allocation (a roster node outside generation
    0, `members0`), or a replacement -- asks with JOIN (`request_join`). A member records the
-   joiner and opens a round at once if none is open (else the next round takes it). A round's
-   joiners are fixed when it opens: those the member knew of, or, when a peer's PROPOSE opened it,
-   those that proposal adds. They come after the surviving nodes, in name order, so that every
+   joiner; while the view is smaller than the job (`size`: a node was lost) it opens a round at
+   once if none is open (else the next round takes it). So a spare that asked early waits, and
+   the round of the next loss swaps it in. A round's joiners are fixed when it opens: the first
+   joiners by name that the member knew of, as many as the view lacks, or, when a peer's PROPOSE
+   opened it, those that proposal adds. They come after the surviving nodes, in name order, so that every
    agent computes the same tuple and the store stays on an old member. A PROPOSE goes to the
    round's joiners too; a joiner takes the carried decision as its own last one and proposes
    like a member, and the decision needs its proposal like any other. Absorbing a peer's
@@ -201,6 +203,9 @@ class MembershipCore:
     members0: tuple[str, ...] = ()
     """Generation 0's nodes (roster order; empty: the whole roster). The other roster nodes are
     spares: they take part only once a round has added them (`request_join`, step 7)."""
+    size: int = 0
+    """The job's node count (0: len(members0)): a round adds joiners only while the view is
+    smaller, so a spare waits until a loss (and is then swapped in by the loss's own round)."""
     decided: Decision = field(init=False)
     proposal: tuple[str, ...] | None = field(init=False, default=None)
     suspects: dict[str, str] = field(init=False, default_factory=dict)
@@ -219,6 +224,7 @@ class MembershipCore:
         if not set(members0) <= set(self.roster):
             raise ValueError(f"generation 0 {list(members0)} is not part of the roster {list(self.roster)}")
         self.decided = Decision(0, members0, (), members0[0], self.store_port0)
+        self.size = self.size or len(members0)
         self.joined = self.me in members0
         """False until a decided generation holds this node (a spare, a replacement)."""
         self._since = 0  # the first generation that holds this node (once joined)
@@ -423,7 +429,7 @@ class MembershipCore:
             if adds is None:
                 if not self.joined:
                     return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
-                adds = tuple(self.joiners)
+                adds = tuple(sorted(self.joiners))[:max(0, self.size - len(base))]
             adds = tuple(sorted(adds))
             new = base + adds
             if not join and new == self.decided.nodes:
