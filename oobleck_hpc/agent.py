@@ -101,6 +101,8 @@ class _Worker:
     reason: str = ""
     leaving: bool = False
     """It said "leave": it leaves the job early, the others go on."""
+    waiting: bool = False
+    """It waits for a membership (ready to train): a spare asks to join once all are."""
     exit_code: int | None = None
 
 
@@ -129,7 +131,8 @@ class Agent:
         self.cp.start()
         self.events.emit("agent_started", pid=os.getpid(), workers=self.opts.workers,
                          port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
-        self._tell_membership(self.cp.decided)
+        if self.cp.core.joined:  # a spare's workers wait until a round swaps it in
+            self._tell_membership(self.cp.decided)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward_signal)
         try:
@@ -226,6 +229,10 @@ class Agent:
                     self.cp.suspect(node, why)
             else:
                 self.cp.probe(why, gen=msg.get("gen"))
+        elif kind == "waiting":
+            w.waiting = True
+            if not self.cp.core.joined and all(x.waiting for x in self.workers):
+                self.cp.request_join("spare")  # its workers are ready: swap it in when needed
         elif kind == "done":
             w.done_code, w.reason = int(msg.get("code", 0)), str(msg.get("reason", ""))
         elif kind == "leave":

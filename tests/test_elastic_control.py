@@ -33,12 +33,14 @@ HEARTBEAT_S, LEASE_S = 0.25, 2.0
 class Cluster:
     """LocalAgents running echo workers, plus what the tests observe: events, worker records."""
 
-    def __init__(self, run_dir: Path, n: int, workers: int, quorum: str = "majority"):
+    def __init__(self, run_dir: Path, n: int, workers: int, quorum: str = "majority",
+                 spares: int = 0):
         self.run_dir, self.n, self.workers = run_dir, n, workers
         (run_dir / "ctl").mkdir(parents=True)
         self.agents = LocalAgents.start(
             run_dir, n, workers, command=[sys.executable, "-m", "oobleck_hpc.testing.echo_worker"],
-            heartbeat_s=HEARTBEAT_S, lease_s=LEASE_S, quorum=quorum, startup_s=20, kill_grace_s=1)
+            heartbeat_s=HEARTBEAT_S, lease_s=LEASE_S, quorum=quorum, startup_s=20, kill_grace_s=1,
+            spares=spares)
         self.names, self.procs = self.agents.names, self.agents.procs
 
     # -- observing
@@ -111,8 +113,8 @@ class Cluster:
 def cluster_factory(tmp_path):
     made: list[Cluster] = []
 
-    def make(n: int, workers: int = 1, quorum: str = "majority") -> Cluster:
-        c = Cluster(tmp_path / f"run{len(made)}", n, workers, quorum)
+    def make(n: int, workers: int = 1, quorum: str = "majority", spares: int = 0) -> Cluster:
+        c = Cluster(tmp_path / f"run{len(made)}", n, workers, quorum, spares)
         made.append(c)
         return c
 
@@ -384,6 +386,47 @@ def test_quorum_none_lets_a_minority_go_on(cluster_factory):
 
 def leave_file(c: Cluster, node: str, lr: int, spec: dict) -> None:
     (c.run_dir / "ctl" / f"{node}.{lr}.exit").write_text(json.dumps(spec))
+
+
+def wait_for(what: str, c: Cluster, check, timeout: float = 15.0) -> None:
+    deadline = time.time() + timeout
+    while not check():
+        if time.time() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s:\n" + c.dump())
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_spare_waits_then_the_round_of_a_loss_swaps_it_in(cluster_factory):
+    """4 nodes + 1 spare (echo workers). The spare's workers get no membership; once they wait,
+    its agent asks to join, and the members keep it pending: the job has all its nodes. node2 is
+    killed: the loss's own round swaps the spare in (one generation: node2 lost, node4 joined),
+    and every worker of the new view, the spare's included, gathers the same digest on it. A
+    job that ends without needing its spare stops the spare with it (the members' BYE)."""
+    c = cluster_factory(4, spares=1)
+    members = ["node0", "node1", "node2", "node3"]
+    c.wait_workers(members, 0, timeout=30)
+    wait_for("pending join of node4", c, lambda: {e["source"] for e in c.events(
+        "join_request", node="node4")} == set(members))
+    assert not c.events("round_started") and not c.worker_records("node4", 0)
+    t = c.signal("node2", signal.SIGKILL)
+    survivors = ["node0", "node1", "node3", "node4"]
+    f = latency(c, t, ["node2"], survivors)
+    assert f["gen"] == 1
+    decided = check_same_decision(c, 1, survivors)
+    assert all((e["lost"], e["joined"]) == (["node2"], ["node4"]) for e in decided.values())
+    check_consistent(c)
+    assert c.stop_all() == {"node0": 0, "node1": 0, "node2": -9, "node3": 0, "node4": 0}
+
+    c = cluster_factory(2, spares=1)
+    c.wait_workers(["node0", "node1"], 0, timeout=30)
+    wait_for("pending join of node2", c, lambda: len(c.events("join_request", node="node2")) == 2)
+    for m in ("node0", "node1"):
+        leave_file(c, m, 0, {"how": "done", "code": 0})
+    assert {m: c.wait_exit(m) for m in c.names} == {"node0": 0, "node1": 0, "node2": 0}
+    (end,) = c.events("agent_exit", source="node2")
+    assert "the job ended" in end["reason"]
+    assert [r["kind"] for r in c.worker_records("node2", 0)] == ["fenced"]  # never a member
 
 
 @pytest.mark.timeout(120)

@@ -143,6 +143,7 @@ class AgentClient:
         self._fenced_code = EXIT_UNRECOVERABLE
         self._working_gen = 0
         """The generation wait_membership last returned: the one this worker works in."""
+        self._said_waiting = False
         self._exchanges: dict[tuple[int, str], dict[str, Any]] = {}
         self._reader = threading.Thread(target=self._read_loop, name="agent-link", daemon=True)
         self._reader.start()
@@ -248,6 +249,9 @@ class AgentClient:
         """Block until a generation newer than `after_gen` is decided; return it. Raises Fenced
         if this node was excluded, TimeoutError after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._said_waiting:  # this worker is ready (a spare's agent then asks to join)
+            self._said_waiting = True
+            self._send({"type": "waiting"})
         with self._cond:
             while self._membership is None or self._membership.gen <= after_gen:
                 self._raise_if_fenced()

@@ -78,7 +78,8 @@ class ControlPlane:
         self.events = events or EventLog(None, source=me)
         self.on_note = on_note or (lambda kind, fields: None)
         self.core = MembershipCore(me, roster.names, roster.store_port,
-                                   lambda: free_port(self.addr.host), quorum)
+                                   lambda: free_port(self.addr.host), quorum,
+                                   members0=roster.members0)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
@@ -88,6 +89,8 @@ class ControlPlane:
         self._round_t: dict[int, float] = {}
         self._proposal_seen: tuple[Any, float] = (None, 0.0)
         self._probe: tuple[float, float, int, str] | None = None  # started, deadline, gen, why
+        self._join_how: str | None = None
+        self._join_asked = 0.0
         self._threads: list[threading.Thread] = []
         self._inbound: list[socket.socket] = []
 
@@ -166,6 +169,16 @@ class ControlPlane:
     def exchange(self, key: str, value: Any) -> None:
         self._run(lambda: self.core.exchange(key, value))
 
+    def request_join(self, how: str) -> None:
+        """A spare (or replacement) asks every other roster node to add it (non-members ignore
+        it), and asks again every lease_s until it is in: a member that did not hear it (not up
+        yet, or a spare itself then) hears the next one."""
+        with self._lock:
+            self._join_how = how
+            self._join_asked = time.monotonic()
+            self._run(lambda: self.core.request_join(
+                how, to=[n for n in self.roster.names if n != self.me]))
+
     def probe(self, why: str, gen: int | None = None) -> None:
         """Ping every member now; those not heard from within probe_s are suspected. If every
         member answers, a retry round opens (unless a round opened meanwhile). `gen`: the
@@ -217,13 +230,15 @@ class ControlPlane:
                              gen=fields["gen"])
         elif kind == "round_started":
             self._round_t[fields["gen"]] = now
-            self.events.emit("round_started", gen=fields["gen"], suspects=sorted(fields["suspects"]))
+            self.events.emit("round_started", gen=fields["gen"], suspects=sorted(fields["suspects"]),
+                             joiners=fields["joiners"])
         elif kind == "proposed":
             self._proposal_seen = (tuple(fields["nodes"]), now)
         elif kind == "decided":
             started = self._round_t.pop(fields["gen"], None)
             self.events.emit("agreement_reached", gen=fields["gen"], nodes=fields["nodes"],
-                             lost=fields["lost"], store_node=fields["store_node"],
+                             lost=fields["lost"], joined=fields["joined"],
+                             store_node=fields["store_node"],
                              store_addr=f"{self.store_host(fields['store_node'])}:{fields['store_port']}",
                              how=fields["how"],
                              round_s=None if started is None else round(now - started, 4))
@@ -231,6 +246,8 @@ class ControlPlane:
         elif kind == "fenced":
             self.events.emit("fenced", reason=fields["reason"], gen=fields["gen"],
                              code=fields["code"])
+        elif kind in ("join_requested", "join_request"):
+            self.events.emit(kind, node=fields["node"], gen=fields["gen"], how=fields["how"])
         elif kind == "peer_left":
             self.events.emit("peer_left", node=fields["node"], code=fields["code"])
         elif kind == "retry":
@@ -306,7 +323,7 @@ class ControlPlane:
                         f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
                         "(stopped or starved): its peers have excluded it"))
                     return
-                members = [n for n in self.core.decided.nodes if n != self.me
+                members = [n for n in self.core.participants if n != self.me
                            and n not in self.core.suspects and n not in self.core.left]
                 if now - last_hb >= self.heartbeat_s:
                     last_hb = now
@@ -322,6 +339,9 @@ class ControlPlane:
                     elif now - heard > self.lease_s:
                         self._run(lambda n=node, s=now - heard: self.core.suspect(
                             n, f"lease_expired (silent {s:.2f} s)"))
+                if (self._join_how is not None and not self.core.joined
+                        and now - self._join_asked >= self.lease_s):
+                    self.request_join(self._join_how)
                 if self._probe is not None and now >= self._probe[1]:
                     started, _, gen, why = self._probe
                     self._probe = None

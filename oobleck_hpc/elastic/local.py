@@ -44,16 +44,19 @@ class LocalAgents:
               heartbeat_s: float | None = None, lease_s: float | None = None,
               quorum: str = "majority", startup_s: float = 60.0, kill_grace_s: float = 2.0,
               extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
-              console: bool = False) -> LocalAgents:
+              console: bool = False, spares: int = 0) -> LocalAgents:
         """Start one agent per node. `command` is the worker command (default, with `job`:
         python -m oobleck_hpc.train). Timing flags left None come from the job file (or the
         agent's defaults). console=True: the agents' (and so the workers') stdout stays this
-        process's stdout (rank 0's plan, progress and summary); stderr still goes to the logs."""
+        process's stdout (rank 0's plan, progress and summary); stderr still goes to the logs.
+        `spares`: that many more agents, outside generation 0, swapped in after a loss."""
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
+        names += [f"node{i}" for i in range(len(names), len(names) + spares)]
         *ports, store_port = free_ports(len(names) + 1)
-        roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)), store_port)
+        roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)),
+                        store_port, spares)
         roster.write(run_dir / "roster.json")
         argv = [sys.executable, "-m", "oobleck_hpc.agent", "--roster", str(run_dir / "roster.json"),
                 "--run-dir", str(run_dir), "--workers", str(workers), "--quorum", quorum,

@@ -43,7 +43,8 @@ Message flow
    the last step is done, or all stop for a requeue) only marks the node as left: no round, no
    fencing, and later rounds leave it out. "early" (it leaves while the others go on) is a loss
    like any other: the receivers suspect it. "abort" (a worker rejected the job's input) stops
-   every receiver with exit code 2: the input is the same everywhere.
+   every receiver with exit code 2: the input is the same everywhere. "finished" and "abort" go
+   to the spares too, which stop with the member's code (the job ended without needing them).
 5. Adoption: an agent still in round g that receives DECIDED(g, V) (or a PROPOSE for g + 1,
    which carries its sender's decision of g) from a node it does not suspect, with itself in V,
    decides V too. This unblocks survivors when a member decided and then another failed.
@@ -126,7 +127,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
-from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
+from oobleck_hpc.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE,
+                                OobleckError)
 
 Quorum = Literal["majority", "none"]
 LeaveKind = Literal["finished", "early", "abort"]
@@ -228,6 +230,7 @@ class MembershipCore:
         self.joined = self.me in members0
         """False until a decided generation holds this node (a spare, a replacement)."""
         self._since = 0  # the first generation that holds this node (once joined)
+        self._asked = False
         self.joiners: dict[str, str] = {}
         """Nodes that asked to join and are not in the view yet (node -> how it asked)."""
         self._removed: set[str] = set()
@@ -269,7 +272,9 @@ class MembershipCore:
         - "abort": it rejected the job's input (`code` 2): every peer stops with that code."""
         if self.fenced:
             return
-        for node in self.decided.nodes:
+        # The end of the job (or its abort) concerns the spares too: they stop with it.
+        told = self.decided.nodes if how == "early" else self.roster
+        for node in told:
             if node != self.me:
                 self.outbox.append((node, {"type": "bye", "how": how, "code": code,
                                            "reason": reason}))
@@ -284,7 +289,10 @@ class MembershipCore:
             return
         for node in to or self.decided.nodes:
             self.outbox.append((node, {"type": "join", "how": how}))
-        self.notes.append(("join_requested", {"node": self.me, "gen": self.decided.gen, "how": how}))
+        if not self._asked:
+            self._asked = True
+            self.notes.append(("join_requested", {"node": self.me, "gen": self.decided.gen,
+                                                  "how": how}))
 
     def retry(self, why: str) -> bool:
         """Open a round although nobody is suspected (retry in place: a collective failed while
@@ -384,6 +392,10 @@ class MembershipCore:
         """Before a decided generation holds this node, only the rounds that may add it matter."""
         if kind == "fence":
             self.fence(f"{src} refuses this node: it was a member and was excluded")
+        elif kind == "bye" and msg.get("how") in ("finished", "abort") and src in self.decided.nodes:
+            code = msg.get("code", EXIT_OK)  # the job ended (or stopped) before a loss needed it
+            self.fence(f"the job ended without this spare ({src}: {msg.get('how')}, exit {code})",
+                       code=code)
         elif kind == "propose":
             self._on_propose(src, msg)
         elif kind == "decided":
@@ -415,6 +427,12 @@ class MembershipCore:
     @property
     def round(self) -> int:
         return self.decided.gen + 1
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        """Whom this node watches and heartbeats: the view and the open round's joiners; for a
+        spare, the members it asks to join."""
+        return self.decided.nodes + self._round_adds
 
     def _has_quorum(self, view: tuple[str, ...]) -> bool:
         return has_quorum(self.decided.nodes, view, self.quorum)

@@ -69,14 +69,21 @@ class NodeAddress:
 
 @dataclass(frozen=True)
 class Roster:
-    """The job's initial nodes, in order, with the address of each node's agent."""
+    """The job's nodes, in order, with the address of each node's agent; the last `spares` of
+    them are spares (outside generation 0 until a round swaps them in: membership.py, step 7)."""
 
     nodes: tuple[NodeAddress, ...]
     store_port: int
+    spares: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(n.name for n in self.nodes)
+
+    @property
+    def members0(self) -> tuple[str, ...]:
+        """Generation 0's nodes: all but the spares."""
+        return self.names[:len(self.nodes) - self.spares]
 
     def address(self, name: str) -> NodeAddress:
         for n in self.nodes:
@@ -91,7 +98,7 @@ class Roster:
 
     def to_dict(self) -> dict[str, Any]:
         return {"nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes],
-                "store_port": self.store_port}
+                "store_port": self.store_port, "spares": self.spares}
 
     def write(self, path: str | Path) -> None:
         """Write atomically (a reader never sees half a roster)."""
@@ -120,7 +127,12 @@ class Roster:
         if not isinstance(store_port, int) or not 0 < store_port < 65536:
             raise ConfigError(source, "store_port", f"value {store_port!r} is not a port",
                               "use an integer in 1..65535")
-        return cls(tuple(nodes), store_port)
+        spares = data.get("spares", 0)
+        if not isinstance(spares, int) or not 0 <= spares < len(nodes):
+            raise ConfigError(source, "spares", f"value {spares!r} is not a count of spare nodes "
+                              f"below the {len(nodes)} nodes", "use an integer from 0 to "
+                              f"{len(nodes) - 1} (the last nodes of the list are the spares)")
+        return cls(tuple(nodes), store_port, spares)
 
     @classmethod
     def load(cls, path: str | Path) -> Roster:
