@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,18 +140,25 @@ def test_guarantee_exceeded_falls_back_requeues_on_fewer_nodes_and_resumes_exact
     assert code == 0, out + err
     reference_losses = reference(job, STEPS)
 
-    # Attempt 0 left with 75 in step 6; it resumed from the checkpoint after 4 steps.
+    # Attempt 0 left with 75 in step 6; it resumed from the latest checkpoint published by
+    # then: step 4's, unless the killed nodes had not written their shards of it yet (it is
+    # saved in the background; on a loaded machine step 6 can come first: loop round 5 of
+    # stop 20), then step 2's.
     assert "requeued: attempt 1 on 2 nodes (alive: node0, node2)" in out, out
+    resumed = re.search(r"fell back: .*; the job resumes from step (\d+)", out)
+    assert resumed, out
+    fallback = int(resumed.group(1))  # rank 0's reading of the published pointer
+    assert fallback in (2, 4), fallback
     text = job_output(out, err, run_dir)
-    assert "restored step 4 (cursor 64)" in text, text
+    assert f"restored step {fallback} (cursor {fallback * 16})" in text, text
     assert "on 4 nodes x 1 GPU:" in out and "on 2 nodes x 1 GPU:" in out, out
-    assert "fell back: " in out and "the job resumes from step 4" in out, out
     plans = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         plans.setdefault(row["plan"], []).append(row["step"])
-    # The resumed run replays step 5 (committed on the old plan, not checkpointed) and records it.
-    assert list(plans.values()) == [list(range(1, 6)), list(range(5, STEPS + 1))], plans
+    # The resumed run replays the steps committed on the old plan after the checkpoint (not
+    # saved) and records them again.
+    assert list(plans.values()) == [list(range(1, 6)), list(range(fallback + 1, STEPS + 1))], plans
 
     # Every loss, on either plan, equals the reference.
     for step, losses in losses_by_step(run_dir / "metrics.jsonl").items():
