@@ -169,7 +169,7 @@ class Agent:
         env.update({
             "OOBLECK_AGENT_FD": str(child.fileno()),
             "OOBLECK_NODE": self.opts.node,
-            "OOBLECK_NODES": ",".join(d0.nodes),
+            "OOBLECK_NODES": ",".join(d0.nodes if self.cp.core.joined else d0.nodes + (self.opts.node,)),
             "OOBLECK_NODE_ADDR": roster.address(self.opts.node).host,
             "OOBLECK_NODE_INDEX": str(roster.names.index(self.opts.node)),
             "OOBLECK_LOCAL_RANK": str(lr),
@@ -177,6 +177,8 @@ class Agent:
             "OOBLECK_RUN_DIR": str(self.opts.run_dir),
             "OOBLECK_STORE": f"{roster.address(d0.store_node).host}:{d0.store_port}",
         })
+        if not self.cp.core.joined:
+            env["OOBLECK_SPARE"] = "1"  # OOBLECK_NODES: generation 0, then this spare
         if self.opts.job is not None:
             env["OOBLECK_JOB"] = str(self.opts.job.resolve())
         try:
@@ -248,7 +250,9 @@ class Agent:
             parts[w.local_rank] = msg["value"]
             if len(parts) == len(self.workers):
                 del self._exchange_parts[(gen, key)]  # from here on the core owns it
-                self.cp.exchange(key, {str(lr): v for lr, v in parts.items()})
+                # With its generation: the core may have moved on since the check above
+                # (its reader threads do not wait for this loop).
+                self.cp.exchange(key, {str(lr): v for lr, v in parts.items()}, gen)
 
     def _on_worker_exit(self, w: _Worker, code: int) -> int | None:
         w.exit_code = code

@@ -286,6 +286,11 @@ def test_exchange_gathers_one_value_per_node_and_is_superseded_by_a_round():
         (failed,) = [f for k, f in notes[m] if k == "exchange_failed"]
         assert failed["key"] == "again" and "round" in failed["reason"]
         assert net.cores[m].decided.nodes == ("n0", "n1")
+    # A contribution meant for a generation the core has left fails at once (the agent checked
+    # the generation a moment before the core moved on: seen as a worker waiting 30 s).
+    net.cores["n0"].exchange("late", 1, gen=0)
+    (failed,) = [f for k, f in net.cores["n0"].notes if k == "exchange_failed"]
+    assert (failed["gen"], failed["key"]) == (0, "late") and "moved on" in failed["reason"]
 
 
 def test_retry_in_place_decides_the_same_nodes_on_a_fresh_store():

@@ -14,12 +14,24 @@ sockets, with stdlib only. Per agent:
   retries at once (nobody listens on the peer's port: its agent is gone).
 - an inbound connection that ends is checked the same way before it counts: the peer's
   listening port is tried; if it accepts, the peer is alive and will reconnect.
-- one ticker thread, every heartbeat_s / 2: sends HEARTBEAT to the live members every heartbeat_s,
-  suspects a member not heard from for lease_s ("lease_expired"), finishes a probe, fences this
-  node if a round sat unchanged for agreement_timeout_s, and fences this node if the ticker
-  itself was not scheduled for more than lease_s (the node was stopped: its peers have excluded
-  it by now, so it must not act on its old view). A round stuck past agreement_timeout_s fences
-  for a requeue (exit 75): this node cannot prove it is in the majority.
+- one ticker thread, every heartbeat_s / 2: heartbeats, leases, probes, the agreement timeout,
+  and this agent's own scheduling (see below), and a spare's repeated JOIN.
+
+What each timeout bounds
+------------------------
+- heartbeat_s: how often an agent sends HEARTBEAT (and checks leases and its own scheduling: a
+  ticker that was not scheduled for more than lease_s fences its node -- it was stopped, its
+  peers have excluded it by now, so it must not act on its old view).
+- lease_s: longest silence before a peer is suspected; bounds detection of hangs and partitions
+  (crashes are seen at once through the dropped connection). Also bounds how long a round waits
+  for an unresponsive member. Spares waiting to join hear the heartbeats too, so the round that
+  adds one finds its leases of the members fresh.
+- probe_s: after a worker reports a communication error without naming a peer, every peer not
+  heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
+  every peer answered, the agent opens a retry round (4b).
+- agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
+  proposal and no decision; an agent that hits it fences itself for a requeue (never hang).
+- startup_s: how long agents wait for each other's first connection at start.
 
 Detection sources, fastest first: a connection closed by the peer's kernel when its agent died
 (milliseconds; "connection_lost"), a failed send ("send_failed"), a FAILED message from a peer
@@ -166,8 +178,8 @@ class ControlPlane:
     def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
         self._run(lambda: self.core.leave(how, code, reason))
 
-    def exchange(self, key: str, value: Any) -> None:
-        self._run(lambda: self.core.exchange(key, value))
+    def exchange(self, key: str, value: Any, gen: int | None = None) -> None:
+        self._run(lambda: self.core.exchange(key, value, gen))
 
     def request_join(self, how: str) -> None:
         """A spare (or replacement) asks every other roster node to add it (non-members ignore
@@ -327,7 +339,9 @@ class ControlPlane:
                            and n not in self.core.suspects and n not in self.core.left]
                 if now - last_hb >= self.heartbeat_s:
                     last_hb = now
-                    for node in members:
+                    # spares waiting to join too (module docstring, lease_s)
+                    waiting = [n for n in self.core.joiners if n not in members]
+                    for node in members + waiting:
                         self._links[node].put({"type": "heartbeat", "gen": self.core.decided.gen})
                 start_grace = self._t0 + self.startup_s
                 for node in members:

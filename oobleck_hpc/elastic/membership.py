@@ -103,93 +103,23 @@ B reaches it (B's proposals exclude A), or, if none does, when its next round fi
 its agreement timeout fires. A fenced node never rejoins: it is not in any later view, and its
 messages are answered with FENCE.
 
-Quorum ("majority", the default): P must hold more than half of decided.nodes, or exactly half
-including decided.nodes' first node. Two sides of a partition can then never both continue.
-"none" lets any non-empty view continue (e.g. to survive losing 2 of 4 nodes at once) at the
-price of split-brain under a network partition.
+Quorum: `decision.has_quorum`.
 
-What each timeout bounds (control.py)
--------------------------------------
-- heartbeat_s: how often an agent sends HEARTBEAT (and checks leases and its own scheduling).
-- lease_s: longest silence before a peer is suspected; bounds detection of hangs and partitions
-  (crashes are seen at once through the dropped connection). Also bounds how long a round waits
-  for an unresponsive member.
-- probe_s: after a worker reports a communication error without naming a peer, every peer not
-  heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
-  every peer answered, the agent opens a retry round (4b).
-- agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
-  proposal and no decision; an agent that hits it fences itself for a requeue (never hang).
-- startup_s: how long agents wait for each other's first connection at start.
+The timeouts that bound detection and agreement: control.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
-from oobleck_hpc.errors import (EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE,
-                                OobleckError)
+from oobleck_hpc.elastic.decision import (Decision, Fenced, LeaveKind, Quorum, Superseded,
+                                          has_quorum)
+from oobleck_hpc.elastic.exchange import Exchanges
+from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 
-Quorum = Literal["majority", "none"]
-LeaveKind = Literal["finished", "early", "abort"]
-
-
-class Fenced(OobleckError):
-    """This node must stop taking part in the job; its workers must stop. `exit_code` says how
-    the node ends (oobleck_hpc/errors.py): 3 when its peers excluded it (they go on without it),
-    75 when it cannot prove that it belongs to the majority (no quorum, an agreement timeout, a
-    mutual exclusion): then it falls back to the last checkpoint and the job is requeued, and
-    2 when a peer stopped the job for bad input."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_UNRECOVERABLE):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-    @property
-    def requeue(self) -> bool:
-        """Fall back to the last checkpoint and requeue (rather than leave the job for good)."""
-        return self.exit_code == EXIT_REQUEUE
-
-
-class Superseded(OobleckError):
-    """An exchange was cut short by a new membership round; redo it in the next generation."""
-
-
-def has_quorum(prev: Sequence[str], view: Sequence[str], quorum: str) -> bool:
-    """The quorum rule: `view` (the nodes proposed to go on) may follow the decided `prev`
-    when it holds more than half of it, or exactly half including prev's first node ("none":
-    any non-empty view)."""
-    if not view:
-        return False
-    if quorum == "none":
-        return True
-    return 2 * len(view) > len(prev) or (2 * len(view) == len(prev) and prev[0] in view)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One agreed generation: the nodes in it (roster order) and where its store lives."""
-
-    gen: int
-    nodes: tuple[str, ...]
-    lost: tuple[str, ...]
-    """Nodes of the previous generation that are not in this one."""
-    store_node: str
-    """The node whose worker hosts this generation's rendezvous store (first node in `nodes`)."""
-    store_port: int
-    joined: tuple[str, ...] = ()
-    """Nodes of this generation that were not in the previous one (joins, step 7)."""
-
-    def to_msg(self) -> dict[str, Any]:
-        return {"gen": self.gen, "nodes": list(self.nodes), "lost": list(self.lost),
-                "store_node": self.store_node, "store_port": self.store_port,
-                "joined": list(self.joined)}
-
-    @classmethod
-    def from_msg(cls, m: dict[str, Any]) -> Decision:
-        return cls(m["gen"], tuple(m["nodes"]), tuple(m["lost"]), m["store_node"], m["store_port"],
-                   tuple(m.get("joined", ())))
-
+__all__ = ["Decision", "Fenced", "LeaveKind", "MembershipCore", "Quorum", "Superseded",
+           "has_quorum"]
 
 @dataclass
 class MembershipCore:
@@ -242,8 +172,7 @@ class MembershipCore:
         self._chain: dict[int, list[tuple[str, ...]]] = {}
         self._fence_sent: set[str] = set()
         self._reasons: dict[tuple[int, str], dict[str, str]] = {}
-        self._values: dict[tuple[int, str], dict[str, Any]] = {}
-        self._my_exchanges: set[tuple[int, str]] = set()
+        self._x = Exchanges()
 
     # ------------------------------------------------------------------ inputs
 
@@ -314,17 +243,19 @@ class MembershipCore:
                 self.outbox.append((node, {"type": "failed", "how": how}))
         self.fence(f"own node failed: {how}")
 
-    def exchange(self, key: str, value: Any) -> None:
-        """Contribute `value` to the all-gather `key` among the current generation's nodes.
-        Completes with note ('exchange_done', {gen, key, values: {node: value}}) or
-        ('exchange_failed', {gen, key, reason}) if a round starts first."""
-        gen = self.decided.gen
-        if self.fenced or self.proposal is not None or not self.joined:
-            reason = self.fenced or ("membership round open" if self.joined else "not a member yet")
+    def exchange(self, key: str, value: Any, gen: int | None = None) -> None:
+        """Contribute `value` to the all-gather `key` among the nodes of generation `gen` (by
+        default the current one). Completes with note ('exchange_done', {gen, key, values:
+        {node: value}}) or ('exchange_failed', {gen, key, reason}) if a round starts first --
+        at once when `gen` is not the current generation (the caller's view is out of date)."""
+        gen = self.decided.gen if gen is None else gen
+        if self.fenced or self.proposal is not None or not self.joined or gen != self.decided.gen:
+            reason = self.fenced or ("not a member yet" if not self.joined else
+                                     "membership round open" if self.proposal is not None else
+                                     f"membership moved on (generation {self.decided.gen})")
             self.notes.append(("exchange_failed", {"gen": gen, "key": key, "reason": reason}))
             return
-        self._my_exchanges.add((gen, key))
-        self._values.setdefault((gen, key), {})[self.me] = value
+        self._x.put(gen, key, self.me, value, mine=True)
         for node in self.decided.nodes:
             if node != self.me:
                 self.outbox.append((node, {"type": "exchange", "xgen": gen, "key": key, "value": value}))
@@ -454,10 +385,7 @@ class MembershipCore:
                 return  # nothing to change
             self._round_adds = self._round_told = adds
             self._my_port = self.alloc_port()
-            for (xg, key) in sorted(self._my_exchanges):
-                self.notes.append(("exchange_failed", {"gen": xg, "key": key,
-                                                       "reason": "membership round open"}))
-            self._my_exchanges.clear()
+            self._fail_exchanges("membership round open")
             self.notes.append(("round_started", {"gen": g, "suspects": dict(self.suspects),
                                                  "joiners": list(adds)}))
         else:
@@ -574,17 +502,15 @@ class MembershipCore:
                 self.outbox.append((node, msg))
         # Suspicions of nodes still in the decided view (adoption) and pending joiners open the
         # next round at once; proposals that arrived ahead of us are taken into account now.
-        for key in [k for k in self._values if k[0] < d.gen]:
-            del self._values[key]
+        self._x.forget_before(d.gen)
         self._update_round()
         for src, (view, _) in sorted(self._proposals.get(self.round, {}).items()):
             if self.fenced:
                 return
             if src != self.me and src in d.nodes and src not in self.suspects:
                 self._absorb(src, view)
-        for (xg, key) in list(self._values):
-            if xg == d.gen:
-                self._check_exchange(xg, key)
+        for key in self._x.keys(d.gen):
+            self._check_exchange(d.gen, key)
 
     def _rebase(self, d: Decision) -> None:
         """Take `d` as the last decided generation (a spare follows the members' decisions
@@ -607,25 +533,22 @@ class MembershipCore:
         self.fence_code = code
         self.proposal = None
         self.notes.append(("fenced", {"reason": reason, "gen": self.decided.gen, "code": code}))
-        for (xg, key) in sorted(self._my_exchanges):
-            self.notes.append(("exchange_failed", {"gen": xg, "key": key, "reason": reason}))
-        self._my_exchanges.clear()
+        self._fail_exchanges(reason)
 
     # ------------------------------------------------------------------ exchange
 
     def _on_exchange(self, src: str, msg: dict[str, Any]) -> None:
-        gen = msg["xgen"]
-        if gen < self.decided.gen:
-            return
-        self._values.setdefault((gen, msg["key"]), {})[src] = msg["value"]
-        self._check_exchange(gen, msg["key"])
+        if msg["xgen"] >= self.decided.gen:
+            self._x.put(msg["xgen"], msg["key"], src, msg["value"])
+            self._check_exchange(msg["xgen"], msg["key"])
 
     def _check_exchange(self, gen: int, key: str) -> None:
-        if (gen, key) not in self._my_exchanges or gen != self.decided.gen or self.proposal is not None:
+        if gen != self.decided.gen or self.proposal is not None:
             return
-        values = self._values[(gen, key)]
-        if all(n in values for n in self.decided.nodes):
-            self._my_exchanges.discard((gen, key))
-            del self._values[(gen, key)]
-            self.notes.append(("exchange_done", {"gen": gen, "key": key,
-                                                 "values": {n: values[n] for n in self.decided.nodes}}))
+        values = self._x.take(gen, key, self.decided.nodes)
+        if values is not None:
+            self.notes.append(("exchange_done", {"gen": gen, "key": key, "values": values}))
+
+    def _fail_exchanges(self, reason: str) -> None:
+        for gen, key in self._x.abandon():
+            self.notes.append(("exchange_failed", {"gen": gen, "key": key, "reason": reason}))
