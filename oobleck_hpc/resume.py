@@ -120,13 +120,14 @@ class Resume:
     def start(cls, job: JobConfig, plan: Plan, rank: int, comm: Any, device: Any,
               run_dir: str | Path, profile: ModelProfile | None = None,
               faults: Any = None, events: Any = None,
-              abort: Callable[[], bool] | None = None) -> Resume:
+              abort: Callable[[], bool] | None = None, restore: bool = True) -> Resume:
         """Install the stop-signal handlers, open the checkpoint directory and restore from the
         latest good checkpoint onto `plan` (every rank of the world must call this). A peer
         lost during the restore raises RuntimeError (train.py rendezvous again and retries) --
         at once when `abort` (the driver's `round_opened`) turns true, else at the regroup's
         timeout. `faults`: the worker's fault injector (its `checkpoint` window fires in a
-        save)."""
+        save). `restore=False`: a spare swapped into a running job, whose state came from the
+        members (driver.join), only takes its part in the saves."""
         from oobleck_hpc.checkpoint import Checkpointer, StopSignals
 
         stop = StopSignals.install()
@@ -137,7 +138,7 @@ class Resume:
                    events=events)
         if cp is not None and events is not None:
             cp.on_published = lambda stats: _published(events, cp.root, stats)
-        if cp is not None:
+        if cp is not None and restore:
             try:
                 self._restore(plan, comm, abort)
             except BaseException:

@@ -113,9 +113,11 @@ class Story:
         return f"fault seen: {e['node']} lost ({how}, seen by {e.get('source', '?')})"
 
     def _agreement_reached(self, e: dict) -> str:
-        lost = e.get("lost") or []
+        lost, joined = e.get("lost") or [], e.get("joined") or []
+        change = ([f"without {', '.join(lost)}"] if lost else []) + \
+            ([f"{', '.join(joined)} swapped in"] if joined else [])
         return (f"agreed: generation {e['gen']} on {plural(len(e.get('nodes', [])), 'node')}, "
-                + (f"without {', '.join(lost)}" if lost else "no node lost (the step is retried)"))
+                + (", ".join(change) or "no node lost (the step is retried)"))
 
     def _recovered(self, e: dict) -> str:
         self.recoveries += 1
@@ -126,8 +128,10 @@ class Story:
         lost = e.get("lost") or []
         if self.steps and e["step"] > self.steps:  # lost after the last step's commit
             what = f"lost {', '.join(lost) or 'no node'} after the last step; the end agreed"
-        elif lost:
-            what = f"lost {', '.join(lost)}; step {e['step']} replayed"
+        elif lost or e.get("joined"):
+            what = ", ".join(([f"lost {', '.join(lost)}"] if lost else []) +
+                             [f"{n} swapped in" for n in e.get("joined") or []])
+            what += f"; step {e['step']} replayed"
         else:
             what = f"step {e['step']} retried in place"
         moved = e.get("bytes_moved", 0)

@@ -98,19 +98,26 @@ def main() -> int:
     code = EXIT_OK
     ckpt = None
     try:
-        plan, comm = driver.start(first_step)
-        # Restore the latest checkpoint (if any) onto this run's plan (oobleck_hpc/resume.py);
-        # a node lost meanwhile: rendezvous again among the survivors and restore again.
-        while True:
-            try:
-                if faults is not None:
-                    faults("restore", first_step + 1)
-                ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile, faults,
-                                    events, abort=driver.round_opened)
-                break
-            except (RuntimeError, TimeoutError) as e:
-                plan, comm = driver.start(first_step, failed=f"restore: {e!r}")
-        driver.build_engine(state=ckpt.state, layer_states=ckpt.layer_states)
+        if env.extra.get("spare"):
+            # A spare (cluster.spares): it waits until a loss swaps it in, then receives its
+            # layers and the step to train from the members (elastic/driver.py, join).
+            plan, comm = driver.join([n for n in env.nodes if n != env.node])
+            ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile, faults,
+                                events, restore=False)
+        else:
+            plan, comm = driver.start(first_step)
+            # Restore the latest checkpoint (if any) onto this run's plan (resume.py); a node
+            # lost meanwhile: rendezvous again among the survivors and restore again.
+            while True:
+                try:
+                    if faults is not None:
+                        faults("restore", first_step + 1)
+                    ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile,
+                                        faults, events, abort=driver.round_opened)
+                    break
+                except (RuntimeError, TimeoutError) as e:
+                    plan, comm = driver.start(first_step, failed=f"restore: {e!r}")
+            driver.build_engine(state=ckpt.state, layer_states=ckpt.layer_states)
 
         # The run loop: each step commits only when every rank holds it (the commit vote); a
         # lost node is recovered in place inside driver.step() (oobleck_hpc/elastic/driver.py).

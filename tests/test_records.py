@@ -119,6 +119,17 @@ def test_the_story_tells_the_plan_of_a_start_on_survivors():
     assert line.startswith("plan cccccccc on 4 nodes x 2 GPUs: 4 pipelines of [1, 1, 1, 1]")
 
 
+def test_the_story_tells_a_spare_swapped_in_by_a_recovery():
+    story = Story()
+    (agreed,) = story.feed(ev(2.0, "agreement_reached", "node0", gen=1, lost=["node2"],
+                              joined=["node5"], nodes=["node0", "node1", "node3", "node4", "node5"]))
+    assert agreed == "agreed: generation 1 on 5 nodes, without node2, node5 swapped in"
+    (line,) = story.feed(ev(2.5, "recovered", step=3, generation=1, lost=["node2"],
+                            joined=["node5"], seconds=0.4, plan="e" * 16))
+    assert line.startswith("recovered: lost node2, node5 swapped in; step 3 replayed on plan "
+                           "eeeeeeee"), line
+
+
 def test_the_story_tells_a_loss_after_the_last_step_as_the_end_agreed():
     story = Story()
     assert story.feed(ev(0.0, "run_started", "launcher", steps=12)) == []

@@ -34,13 +34,14 @@ STEPS = 5
 TOL = 1e-5
 
 
-def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=()) -> dict:
+def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0) -> dict:
     return {
         "name": "recovery-test",
         "model": {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
         "train": {"steps": STEPS, "microbatch_size": 2, "global_microbatches": 4, "lr": 1e-3,
                   "warmup_steps": 2, "log_every": 1, "save_final_params": True},
-        "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 2, "device": "cpu"},
+        "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 2, "device": "cpu",
+                    "spares": spares},
         "fault_tolerance": {"f": f, "collective_timeout_s": 10.0, "heartbeat_s": 0.5,
                             "lease_s": 3.0},
         "profile": {"library": str(ROOT / "profiles")},
@@ -116,6 +117,29 @@ def test_kill_one_node_in_each_phase(tmp_path, reference, phase, node, step):
             "groups_rebuilt", "state_transferred", "recovered"} <= kinds
     moved = sum(e["received_bytes"] for e in events if e["kind"] == "state_transferred")
     assert moved > 0, "no layer state was transferred"
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_is_swapped_in_by_the_recovery_and_the_job_ends_on_five_nodes(tmp_path, reference):
+    """cluster.spares: 1 -- node5 starts idle. node2 is killed in step 3: the recovery's round
+    swaps node5 in (one generation), node5 receives all of its layers (weights and AdamW state)
+    from the survivors, the step is replayed on 5 nodes, and the run ends on 5 nodes equal to
+    the failure-free reference."""
+    code, rows, run_dir = run_job(tmp_path, spares=1, faults=[
+        {"node": 2, "step": 3, "phase": "forward", "kind": "kill"}])
+    events = check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
+    agreed = [e for e in events if e["kind"] == "agreement_reached" and e["gen"] == 1]
+    assert agreed and all((e["lost"], e["joined"]) == (["node2"], ["node5"]) for e in agreed)
+    (recovered,) = [e for e in events if e["kind"] == "recovered"]
+    assert recovered["joined"] == ["node5"] and recovered["step"] == 3
+    joined = [e for e in events if e["kind"] == "node_joined"]
+    assert {e["source"] for e in joined} == {"node5/0", "node5/1"}
+    received = sum(e["received_bytes"] for e in events if e["kind"] == "state_transferred"
+                   and e["source"].startswith("node5/"))
+    assert received > 0
+    (finished,) = [e for e in events if e["kind"] == "run_finished"]
+    assert finished["nodes"] == 5
+    assert all(r["generation"] == 1 for r in rows[2:])  # step 3 replayed on the grown plan
 
 
 @pytest.mark.timeout(150)

@@ -105,6 +105,8 @@ class Membership:
     store_port: int
     """The rendezvous store of this generation: hosted by a worker of `store_node` (local rank
     0 by convention) on store_host:store_port. Fresh for every generation."""
+    joined: tuple[str, ...] = ()
+    """Nodes new in this generation (spares swapped in: membership.py, step 7)."""
 
     @property
     def store_addr(self) -> str:
@@ -114,7 +116,7 @@ class Membership:
     @classmethod
     def from_msg(cls, m: dict[str, Any]) -> Membership:
         return cls(m["gen"], tuple(m["nodes"]), tuple(m["lost"]), m["store_node"],
-                   m["store_host"], m["store_port"])
+                   m["store_host"], m["store_port"], tuple(m.get("joined", ())))
 
 
 class AgentClient:

@@ -69,6 +69,7 @@ recovered (first committed step after the recovery, with the phase times); steps
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import replace
@@ -78,7 +79,7 @@ import torch
 
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Superseded
-from oobleck_hpc.elastic.recovery import Recovery, RecoveryError, RecoveryRounds
+from oobleck_hpc.elastic.recovery import Joining, Recovery, RecoveryError, RecoveryRounds
 from oobleck_hpc.elastic.rendezvous import open_store, release_connections, wait_arrivals, wait_port
 from oobleck_hpc.errors import OobleckError
 
@@ -160,6 +161,66 @@ class ElasticDriver(RecoveryRounds):
                 if isinstance(e, RecoveryError):
                     raise
                 m = self._restart(m.gen, e)
+
+    def join(self, first_nodes: Sequence[str]):
+        """A spare's start (membership.py, step 7): wait -- for the whole run if no loss needs
+        this node -- until a round swaps it in, then take part in that round's recovery like a
+        survivor with nothing to give: learn the members' committed state and base plan (the
+        reconcile exchange), compute the same new plan, rendezvous, receive every layer of this
+        rank (weights and AdamW state) from the members. The engine it builds holds exactly the
+        members' committed state; the round's replayed step is this node's first. Returns
+        (plan, comm) like `start`. `first_nodes`: generation 0's nodes (the templates' size)."""
+        from oobleck_hpc.planning import plan_job
+
+        m = self.client.wait_membership()
+        t_told = time.time()
+        _, self.templates, _ = plan_job(self.job, self.profile, list(first_nodes))
+        while True:
+            self.gen = m.gen
+            rec = Recovery(0, (), m.gen, "", t_told)
+            try:
+                self.base = self._joining_base(m.gen)
+                self.base_plan = self.base.plan
+                rec.step = self.base.state.step + 1
+                new_plan, _ = self._replan(m, rec, "join")
+                comm, groups = self._regroup_round(m, new_plan, rec)
+                engine = self._transfer(m, new_plan, comm, groups, rec)
+            except (Superseded, RuntimeError, TimeoutError, ValueError) as e:
+                if isinstance(e, RecoveryError):
+                    raise
+                m = self._restart(m.gen, e)
+                continue
+            self.plan, self.engine, self.comm = new_plan, engine, comm
+            self._pending = rec
+            self.events.emit("node_joined", node=self.node, generation=m.gen, step=rec.step,
+                             seconds=round(time.time() - t_told, 4), phases={
+                                 k: round(v, 4) for k, v in rec.phases.items()},
+                             received_bytes=rec.bytes_moved if self.local_rank == 0 else None)
+            return new_plan, comm
+
+    def _joining_base(self, gen: int):
+        """The members' committed state and base plan, from generation `gen`'s reconcile
+        exchange (a joiner says step -1: the members leave it out)."""
+        from oobleck_hpc.engine import TrainState
+        from oobleck_hpc.planning.cost import job_profile
+        from oobleck_hpc.planning.reconfigure import plan_from_groups
+
+        values = self.client.exchange(f"reconcile-{gen}", ["", -1, -1, "", [], -1],
+                                      timeout=self.agree_s, gen=gen)
+        members = [v for per_node in values.values() for v in per_node if v[1] >= 0]
+        step = max(v[1] for v in members)
+        ahead = {(v[0], v[2], json.dumps(v[4]), v[5]) for v in members if v[1] == step}
+        if len(ahead) != 1:
+            raise RecoveryError(f"the members of generation {gen} committed step {step} on "
+                                f"different plans or cursors: {sorted(ahead)}")
+        digest, cursor, groups, base_gen = ahead.pop()
+        plan = plan_from_groups(json.loads(groups), self.templates,
+                                 self.job.train.global_microbatches,
+                                 job_profile(self.job, self.profile), base_gen)
+        if plan is None or plan.digest() != digest:
+            raise RecoveryError(f"this joining node rebuilt the members' base plan as "
+                                f"{plan.digest() if plan else None}, they have {digest}")
+        return Joining(TrainState(step=step, cursor=cursor), plan)
 
     def _restart(self, gen: int, error: BaseException):
         """The start on generation `gen` failed: report it (unless a round is already what
@@ -273,6 +334,7 @@ class ElasticDriver(RecoveryRounds):
             self.recoveries.append(r)
             if self.rank == 0:
                 self.events.emit("recovered", step=r.step, generation=r.generation, lost=r.lost,
+                                 joined=r.joined,
                                  seconds=round(r.seconds, 4), rounds=r.rounds, plan=r.plan,
                                  phases={k: round(v, 4) for k, v in r.phases.items()},
                                  bytes_moved=r.bytes_moved)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from oobleck_hpc.elastic.membership import Superseded
 from oobleck_hpc.errors import EXIT_REQUEUE, GuaranteeExceeded, OobleckError
@@ -19,6 +20,25 @@ or a new plan's first step failing again) before the checkpoint fallback."""
 MAX_ROUNDS = 3
 """Failed reconfiguration rounds of one recovery before the checkpoint fallback (each bounded
 by the agreement timeout): a recovery never loops for ever."""
+
+
+@dataclass
+class Joining:
+    """The base of a node that a round added (a spare, membership.py step 7), until its first
+    commit: the members' committed state and base plan, and no layer. Every layer it trains
+    comes from the members; a failure before that first commit starts the next round from the
+    members' base like theirs (this node then has nothing to give)."""
+
+    state: Any
+    plan: Any
+    layers: dict = field(default_factory=dict)
+    prepared: Any = None
+
+    def release_step_memory(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class RecoveryError(OobleckError):
@@ -38,6 +58,7 @@ class Recovery:
     generation: int
     plan: str
     t_failed: float
+    joined: tuple[str, ...] = ()
     t_recovered: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
     rounds: int = 1
@@ -73,6 +94,7 @@ class RecoveryRounds:
                     raise
                 self._round_failed(rec, e)
                 continue
+            rec.joined = tuple(n for n in new_plan.nodes if n not in self.base_plan.nodes)
             rec.lost = tuple(sorted(set(rec.lost) | set(lost)))
             rec.generation, rec.plan = m.gen, new_plan.digest()
             self.plan, self.engine = new_plan, engine
@@ -127,17 +149,18 @@ class RecoveryRounds:
 
         t0 = time.time()
         lost = tuple(n for n in self.base_plan.nodes if n not in m.nodes)
-        if not m.lost:  # the agents' decision: the same on every survivor
+        joined = tuple(n for n in m.nodes if n not in self.base_plan.nodes)
+        if not m.lost and not m.joined:  # the agents' decision: the same on every survivor
             self._retries += 1
             if self._retries > MAX_RETRIES:
                 raise RecoveryError(
                     f"step {self.base.state.step + 1} failed {self._retries} times in a row with "
                     f"no node lost (last: {why[:200]}); falling back to the last checkpoint")
-        if lost:
+        if lost or joined:
             try:  # the same (core-scaled) profile the templates were built from
                 new_plan = reconfigure(self.base_plan, lost, self.templates,
                                        job_profile(self.job, self.profile),
-                                       self.job.fault_tolerance.f)
+                                       self.job.fault_tolerance.f, joined=joined)
             except GuaranteeExceeded as e:
                 e.survivors = m.nodes  # the requeued job starts on the nodes it has
                 raise
@@ -147,8 +170,9 @@ class RecoveryRounds:
         rec.phases["plan"] = rec.phases.get("plan", 0.0) + (time.time() - t0)
         if new_plan.rank_of(self.node, self.local_rank) == 0:
             self.events.emit("membership_agreed", generation=m.gen, nodes=list(m.nodes),
-                             lost=list(lost), store=m.store_addr)
-            self._plan_chosen(new_plan, lost=lost, plan_seconds=round(time.time() - t0, 4))
+                             lost=list(lost), joined=list(joined), store=m.store_addr)
+            self._plan_chosen(new_plan, lost=lost, joined=joined,
+                              plan_seconds=round(time.time() - t0, 4))
         return new_plan, lost
 
     def _regroup_round(self, m, new_plan, rec: Recovery):
@@ -233,9 +257,10 @@ class RecoveryRounds:
         in place: RecoveryError. Returns the engine still holding a prepared step: None."""
         state = self.base.state
         mine = [self.base_plan.digest(), state.step, state.cursor,
-                held.plan.digest() if held is not None else ""]
+                held.plan.digest() if held is not None else "",
+                [list(p.nodes) for p in self.base_plan.pipelines], self.base_plan.generation]
         values = self.client.exchange(f"reconcile-{gen}", mine, timeout=self.agree_s, gen=gen)
-        every = [v for per_node in values.values() for v in per_node]
+        every = [v for per_node in values.values() for v in per_node if v[1] >= 0]  # not joiners
         target = max(v[1] for v in every)
         ahead = {(v[0], v[1], v[2]) for v in every if v[1] == target}
         if len(ahead) != 1:

@@ -124,7 +124,8 @@ class LocalRun:
 
         self.agents = LocalAgents.start(self.run_dir, self.node_names(),
                                         self.job.cluster.gpus_per_node, job=self.job_path,
-                                        env=env, console=self.console is not None)
+                                        env=env, console=self.console is not None,
+                                        spares=self.job.cluster.spares)
         (self.run_dir / "agents.json").write_text(json.dumps(
             {m: p.pid for m, p in self.agents.procs.items()}, indent=1) + "\n")
         for s in old:

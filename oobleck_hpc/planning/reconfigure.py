@@ -120,8 +120,11 @@ def _keep_groups(plan: Plan, lost: set[str], sizes: set[int], n0: int) -> list[l
     return groups
 
 
-def _plan_from_groups(groups: list[list[str]], templates: Mapping[int, Template], B: int,
-                      profile: ModelProfile, generation: int) -> Plan | None:
+def plan_from_groups(groups: list[list[str]], templates: Mapping[int, Template], B: int,
+                     profile: ModelProfile, generation: int) -> Plan | None:
+    """The plan whose pipelines are `groups` (node lists), each on the template of its size,
+    the batch split over them; None if the batch cannot feed them. Also how a joining node
+    rebuilds the members' plan from its groups (elastic/driver.py, join)."""
     if B < len(groups):
         return None
     nodes = [n for g in sorted(groups, key=len, reverse=True) for n in g]
@@ -276,7 +279,7 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
     candidates: list[Plan] = []
     groups = None if joined else _keep_groups(plan, lost_set, sizes, n0)
     if groups is not None and len(groups) >= need:
-        p = _plan_from_groups(groups, templates, B, profile, gen)
+        p = plan_from_groups(groups, templates, B, profile, gen)
         if p is not None:
             candidates.append(p)
     try:
@@ -284,7 +287,7 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
     except PlanningError:
         fresh = None
     if fresh is not None:
-        p = _plan_from_groups(_fresh_groups(plan, fresh, lost_set, joined), templates, B,
+        p = plan_from_groups(_fresh_groups(plan, fresh, lost_set, joined), templates, B,
                               profile, gen)
         if p is not None:
             candidates.append(p)
