@@ -288,7 +288,7 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
     from oobleck_hpc.engine import StepResult, TrainState
 
     job = job_from_dict(job_dict(Path("/nonexistent")))
-    plan = SimpleNamespace(digest=lambda: "p0")
+    plan = SimpleNamespace(digest=lambda: "p0", pipelines=(), generation=0)
 
     class Held:  # the base engine, holding step 19 (index 18) prepared
         state = TrainState(step=18, cursor=18 * 8)
@@ -305,7 +305,7 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
         node, local_rank = "node0", 0
 
         def exchange(self, key, value, timeout, gen=None, on_sent=None):
-            return {"node0": [value], "node1": [["p0", 19, 19 * 8, ""]]}  # node1 committed 19
+            return {"node0": [value], "node1": [["p0", 19, 19 * 8, "", [], 0]]}  # committed 19
 
     driver = ElasticDriver(job, None, None, None, torch.device("cpu"), FakeClient(),
                            events=_NullEvents())
