@@ -430,6 +430,28 @@ def test_a_spare_waits_then_the_round_of_a_loss_swaps_it_in(cluster_factory):
 
 
 @pytest.mark.timeout(120)
+def test_a_node_grown_into_the_running_job_is_added_by_a_round_of_its_own(cluster_factory):
+    """3 nodes (echo workers); node1 is killed: generation 1 on node0, node2. Then the job is
+    grown by one node (`LocalAgents.add`, what `oobleck-hpc grow` does): node3 was in no roster
+    the members started with; they learn its address from its HELLO, and since the job runs on
+    fewer nodes than it started with, a round with no loss adds it at once. Every worker of the
+    grown view gathers the same digest on it."""
+    c = cluster_factory(3)
+    c.wait_workers(c.names, 0, timeout=30)
+    t = c.signal("node1", signal.SIGKILL)
+    latency(c, t, ["node1"], ["node0", "node2"])
+    assert c.agents.add(1) == ["node3"]
+    grown = ["node0", "node2", "node3"]
+    gen = wait_view(c, grown, timeout=30)
+    assert gen == 2
+    decided = check_same_decision(c, 2, grown)
+    assert all((e["lost"], e["joined"]) == ([], ["node3"]) for e in decided.values())
+    assert {e["source"] for e in c.events("peer_added", node="node3")} == {"node0", "node2"}
+    check_consistent(c)
+    assert c.stop_all() == {"node0": 0, "node1": -9, "node2": 0, "node3": 0}
+
+
+@pytest.mark.timeout(120)
 def test_retry_in_place_early_leave_and_bad_input(cluster_factory):
     """4 nodes x 2 workers, no dead node each time:
     1. a worker's collective fails, every peer answers the probe: a retry round decides the same

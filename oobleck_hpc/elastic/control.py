@@ -4,8 +4,10 @@
 sockets, with stdlib only. Per agent:
 
 - one listening socket on the agent's roster port; every accepted connection gets a reader
-  thread. The first message on a connection is HELLO {src}; after that every message is handed
-  to the core under one lock (the core is single-threaded by construction).
+  thread. The first message on a connection is HELLO {src, host, port}; after that every message
+  is handed to the core under one lock (the core is single-threaded by construction). A HELLO
+  from a node outside the roster adds it (with a link to its address): a node grown into the
+  running job, which joins like a spare.
 - one outgoing link per peer: a queue and a sender thread that connects (retrying until
   `startup_s` has passed for a peer never reached), sends HELLO, then the queued messages.
   Nothing ever blocks the core: sends are queued. A failed send is retried on a fresh
@@ -55,7 +57,8 @@ from typing import Any, Callable
 
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, Quorum
-from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, free_port, recv_msg, send_msg
+from oobleck_hpc.elastic.wire import (ConnectionClosed, NodeAddress, Roster, free_port, recv_msg,
+                                      send_msg)
 from oobleck_hpc.errors import EXIT_REQUEUE
 
 SEND_ATTEMPTS = 3
@@ -145,7 +148,7 @@ class ControlPlane:
                 self._listener.close()
             except OSError:
                 pass
-        for link in self._links.values():
+        for link in list(self._links.values()):
             link.close()
         for sock in self._inbound:
             try:
@@ -156,7 +159,7 @@ class ControlPlane:
     def flush(self, timeout: float = 1.0) -> None:
         """Wait (bounded) until queued messages have been handed to the kernel."""
         deadline = time.monotonic() + timeout
-        for link in self._links.values():
+        for link in list(self._links.values()):
             link.drained.wait(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ owner's API
@@ -307,7 +310,7 @@ class ControlPlane:
         try:
             hello = recv_msg(sock)
             src = hello.get("src")
-            if hello.get("type") != "hello" or src not in self.roster.names or src == self.me:
+            if hello.get("type") != "hello" or src == self.me or not self._known(src, hello):
                 return
             self._on_message(src, hello)
             while not self._stop.is_set():
@@ -320,6 +323,22 @@ class ControlPlane:
                 sock.close()
             except OSError:
                 pass
+
+    def _known(self, src: Any, hello: dict[str, Any]) -> bool:
+        """Whether `src` is a roster node; a node outside it that gives its address is added
+        (grown into the running job; module docstring)."""
+        host, port = hello.get("host"), hello.get("port")
+        with self._lock:
+            if src in self.roster.names:
+                return True
+            if not (isinstance(src, str) and isinstance(host, str) and isinstance(port, int)):
+                return False
+            self.roster = self.roster.with_node(NodeAddress(src, host, port))
+            self.core.add_node(src)
+            link = self._links[src] = _Link(self, src, (host, port))
+            link.start()
+        self.events.emit("peer_added", node=src, addr=f"{host}:{port}")
+        return True
 
     def _tick_loop(self) -> None:
         tick = self.heartbeat_s / 2
@@ -419,7 +438,8 @@ class _Link:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.connected_once = True
-        send_msg(sock, {"type": "hello", "src": self.cp.me})
+        send_msg(sock, {"type": "hello", "src": self.cp.me, "host": self.cp.addr.host,
+                        "port": self.cp.addr.port})
 
     def _drop(self) -> None:
         if self.sock is not None:

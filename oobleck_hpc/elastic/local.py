@@ -5,6 +5,7 @@ What the local launcher, the tests and the benchmarks need to run the control pl
     agents = LocalAgents.start(run_dir, nodes=4, workers=2, job="job.yaml")   # worker: train.py
     agents.kill("node2")                    # a node failure: its agent and workers at once
     agents.signal("node1", signal.SIGSTOP)  # a hang (returns once the agent is really stopped)
+    agents.add(1)                           # grow: node4 joins the running job (like a spare)
     codes = agents.wait(timeout=600)        # node -> exit code
     agents.cleanup()                        # kill whatever is left (idempotent)
 
@@ -37,6 +38,11 @@ class LocalAgents:
     """Worker processes per node."""
     procs: dict[str, subprocess.Popen[bytes]]
     logs: list[IO[str]] = field(default_factory=list)
+    argv: list[str] = field(default_factory=list)
+    """The agent command line before --node (and the worker command after it: `tail`)."""
+    tail: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    console: bool = False
 
     @classmethod
     def start(cls, run_dir: str | Path, nodes: int | Sequence[str], workers: int = 1, *,
@@ -69,19 +75,40 @@ class LocalAgents:
             argv += ["--lease-s", str(lease_s)]
         argv += list(extra_args)
         tail = ["--", *command] if command else []
-        agents = cls(run_dir, roster, workers, {})
+        agents = cls(run_dir, roster, workers, {}, argv=argv, tail=tail,
+                     env={**os.environ, **(env or {})}, console=console)
         try:
             for m in names:
-                log = open(run_dir / "logs" / f"agent-{m}.log", "w")
-                agents.logs.append(log)
-                agents.procs[m] = subprocess.Popen(
-                    [*argv, "--node", m, *tail], stdout=None if console else log,
-                    stderr=log if console else subprocess.STDOUT,
-                    env={**os.environ, **(env or {})}, start_new_session=True)
+                agents._spawn(m)
         except BaseException:
             agents.cleanup()
             raise
         return agents
+
+    def _spawn(self, node: str) -> None:
+        log = open(self.run_dir / "logs" / f"agent-{node}.log", "w")
+        self.logs.append(log)
+        self.procs[node] = subprocess.Popen(
+            [*self.argv, "--node", node, *self.tail], stdout=None if self.console else log,
+            stderr=log if self.console else subprocess.STDOUT, env=self.env,
+            start_new_session=True)
+
+    def add(self, count: int) -> list[str]:
+        """Grow the running job: `count` new nodes (named after the last one), appended to the
+        roster file as spares, each with its agent. They ask to join at once and are added by
+        the members while the view is smaller than the job (membership.py, step 7); the
+        members learn their addresses from their first message. Returns their names."""
+        if count < 1:
+            raise ValueError(f"count={count}: grow by at least one node")
+        used = {int(n[4:]) for n in self.names if n.startswith("node") and n[4:].isdigit()}
+        start = max(used, default=-1) + 1
+        new = [f"node{i}" for i in range(start, start + count)]
+        for name, port in zip(new, free_ports(count)):
+            self.roster = self.roster.with_node(NodeAddress(name, "127.0.0.1", port))
+        self.roster.write(self.run_dir / "roster.json")  # atomically, before any agent reads it
+        for name in new:
+            self._spawn(name)
+        return new
 
     @property
     def names(self) -> list[str]:

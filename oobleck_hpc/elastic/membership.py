@@ -63,7 +63,8 @@ Message flow
    may be going on: it falls back to the last checkpoint and the job is requeued.
 
 7. Joins: a node outside the view -- a spare of the allocation (a roster node outside generation
-   0, `members0`), or a replacement -- asks with JOIN (`request_join`). A member records the
+   0, `members0`), or a node grown into the running job (`add_node`: the control plane learns
+   its address from its first message) -- asks with JOIN (`request_join`). A member records the
    joiner; while the view is smaller than the job (`size`: a node was lost) it opens a round at
    once if none is open (else the next round takes it). So a spare that asked early waits, and
    the round of the next loss swaps it in. A round's joiners are fixed when it opens: the first
@@ -222,6 +223,13 @@ class MembershipCore:
             self._asked = True
             self.notes.append(("join_requested", {"node": self.me, "gen": self.decided.gen,
                                                   "how": how}))
+
+    def add_node(self, node: str) -> None:
+        """`node` was not in the roster when this agent started: it was grown into the running
+        job (`oobleck-hpc grow`) and joins like a spare (step 7); the end of the job reaches it
+        too."""
+        if node not in self.roster:
+            self.roster += (node,)
 
     def retry(self, why: str) -> bool:
         """Open a round although nobody is suspected (retry in place: a collective failed while

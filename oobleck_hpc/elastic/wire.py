@@ -4,8 +4,9 @@ Framing: every message is a JSON object (a dict with a "type" key), sent as a 4-
 length followed by that many bytes of UTF-8 JSON. The same framing is used between agents (TCP)
 and between an agent and its workers (a socketpair inherited by the worker). Stdlib only.
 
-The roster is the job's initial node list, written by the launcher (local launcher: by the
-parent process; Slurm: by the bootstrap discovery) as JSON:
+The roster is the job's node list, written by the launcher (local launcher: by the parent
+process; Slurm: by the bootstrap discovery) as JSON, and extended by nodes grown into the running
+job (`oobleck-hpc grow`), which come last, as spares:
 
     {"nodes": [{"name": "node0", "host": "10.0.0.1", "port": 29400}, ...],
      "store_port": 29500}
@@ -84,6 +85,13 @@ class Roster:
     def members0(self) -> tuple[str, ...]:
         """Generation 0's nodes: all but the spares."""
         return self.names[:len(self.nodes) - self.spares]
+
+    def with_node(self, node: NodeAddress) -> Roster:
+        """This roster and `node` after it, outside generation 0 (a node grown into a running
+        job joins like a spare: membership.py, step 7)."""
+        if node.name in self.names:
+            raise ValueError(f"node {node.name!r} is already in the roster")
+        return Roster(self.nodes + (node,), self.store_port, self.spares + 1)
 
     def address(self, name: str) -> NodeAddress:
         for n in self.nodes:
