@@ -55,6 +55,8 @@ class Story:
 
     first_sign: float | None = None
     """Time of the first sign of the failure being recovered from (None: no failure open)."""
+    grown: float | None = None
+    """Time nodes were last added by `grow` (a recovery that loses nothing is timed from it)."""
     said: set = field(default_factory=set)
     plans: dict[tuple[int, int], dict] = field(default_factory=dict)
     """(attempt, generation) -> its plan_chosen event."""
@@ -108,6 +110,10 @@ class Story:
     def _node_killed(self, e: dict) -> str:
         return f"node killed: {e['node']} (SIG{e.get('signal', 'KILL').removeprefix('SIG')} from kill-node)"
 
+    def _nodes_added(self, e: dict) -> str:
+        self.grown = e["t"]
+        return f"grow: {', '.join(e['nodes'])} started; joining"
+
     def _failure_detected(self, e: dict) -> str:
         how = str(e.get("how", "")).replace("_", " ")
         return f"fault seen: {e['node']} lost ({how}, seen by {e.get('source', '?')})"
@@ -115,28 +121,35 @@ class Story:
     def _agreement_reached(self, e: dict) -> str:
         lost, joined = e.get("lost") or [], e.get("joined") or []
         change = ([f"without {', '.join(lost)}"] if lost else []) + \
-            ([f"{', '.join(joined)} swapped in"] if joined else [])
+            ([f"{', '.join(joined)} {'swapped in' if lost else 'joined'}"] if joined else [])
         return (f"agreed: generation {e['gen']} on {plural(len(e.get('nodes', [])), 'node')}, "
                 + (", ".join(change) or "no node lost (the step is retried)"))
 
     def _recovered(self, e: dict) -> str:
         self.recoveries += 1
-        t0 = self.first_sign if self.first_sign is not None else e["t"] - e.get("seconds", 0.0)
-        self.first_sign = None
+        lost = e.get("lost") or []
+        since = "the fault"
+        if self.first_sign is not None:
+            t0 = self.first_sign
+        elif not lost and e.get("joined") and self.grown is not None:
+            t0, since = self.grown, "the grow"
+        else:
+            t0 = e["t"] - e.get("seconds", 0.0)
+        self.first_sign = self.grown = None
         plan = self.plans.get((e.get("attempt", 0), e.get("generation", 0)), {})
         shape = f" (pipelines of {plan['pipelines']} nodes)" if plan.get("pipelines") else ""
-        lost = e.get("lost") or []
         if self.steps and e["step"] > self.steps:  # lost after the last step's commit
             what = f"lost {', '.join(lost) or 'no node'} after the last step; the end agreed"
         elif lost or e.get("joined"):
             what = ", ".join(([f"lost {', '.join(lost)}"] if lost else []) +
-                             [f"{n} swapped in" for n in e.get("joined") or []])
+                             [f"{n} {'swapped in' if lost else 'joined'}"
+                              for n in e.get("joined") or []])
             what += f"; step {e['step']} replayed"
         else:
             what = f"step {e['step']} retried in place"
         moved = e.get("bytes_moved", 0)
         return (f"recovered: {what} on plan {str(e.get('plan', ''))[:8]}{shape} "
-                f"{e['t'] - t0:.2f} s after the fault"
+                f"{e['t'] - t0:.2f} s after {since}"
                 + (f"; {mb(moved)} of layer state moved" if moved else "")
                 + (f" ({e['rounds']} rounds)" if e.get("rounds", 1) > 1 else ""))
 

@@ -34,11 +34,12 @@ STEPS = 5
 TOL = 1e-5
 
 
-def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0) -> dict:
+def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0,
+             steps: int = STEPS) -> dict:
     return {
         "name": "recovery-test",
         "model": {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
-        "train": {"steps": STEPS, "microbatch_size": 2, "global_microbatches": 4, "lr": 1e-3,
+        "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": 4, "lr": 1e-3,
                   "warmup_steps": 2, "log_every": 1, "save_final_params": True},
         "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 2, "device": "cpu",
                     "spares": spares},
@@ -58,7 +59,11 @@ def reference():
     return reference_run(job_from_dict(job_dict(Path("/nonexistent"))), STEPS)
 
 
-def run_job(tmp_path: Path, **kw) -> tuple[int, list[dict], Path]:
+def run_job(tmp_path: Path, during=None, **kw) -> tuple[int, list[dict], Path]:
+    """Run the job; `during(run_dir, stop)`: what a thread does meanwhile (until `stop` is set:
+    the run ended)."""
+    import threading
+
     from oobleck_hpc.launch.local import LocalRun
 
     run_dir = tmp_path / "run"
@@ -68,7 +73,16 @@ def run_job(tmp_path: Path, **kw) -> tuple[int, list[dict], Path]:
     job = job_from_dict(data, str(path))
     metrics = run_dir / "metrics.jsonl"
     run = LocalRun(job, path, run_dir, metrics, kill_grace_s=10.0)
-    code = run.run()
+    stop = threading.Event()
+    helper = threading.Thread(target=during, args=(run_dir, stop), daemon=True) if during else None
+    if helper is not None:
+        helper.start()
+    try:
+        code = run.run()
+    finally:
+        stop.set()
+        if helper is not None:
+            helper.join(timeout=30)
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return code, rows, run_dir
 
@@ -82,7 +96,7 @@ def check_equal_to_reference(code: int, rows: list[dict], run_dir: Path, referen
     ref_losses, ref_params = reference
     logs = run_dir / "logs"
     assert code == 0, f"job exit code {code} (logs: {logs})"
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
+    assert [r["step"] for r in rows] == list(range(1, len(ref_losses) + 1)), rows
     np.testing.assert_allclose([r["loss"] for r in rows], ref_losses, rtol=TOL)
     for layer, params in ref_params.items():
         got = torch.load(run_dir / "final" / f"layer-{layer}.pt")
@@ -140,6 +154,54 @@ def test_a_spare_is_swapped_in_by_the_recovery_and_the_job_ends_on_five_nodes(tm
     (finished,) = [e for e in events if e["kind"] == "run_finished"]
     assert finished["nodes"] == 5
     assert all(r["generation"] == 1 for r in rows[2:])  # step 3 replayed on the grown plan
+
+
+GROW_STEPS = 300
+
+
+@pytest.mark.timeout(240)
+def test_a_job_without_spares_grows_back_by_grow(tmp_path):
+    """No spares: node2 is killed in step 2 and the job goes on on 4 nodes. Then `oobleck-hpc
+    grow RUN_DIR --nodes 1` (from another process, as a user would) starts node5, which is not
+    in the roster the members started with: they learn its address from its first message, a
+    round adds it (no node lost), it receives its layers from the members, and the job ends on
+    5 nodes equal to the failure-free reference."""
+    import subprocess
+    import sys
+    import time
+
+    from oobleck_hpc.engine import reference_run
+
+    said: list[str] = []
+
+    def grow_after_the_recovery(run_dir: Path, stop) -> None:
+        while not stop.wait(0.1):
+            events = read_events(run_dir / "events.jsonl") if run_dir.exists() else []
+            if any(e["kind"] == "recovered" for e in events):
+                out = subprocess.run([sys.executable, "-m", "oobleck_hpc", "grow", str(run_dir),
+                                      "--nodes", "1"], capture_output=True, text=True, timeout=60)
+                said.append(out.stdout + out.stderr)
+                return
+
+    t0 = time.monotonic()
+    code, rows, run_dir = run_job(tmp_path, steps=GROW_STEPS, during=grow_after_the_recovery,
+                                  faults=[{"node": 2, "step": 2, "phase": "forward",
+                                           "kind": "kill"}])
+    assert said and "started node5" in said[0], said
+    reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=GROW_STEPS)),
+                              GROW_STEPS)
+    events = check_equal_to_reference(code, rows, run_dir, reference, set())
+    agreed = {e["gen"]: (e["lost"], e["joined"]) for e in events if e["kind"] == "agreement_reached"}
+    assert agreed == {1: (["node2"], []), 2: ([], ["node5"])}, (agreed, time.monotonic() - t0)
+    assert any(e["kind"] == "nodes_added" and e["nodes"] == ["node5"] for e in events)
+    assert any(e["kind"] == "peer_added" and e["node"] == "node5" for e in events)
+    joined = [e for e in events if e["kind"] == "node_joined"]
+    assert {e["source"] for e in joined} == {"node5/0", "node5/1"}
+    received = sum(e["received_bytes"] for e in events if e["kind"] == "state_transferred"
+                   and e["source"].startswith("node5/"))
+    assert received > 0
+    (finished,) = [e for e in events if e["kind"] == "run_finished"]
+    assert finished["nodes"] == 5
 
 
 @pytest.mark.timeout(150)

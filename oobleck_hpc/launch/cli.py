@@ -1,5 +1,6 @@
 """`oobleck-hpc run JOB.yaml [--metrics FILE]`: train a job with its launcher;
-`oobleck-hpc kill-node RUN_DIR NODE`: kill a node of a running local job from another shell.
+`oobleck-hpc kill-node RUN_DIR NODE`: kill a node of a running local job from another shell;
+`oobleck-hpc grow RUN_DIR --nodes K`: add K nodes to a running local job (they join in place).
 
 `launch: local` starts the job's nodes as local process groups (launch/local.py) and trains;
 rank 0 prints the plan, progress and a summary. `launch: slurm` jobs are submitted with
@@ -53,6 +54,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="KILL: a crash (default); STOP: a hang; TERM: ask the node to stop")
     k.set_defaults(func=_kill_node)
 
+    g = sub.add_parser("grow", help="add nodes to a running local job (they join in place)",
+                       description="Start K more nodes for a running `oobleck-hpc run` job. They "
+                       "join at the next step boundary while the job runs on fewer nodes than it "
+                       "started with (after a loss), receive their layers from the members and "
+                       "train; otherwise they wait as spares and are swapped in at the next loss.")
+    g.add_argument("run_dir", help="the job's run directory (holds agents.json)")
+    g.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes to add (default 1)")
+    g.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds until they trained their first step (default: "
+                        "return once their agents started)")
+    g.set_defaults(func=_grow)
+
 
 def _kill_node(args: argparse.Namespace) -> int:
     import signal
@@ -65,6 +78,42 @@ def _kill_node(args: argparse.Namespace) -> int:
         print(f"oobleck-hpc kill-node: error: {e}")
         return 2
     print(f"sent SIG{args.signal} to {args.node} of {args.run_dir}")
+    return 0
+
+
+def _grow(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.launch.local import grow
+
+    run_dir = Path(args.run_dir)
+    if args.run_dir.isdigit() and not run_dir.exists():
+        print(f"oobleck-hpc grow: error: {args.run_dir} looks like a Slurm job id; growing a "
+              "Slurm job is not supported yet: give the run directory of a local job")
+        return 2
+    t0 = time.time()
+    try:
+        names = grow(run_dir, args.nodes)
+    except (FileNotFoundError, ValueError, TimeoutError, RuntimeError) as e:
+        print(f"oobleck-hpc grow: error: {e}")
+        return 2
+    print(f"started {', '.join(names)} for the job in {run_dir}: each joins while the job runs "
+          "on fewer nodes than it started with, else waits as a spare for the next loss")
+    deadline = time.monotonic() + args.wait
+    waiting = set(names)
+    while waiting and time.monotonic() < deadline:
+        for e in read_events(run_dir / "events.jsonl"):
+            if e.get("kind") == "node_joined" and e.get("node") in waiting and e["t"] >= t0:
+                print(f"{e['node']} joined: generation {e['generation']}, from step {e['step']}, "
+                      f"{e['seconds']:.2f} s after the agreement")
+                waiting.discard(e["node"])
+        time.sleep(0.2)
+    if waiting and args.wait > 0:
+        print(f"not joined within {args.wait:.0f} s: {', '.join(sorted(waiting))} (see "
+              f"{run_dir / 'events.jsonl'})")
+        return 1
     return 0
 
 

@@ -21,6 +21,11 @@ first node (later ones by a survivor), so the launcher is no single point of fai
   exits 3: it does not count as finished. On 2 the bad input's error is printed.
 - Ctrl-C / SIGTERM: forwarded to every agent (which forward them to their workers), then as above.
 - RUN_DIR/agents.json names each node's agent pid (its process group): what kill-node uses.
+- Growing (`oobleck-hpc grow RUN_DIR --nodes k` from another shell, `grow()`): a request file in
+  RUN_DIR/grow/ that the launcher answers by starting k more agents (`LocalAgents.add`: new
+  nodes at the end of the roster, outside generation 0). They join like spares: a round adds
+  them while the job runs on fewer nodes than it started with (elastic/membership.py, step 7),
+  else they wait for the next loss. The answer names them; agents.json lists them.
 - The console: rank 0's progress (its stdout), and one line per event that matters -- the plan,
   a fault, the agreement, the recovery with its time, a checkpoint, a fallback, the end --
   told from RUN_DIR/events.jsonl as it grows (`Console`, oobleck_hpc/story.py).
@@ -40,6 +45,7 @@ from typing import Any
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.elastic.local import _state
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
+from oobleck_hpc.files import write_json
 from oobleck_hpc.launch.slurm_task import verdict  # one rule for every launcher
 from oobleck_hpc.story import Story, Tail
 
@@ -126,8 +132,7 @@ class LocalRun:
                                         self.job.cluster.gpus_per_node, job=self.job_path,
                                         env=env, console=self.console is not None,
                                         spares=self.job.cluster.spares)
-        (self.run_dir / "agents.json").write_text(json.dumps(
-            {m: p.pid for m, p in self.agents.procs.items()}, indent=1) + "\n")
+        self._write_agents()
         for s in old:
             signal.signal(s, forward)
         try:
@@ -143,6 +148,9 @@ class LocalRun:
                 self.console.poll()
         return code
 
+    def _write_agents(self) -> None:
+        write_json(self.run_dir / "agents.json", {m: p.pid for m, p in self.agents.procs.items()})
+
     def _wait(self) -> int:
         procs = self.agents.procs
         over_at: float | None = None  # when the job is over at the latest (module docstring)
@@ -157,8 +165,64 @@ class LocalRun:
                 break
             if self.console is not None:
                 self.console.poll()
+            self._serve_grow()
             time.sleep(0.05)
         return job_exit_code({m: p.poll() for m, p in procs.items()})
+
+
+    def _serve_grow(self) -> None:
+        """Answer the grow requests in RUN_DIR/grow/ (module docstring)."""
+        folder = self.run_dir / GROW_DIR
+        if not folder.is_dir():
+            return
+        from oobleck_hpc.elastic.events import EventLog
+
+        for request in sorted(folder.glob("*.request")):
+            answer: dict[str, Any]
+            try:
+                count = int(json.loads(request.read_text())["nodes"])
+                names = self.agents.add(count)
+                answer = {"nodes": names}
+                self._write_agents()
+                log = EventLog(self.run_dir / "events.jsonl", source="launcher")
+                log.emit("nodes_added", nodes=names, how="grow",
+                         pids=[self.agents.procs[m].pid for m in names])
+                log.close()
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                answer = {"error": f"{type(e).__name__}: {e}"}
+            write_json(request.with_suffix(".done"), answer)
+            request.unlink(missing_ok=True)
+
+
+GROW_DIR = "grow"
+
+
+def grow(run_dir: str | Path, count: int, timeout: float = 30.0) -> list[str]:
+    """Ask the launcher of the local job running in `run_dir` for `count` more nodes (from
+    another process: module docstring); returns their names once their agents started."""
+    run_dir = Path(run_dir)
+    if count < 1:
+        raise ValueError(f"--nodes {count}: grow by at least one node")
+    if not (run_dir / "agents.json").exists():
+        raise FileNotFoundError(f"{run_dir / 'agents.json'} does not exist: is a local job "
+                                f"running with run dir {run_dir}? (`oobleck-hpc run` writes it "
+                                "at start)")
+    (run_dir / GROW_DIR).mkdir(exist_ok=True)
+    request = run_dir / GROW_DIR / f"{os.getpid()}-{time.time_ns()}.request"
+    write_json(request, {"nodes": count})
+    done = request.with_suffix(".done")
+    deadline = time.monotonic() + timeout
+    while not done.exists():
+        if time.monotonic() > deadline:
+            request.unlink(missing_ok=True)
+            raise TimeoutError(f"no launcher answered within {timeout:.0f} s: is the job in "
+                               f"{run_dir} still running?")
+        time.sleep(0.05)
+    answer = json.loads(done.read_text())
+    done.unlink()
+    if "error" in answer:
+        raise RuntimeError(f"the launcher could not grow the job: {answer['error']}")
+    return list(answer["nodes"])
 
 
 def job_exit_code(codes: dict[str, int | None]) -> int:
