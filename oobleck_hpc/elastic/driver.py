@@ -172,9 +172,13 @@ class ElasticDriver(RecoveryRounds):
         (plan, comm) like `start`. `first_nodes`: generation 0's nodes (the templates' size)."""
         from oobleck_hpc.planning import plan_job
 
+        # What an engine's first build costs once per process, paid now instead of during the
+        # swap: the optimizer's first construction imports torch._dynamo (~1 s on a 2-core
+        # machine, measured: the whole of a joiner's engine init).
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+        _, self.templates, _ = plan_job(self.job, self.profile, list(first_nodes))
         m = self.client.wait_membership()
         t_told = time.time()
-        _, self.templates, _ = plan_job(self.job, self.profile, list(first_nodes))
         while True:
             self.gen = m.gen
             rec = Recovery(0, (), m.gen, "", t_told)
