@@ -73,3 +73,22 @@ def test_survivability_covers_every_loss_pattern_of_the_issues_case(capsys):
     surv = out["survivability"]
     assert [r["lost"] for r in surv] == [0, 1] and all("error" not in r for r in surv)
     assert surv[1]["pipelines"] == [5] and surv[1]["patterns"] == 1
+
+
+def test_plan_shows_what_spares_buy(capsys, tmp_path):
+    """With cluster.spares: 1 the single loss is replaced by the same recovery: the job is back
+    on 6 nodes, at the throughput of the plan it started with (not the 5-node plan's)."""
+    job = tmp_path / "job.yaml"
+    text = (EXAMPLES / "gpt3-6.7b-paper.yaml").read_text()
+    assert "  gpus_per_node:" in text
+    # (spares run on the local launcher so far)
+    job.write_text(text.replace("  gpus_per_node:", "  spares: 1\n  gpus_per_node:", 1)
+                   .replace("launch: slurm", "launch: local"))
+    assert main(["plan", str(job), "--nodes", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["spares"] == 1
+    shrunk, swapped = out["survivability"][1], out["survivability"][1]["with_spares"]
+    assert swapped["spares_in"] == 1 and abs(swapped["relative_throughput"] - 1.0) < 1e-9
+    assert shrunk["relative_throughput"] < 1.0
+    assert main(["plan", str(job), "--nodes", "6"]) == 0
+    assert "with 1 spare: up to 1 loss over the run is replaced" in capsys.readouterr().out

@@ -6,7 +6,10 @@ Prints the templates (nodes, stages, predicted 1F1B time, peak memory per GPU), 
 survivability table: for k = 0..f lost nodes, the slowest plan reconfiguration reaches over
 EVERY loss set of k nodes (slowest in the planner's objective, planning/cost.py; shown as its
 predicted step time, the one number the console and the plan use), its throughput relative to
-k = 0, and among the loss sets that reach it the one that moves the most bytes. The new plan's time depends only on the survivors' count, and which plan is valid only on
+k = 0, and among the loss sets that reach it the one that moves the most bytes. With
+`cluster.spares: s`, each row also gives the throughput once min(k, s) spares are swapped in by
+the same recovery (`with spares`: what the spares buy; a spare restores nodes, not layers that
+lost every replica, so it never turns a row beyond the guarantee into a survivable one). The new plan's time depends only on the survivors' count, and which plan is valid only on
 how many nodes each pipeline loses, so one loss set per pattern of per-pipeline loss counts is
 tried (reconfigure.loss_patterns; `patterns` says how many; the bytes moved are those of that
 loss set, which loses each pipeline's first nodes). With --json: one object with keys
@@ -46,7 +49,8 @@ def _layout(template) -> str:
     return " ".join(f"{n}x[{l}L/{g}g]" if n > 1 else f"[{l}L/{g}g]" for (l, g), n in runs)
 
 
-def survivability(plan, templates, profile, f: int, microbatch_size: int) -> list[dict]:
+def survivability(plan, templates, profile, f: int, microbatch_size: int,
+                   spares: int = 0) -> list[dict]:
     from oobleck_hpc.errors import GuaranteeExceeded
     from oobleck_hpc.planning.cost import predicted_step_ms, samples_per_second
     from oobleck_hpc.planning.reconfigure import loss_patterns, moved_bytes, reconfigure
@@ -63,6 +67,10 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int) -> lis
                 worst = {"lost": k, "pattern": name, "patterns": len(patterns), "error": str(e)}
                 break
             moved = moved_bytes(plan, new, profile) if lost else 0
+            swapped = new
+            if lost and spares:
+                swapped = reconfigure(plan, lost, templates, profile, f,
+                                      joined=[f"spare{i}" for i in range(min(k, spares))])
             if worst is None or (new.predicted_iteration_ms, moved) > (worst["objective_ms"],
                                                                         worst["moved_bytes"]):
                 step_ms = predicted_step_ms(new, profile)
@@ -73,6 +81,12 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int) -> lis
                          "relative_throughput": base / step_ms,
                          "pipelines": [p.template.num_nodes for p in new.pipelines],
                          "moved_bytes": moved}
+                if spares:
+                    spare_ms = predicted_step_ms(swapped, profile)
+                    worst["with_spares"] = {
+                        "spares_in": min(k, spares), "step_ms": spare_ms,
+                        "samples_per_s": samples_per_second(swapped, microbatch_size, spare_ms),
+                        "relative_throughput": base / spare_ms}
         rows.append(worst)
     return rows
 
@@ -105,13 +119,15 @@ def plan_report(job, profile, num_nodes: int) -> dict:
               "pipelines": [{"template_nodes": p.template.num_nodes, "microbatches": p.microbatches,
                              "nodes": [p.nodes[0], p.nodes[-1]]} for p in plan.pipelines]}
     # Reconfigure with the profile the templates were built from (core-scaled on a CPU host).
-    surv = survivability(plan, templates, scaled, job.fault_tolerance.f, mbs)
+    surv = survivability(plan, templates, scaled, job.fault_tolerance.f, mbs,
+                         spares=job.cluster.spares)
     return {"job": job.name, "model": job.model.name,
             "profile": {"source": profile.fingerprint.source, "device": profile.machine.device_name,
                         "layers": profile.num_layers,
                         "time_scale": job_slowdown(job, profile),
                         "note": sharing_note(job, profile)},
             "templates": tmpl, "plan": plan_d, "survivability": surv,
+            "spares": job.cluster.spares,
             "planning_seconds": seconds}
 
 
@@ -123,7 +139,8 @@ def _print(rep: dict) -> None:
     p = rep["plan"]
     print(f"job {rep['job']}: model {rep['model']} ({rep['profile']['layers']} layers, "
           f"{rep['profile']['source']} profile, {rep['profile']['device']}), {p['nodes']} nodes x "
-          f"{p['gpus_per_node']} GPUs, n0 = {p['n0']}, f = {p['f']}")
+          f"{p['gpus_per_node']} GPUs, n0 = {p['n0']}, f = {p['f']}"
+          + (f", {plural(rep['spares'], 'spare')}" if rep["spares"] else ""))
     if rep["profile"]["note"]:
         print(f"note: {rep['profile']['note']} (an upper bound: with few microbatches per "
               f"pipeline most workers wait, and steps run faster)")
@@ -144,16 +161,26 @@ def _print(rep: dict) -> None:
         print(f"  {c:>4} x pipeline of {plural(n, 'node'):>9}, "
               f"{plural(m, 'microbatch', 'microbatches')} each")
     print("\nsurvivability (worst case over every loss set of each size):")
+    spares = rep["spares"]
     print(f"{'lost':>4} {'step ms':>10} {'samples/s':>10} {'relative':>9} {'moved':>10}  "
-          f"worst pattern (of how many)")
+          + (f"{'with spares':>22}  " if spares else "") + "worst pattern (of how many)")
     for r in rep["survivability"]:
         if "error" in r:
             print(f"{r['lost']:>4} {'beyond guarantee':>42}  {r['pattern']} (of {r['patterns']}): "
                   f"{r['error']}")
             continue
+        w = r.get("with_spares")
+        swapped = (f"{w['spares_in']} in: {w['samples_per_s']:>8.2f} ({w['relative_throughput']:.3f})"
+                   if w else "")
         print(f"{r['lost']:>4} {r['step_ms']:>10.2f} {r['samples_per_s']:>10.2f} "
-              f"{r['relative_throughput']:>9.3f} {_gb(r['moved_bytes']):>10}  {r['pattern']} "
-              f"(of {r['patterns']})")
+              f"{r['relative_throughput']:>9.3f} {_gb(r['moved_bytes']):>10}  "
+              + (f"{swapped:>22}  " if spares else "") + f"{r['pattern']} (of {r['patterns']})")
+    if spares:
+        print(f"with {plural(spares, 'spare')}: up to {plural(spares, 'loss', 'losses')} over "
+              f"the run {'is' if spares == 1 else 'are'} replaced, each at the step after it (the "
+              f"job keeps its "
+              f"{plural(rep['plan']['nodes'], 'node')}); losses spread over the run are survived "
+              f"while spares last, at most f = {rep['plan']['f']} at once")
     print(f"\nplanning took {rep['planning_seconds']:.2f} s")
 
 
