@@ -398,6 +398,23 @@ def test_a_loss_and_a_join_agree_on_the_survivors_plus_the_joiner():
         assert {n for d in history for n in d.joined} == {"n4"}
 
 
+def test_a_round_opened_by_a_peers_proposal_adds_that_proposals_joiners():
+    """n2 knows spare n5 asked to join; n1's proposal for the loss of n3 adds spare n4 (n1 heard
+    only n4). The suspicion n2 takes over opens its round: with n1's joiner, not its own pick
+    (before: n2 proposed n0,n1,n2,n5, then dropped n5 -- the round added nobody, and a further
+    round was needed)."""
+    names = ("n0", "n1", "n2", "n3", "n4", "n5")
+    core = MembershipCore("n2", names, 999, lambda: 7, members0=names[:4])
+    core.handle("n5", {"type": "join", "how": "spare"})
+    assert core.joiners == {"n5": "spare"} and core.proposal is None  # the job has all its nodes
+    core.handle("n1", {"type": "propose", "round": 1, "view": ["n0", "n1", "n2", "n4"],
+                       "port": 5, "reasons": {"n3": "connection_lost"},
+                       "decided": core.decided.to_msg()})
+    assert core.proposal == ("n0", "n1", "n2", "n4")
+    assert [f["nodes"] for kind, f in core.notes if kind == "proposed"] == [["n0", "n1", "n2", "n4"]]
+    assert set(core.joiners) == {"n4", "n5"}  # n5 waits for a later round
+
+
 def test_a_joiner_that_dies_while_joining_and_an_excluded_member_never_come_back():
     net = SimNet(3, seed=13, spares=1)
     net.asked.add("n3")

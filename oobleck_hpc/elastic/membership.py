@@ -168,6 +168,7 @@ class MembershipCore:
         """Nodes that were members and left a decided view: they never come back (FENCE)."""
         self._round_adds: tuple[str, ...] = ()  # the open round's joiners (shrinks like the view)
         self._round_told: tuple[str, ...] = ()  # its joiners when it opened: they hear about it
+        self._opening_adds: tuple[str, ...] | None = None  # a peer's, while its proposal is absorbed
         self._my_port = 0
         self._proposals: dict[int, dict[str, tuple[tuple[str, ...], int]]] = {}
         self._chain: dict[int, list[tuple[str, ...]]] = {}
@@ -340,14 +341,14 @@ class MembershipCore:
         elif kind == "decided":
             self._on_decided(src, Decision.from_msg(msg))
 
-    def _on_join(self, src: str, how: str) -> None:
-        """A node outside the view asks to be added (step 7): at once if no round is open,
-        else in the next round."""
+    def _on_join(self, src: str, how: str, open_round: bool = True) -> None:
+        """A node outside the view asks to be added (step 7): at once if no round is open (and
+        `open_round`), else in the next round."""
         if src in self.joiners:
             return
         self.joiners[src] = how
         self.notes.append(("join_request", {"node": src, "gen": self.decided.gen, "how": how}))
-        if self.proposal is None:
+        if self.proposal is None and open_round:
             self._update_round()
 
     def _on_bye(self, src: str, msg: dict[str, Any]) -> None:
@@ -383,6 +384,8 @@ class MembershipCore:
         g = self.round
         base = tuple(n for n in self.decided.nodes if n not in self.suspects and n not in self.left)
         if self.proposal is None:
+            if adds is None:
+                adds = self._opening_adds
             if adds is None:
                 if not self.joined:
                     return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
@@ -442,19 +445,24 @@ class MembershipCore:
         """Take over the suspicions of `src`'s proposal `view` for the current round, join it."""
         g = self.round
         reasons = self._reasons.get((g, src), {})
-        for node in self.decided.nodes:
-            if node not in view and node not in self.suspects and node not in self.left:
-                self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}")
-                if self.fenced or self.round != g:
-                    return  # fenced, or the suspicion completed the round (decided)
-        # Joiners: a round opened by a peer's proposal adds what it adds; an open round keeps
-        # only the joiners the peer adds too (others wait for the next round).
+        # Joiners: a round opened by a peer's proposal adds what it adds -- also when one of the
+        # suspicions it carries is what opens it here; an open round keeps only the joiners
+        # the peer adds too (others wait for the next round).
         adds = tuple(n for n in view if n not in self.decided.nodes and n not in self.suspects
                      and n not in self._removed and n not in self.left)
         if self.joined:
             for a in adds:
-                if a not in self._round_adds:
-                    self._on_join(a, f"proposed by {src}")
+                if a not in self._round_adds:  # recorded only: the round opens with src's adds
+                    self._on_join(a, f"proposed by {src}", open_round=False)
+        self._opening_adds = adds if self.proposal is None else None
+        try:
+            for node in self.decided.nodes:
+                if node not in view and node not in self.suspects and node not in self.left:
+                    self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}")
+                    if self.fenced or self.round != g:
+                        return  # fenced, or the suspicion completed the round (decided)
+        finally:
+            self._opening_adds = None
         if self.proposal is None:
             self._update_round(join=True, adds=adds)
         else:
