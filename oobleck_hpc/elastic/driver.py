@@ -69,17 +69,17 @@ recovered (first committed step after the recovery, with the phase times); steps
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Superseded
-from oobleck_hpc.elastic.recovery import Joining, Recovery, RecoveryError, RecoveryRounds
+from oobleck_hpc.elastic.recovery import (JOINER, Joining, Recovery, RecoveryError, RecoveryRounds,
+                                          Standing)
 from oobleck_hpc.elastic.rendezvous import open_store, release_connections, wait_arrivals, wait_port
 from oobleck_hpc.errors import OobleckError
 
@@ -209,16 +209,15 @@ class ElasticDriver(RecoveryRounds):
         from oobleck_hpc.planning.cost import job_profile
         from oobleck_hpc.planning.reconfigure import plan_from_groups
 
-        values = self.client.exchange(f"reconcile-{gen}", ["", -1, -1, "", [], -1],
-                                      timeout=self.agree_s, gen=gen)
-        members = [v for per_node in values.values() for v in per_node if v[1] >= 0]
-        step = max(v[1] for v in members)
-        ahead = {(v[0], v[2], json.dumps(v[4]), v[5]) for v in members if v[1] == step}
+        members = Standing.gathered(self.client.exchange(
+            f"reconcile-{gen}", asdict(JOINER), timeout=self.agree_s, gen=gen))
+        step = max(x.step for x in members)
+        ahead = {(x.base, x.cursor, x.groups, x.base_gen) for x in members if x.step == step}
         if len(ahead) != 1:
             raise RecoveryError(f"the members of generation {gen} committed step {step} on "
                                 f"different plans or cursors: {sorted(ahead)}")
         digest, cursor, groups, base_gen = ahead.pop()
-        plan = plan_from_groups(json.loads(groups), self.templates,
+        plan = plan_from_groups([list(g) for g in groups], self.templates,
                                  self.job.train.global_microbatches,
                                  job_profile(self.job, self.profile), base_gen)
         if plan is None or plan.digest() != digest:

@@ -8,7 +8,7 @@ driver's generation, base engine, plan and groups.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from oobleck_hpc.elastic.membership import Superseded
@@ -45,6 +45,34 @@ class RecoveryError(OobleckError):
     """Survivors disagree on the state to resume from: in-place recovery cannot continue."""
 
     exit_code = EXIT_REQUEUE  # as GuaranteeExceeded: fall back to the last checkpoint
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where one rank stands, as it says in the reconcile exchange of a new generation
+    (`_reconcile`; sent as a JSON object)."""
+
+    base: str
+    """The digest of its base plan (the plan of its last committed step)."""
+    step: int
+    """Steps it committed; -1 for a node joining the job (`JOINER`: it has none)."""
+    cursor: int
+    prepared: str
+    """The digest of the plan of a step it holds prepared (its vote did not complete), or ""."""
+    groups: tuple[tuple[str, ...], ...]
+    """Its base plan's pipelines (their nodes), from which a joiner rebuilds that plan."""
+    base_gen: int
+
+    @classmethod
+    def gathered(cls, values: dict[str, list[Any]]) -> list[Standing]:
+        """The members' standings from an exchange's values (node -> one per rank): joiners,
+        which have nothing to say, are left out."""
+        every = [cls(**{**v, "groups": tuple(tuple(g) for g in v["groups"])})
+                 for per_node in values.values() for v in per_node]
+        return [x for x in every if x.step >= 0]
+
+
+JOINER = Standing("", -1, -1, "", (), -1)
 
 
 @dataclass
@@ -256,13 +284,14 @@ class RecoveryRounds:
         step nobody committed is dropped (roll back). Anything else cannot be made consistent
         in place: RecoveryError. Returns the engine still holding a prepared step: None."""
         state = self.base.state
-        mine = [self.base_plan.digest(), state.step, state.cursor,
-                held.plan.digest() if held is not None else "",
-                [list(p.nodes) for p in self.base_plan.pipelines], self.base_plan.generation]
-        values = self.client.exchange(f"reconcile-{gen}", mine, timeout=self.agree_s, gen=gen)
-        every = [v for per_node in values.values() for v in per_node if v[1] >= 0]  # not joiners
-        target = max(v[1] for v in every)
-        ahead = {(v[0], v[1], v[2]) for v in every if v[1] == target}
+        mine = Standing(self.base_plan.digest(), state.step, state.cursor,
+                        held.plan.digest() if held is not None else "",
+                        tuple(tuple(p.nodes) for p in self.base_plan.pipelines),
+                        self.base_plan.generation)
+        every = Standing.gathered(self.client.exchange(f"reconcile-{gen}", asdict(mine),
+                                                       timeout=self.agree_s, gen=gen))
+        target = max(x.step for x in every)
+        ahead = {(x.base, x.step, x.cursor) for x in every if x.step == target}
         if len(ahead) != 1:
             raise RecoveryError(f"survivors committed step {target} on different plans or "
                                 f"cursors: {sorted(ahead)}; falling back to the last checkpoint")
@@ -276,7 +305,7 @@ class RecoveryRounds:
         if not (state.step == target - 1 and held is not None and held.plan.digest() == digest
                 and held.state.cursor + held.sampler.global_batch == cursor):
             raise RecoveryError(
-                f"this rank stands at step {state.step} (prepared: {mine[3] or 'none'}) while "
+                f"this rank stands at step {state.step} (prepared: {mine.prepared or 'none'}) while "
                 f"survivors committed step {target} on plan {digest}; falling back to the last "
                 "checkpoint")
         result = held.commit()
