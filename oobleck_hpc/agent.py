@@ -8,8 +8,9 @@ srun step per node). It
 2. starts the node's workers (one per GPU: `--workers K` copies of WORKER COMMAND, each with an
    inherited link to the agent and the environment described in elastic/client.py);
 3. watches them: a worker's exit is seen at once (one thread blocked in wait() per worker);
-4. relays what workers report (in-band communication errors) to the control plane, and what the
-   control plane decides (a new generation: survivors, store address; an open round; fencing)
+4. relays what workers report (in-band communication errors; "training": a step committed, so
+   spares and grown nodes may join from now on) to the control plane, and what the control plane
+   decides (a new generation: survivors, store address; an open round; fencing)
    to the workers;
 5. exits when its work is over (exit codes: oobleck_hpc/errors.py):
    - every worker said "done" and exited: tell the peers (BYE "finished" for 0 -- the last step
@@ -117,7 +118,7 @@ class Agent:
                                lease_s=opts.lease_s, probe_s=opts.probe_s,
                                agreement_timeout_s=opts.agreement_timeout_s,
                                startup_s=opts.startup_s, quorum=opts.quorum,  # type: ignore[arg-type]
-                               events=self.events,
+                               open_to_joins=False, events=self.events,
                                on_note=lambda kind, fields: self.inbox.put(("note", kind, fields)))
         self.workers: list[_Worker] = []
         self._exchange_parts: dict[tuple[int, str], dict[int, Any]] = {}
@@ -235,6 +236,8 @@ class Agent:
             w.waiting = True
             if not self.cp.core.joined and all(x.waiting for x in self.workers):
                 self.cp.request_join("spare")  # its workers are ready: swap it in when needed
+        elif kind == "training":  # a step committed: nodes may join now (membership.py, 7)
+            self.cp.open_joins()
         elif kind == "done":
             w.done_code, w.reason = int(msg.get("code", 0)), str(msg.get("reason", ""))
         elif kind == "leave":

@@ -381,6 +381,31 @@ def test_a_spare_waits_until_a_loss_and_the_losss_round_swaps_it_in():
         assert not net.cores[m].fenced and net.cores[m].joined
 
 
+def test_joiners_wait_until_the_job_trains():
+    """Before the first committed step (rendezvous, checkpoint restore) there is no state for a
+    joiner to take: a loss's round adds no spare; the members add it once they train."""
+    net = SimNet(3, seed=5, spares=1)
+    for m in ("n0", "n1", "n2"):
+        net.cores[m].open_to_joins = False
+    net.asked.add("n3")
+    net.cores["n3"].request_join()
+    net.drain("n3")
+    net.crashed.add("n1")
+    net.quiesce()
+    for m in ("n0", "n2"):
+        d = net.cores[m].decided
+        assert (d.gen, d.nodes, d.joined) == (1, ("n0", "n2"), ())
+        assert net.cores[m].joiners == {"n3": "spare"}
+    assert not net.cores["n3"].joined
+    net.cores["n2"].open_joins()  # the first member that trains opens the round that adds it
+    net.drain("n2")
+    net.quiesce()
+    for m in ("n0", "n2", "n3"):
+        d = net.cores[m].decided
+        assert (d.gen, d.nodes, d.lost, d.joined) == (2, ("n0", "n2", "n3"), (), ("n3",))
+    net.check_safety()
+
+
 def test_a_loss_and_a_join_agree_on_the_survivors_plus_the_joiner():
     for seed in range(20):
         net = SimNet(4, seed=seed, spares=1)

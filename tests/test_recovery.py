@@ -141,7 +141,7 @@ def test_kill_one_node_in_each_phase(tmp_path, reference, phase, node, step):
 LONG_STEPS = 600
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
     """cluster.spares: 1 -- 5 nodes and node5 idle, which asks to join once its workers are up;
     the members keep it waiting (the job has all its nodes).

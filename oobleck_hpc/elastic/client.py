@@ -146,6 +146,7 @@ class AgentClient:
         self._working_gen = 0
         """The generation wait_membership last returned: the one this worker works in."""
         self._said_waiting = False
+        self._said_training = False
         self._exchanges: dict[tuple[int, str], dict[str, Any]] = {}
         self._reader = threading.Thread(target=self._read_loop, name="agent-link", daemon=True)
         self._reader.start()
@@ -184,6 +185,13 @@ class AgentClient:
         """Announce an intended exit with `code` (call right before exiting): 0 only once the
         job's last step is done. `reason`: why, for codes other than 0 (e.g. the bad input)."""
         self._send({"type": "done", "code": code, "reason": reason})
+
+    def training(self) -> None:
+        """Say (once) that this worker committed a step: the job trains, and nodes that ask to
+        join may be added from now on (a joiner takes the members' committed state)."""
+        if not self._said_training:
+            self._said_training = True
+            self._send({"type": "training"})
 
     def leave(self) -> None:
         """Announce that this worker leaves the job early and on purpose (call right before

@@ -78,7 +78,7 @@ class ControlPlane:
     def __init__(self, me: str, roster: Roster, *, heartbeat_s: float = 0.5, lease_s: float = 3.0,
                  probe_s: float | None = None, agreement_timeout_s: float | None = None,
                  startup_s: float = 60.0, quorum: Quorum = "majority",
-                 events: EventLog | None = None,
+                 open_to_joins: bool = True, events: EventLog | None = None,
                  on_note: Callable[[str, dict[str, Any]], None] | None = None):
         if lease_s <= heartbeat_s:
             raise ValueError(f"lease_s={lease_s} must exceed heartbeat_s={heartbeat_s}")
@@ -94,7 +94,7 @@ class ControlPlane:
         self.on_note = on_note or (lambda kind, fields: None)
         self.core = MembershipCore(me, roster.names, roster.store_port,
                                    lambda: free_port(self.addr.host), quorum,
-                                   members0=roster.members0)
+                                   members0=roster.members0, open_to_joins=open_to_joins)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
@@ -193,6 +193,10 @@ class ControlPlane:
             self._join_asked = time.monotonic()
             self._run(lambda: self.core.request_join(
                 how, to=[n for n in self.roster.names if n != self.me]))
+
+    def open_joins(self) -> None:
+        """The job trains: add joiners from now on (membership.py, step 7)."""
+        self._run(self.core.open_joins)
 
     def probe(self, why: str, gen: int | None = None) -> None:
         """Ping every member now; those not heard from within probe_s are suspected. If every

@@ -326,6 +326,7 @@ class ElasticDriver(RecoveryRounds):
 
     def _committed(self) -> None:
         self._retries = 0
+        self.client.training()  # (once) nodes may join from now on: there is a state to take
         if self.base is not None:  # first commit on a new plan: it becomes the base
             self.base.close()
             self.base, self.base_plan = None, None

@@ -67,7 +67,11 @@ Message flow
    its address from its first message) -- asks with JOIN (`request_join`). A member records the
    joiner; while the view is smaller than the job (`size`: a node was lost) it opens a round at
    once if none is open (else the next round takes it). So a spare that asked early waits, and
-   the round of the next loss swaps it in. A round's joiners are fixed when it opens: the first
+   the round of the next loss swaps it in. Only once the job trains (`open_joins`: the members'
+   workers committed a step) does a member pick joiners itself: a joiner takes the members'
+   committed state, which a job still starting (rendezvous, checkpoint restore) does not have
+   yet; before that, joiners are recorded and a loss's round adds none. A round's joiners are
+   fixed when it opens: the first
    joiners by name that the member knew of, as many as the view lacks, or, when a peer's PROPOSE
    opened it, those that proposal adds. They come after the surviving nodes, in name order, so that every
    agent computes the same tuple and the store stays on an old member. A PROPOSE goes to the
@@ -139,6 +143,9 @@ class MembershipCore:
     size: int = 0
     """The job's node count (0: len(members0)): a round adds joiners only while the view is
     smaller, so a spare waits until a loss (and is then swapped in by the loss's own round)."""
+    open_to_joins: bool = True
+    """Whether this member picks joiners for the rounds it opens (step 7; False until the job
+    trains, then `open_joins`). It always takes the joiners a peer's proposal adds."""
     decided: Decision = field(init=False)
     proposal: tuple[str, ...] | None = field(init=False, default=None)
     suspects: dict[str, str] = field(init=False, default_factory=dict)
@@ -231,6 +238,15 @@ class MembershipCore:
         too."""
         if node not in self.roster:
             self.roster += (node,)
+
+    def open_joins(self) -> None:
+        """The job trains (its first step committed here): from now on this member adds
+        joiners (step 7); one waiting while the view is smaller than the job is added now."""
+        if self.open_to_joins:
+            return
+        self.open_to_joins = True
+        if self.joiners and self.proposal is None and not self.fenced:
+            self._update_round()
 
     def retry(self, why: str) -> bool:
         """Open a round although nobody is suspected (retry in place: a collective failed while
@@ -389,7 +405,8 @@ class MembershipCore:
             if adds is None:
                 if not self.joined:
                     return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
-                adds = tuple(sorted(self.joiners))[:max(0, self.size - len(base))]
+                want = max(0, self.size - len(base)) if self.open_to_joins else 0
+                adds = tuple(sorted(self.joiners))[:want]
             adds = tuple(sorted(adds))
             new = base + adds
             if not join and new == self.decided.nodes:

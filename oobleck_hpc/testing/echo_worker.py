@@ -80,6 +80,7 @@ def main() -> int:
             try:
                 values = client.exchange(f"digest-{m.gen}", digest(m), timeout=30)
                 record("exchange", gen=m.gen, values=values)
+                client.training()  # the exchange stands for a committed step
             except Superseded as e:
                 record("exchange_superseded", gen=m.gen, reason=str(e))
     except Fenced as e:
