@@ -71,10 +71,10 @@ Message flow
    workers committed a step) does a member pick joiners itself: a joiner takes the members'
    committed state, which a job still starting (rendezvous, checkpoint restore) does not have
    yet; before that, joiners are recorded and a loss's round adds none. A round's joiners are
-   fixed when it opens: the first
-   joiners by name that the member knew of, as many as the view lacks, or, when a peer's PROPOSE
-   opened it, those that proposal adds. They come after the surviving nodes, in name order, so that every
-   agent computes the same tuple and the store stays on an old member. A PROPOSE goes to the
+   fixed when it opens: the first joiners by name that the member knew of, as many as the view
+   lacks, or, when a peer's PROPOSE opened it, those that proposal adds. They come after the
+   surviving nodes, in name order, so that every agent computes the same tuple and the store
+   stays on an old member. A PROPOSE goes to the
    round's joiners too; a joiner takes the carried decision as its own last one and proposes
    like a member, and the decision needs its proposal like any other. Absorbing a peer's
    proposal drops the joiners that the peer's proposal does not add: they wait for the next

@@ -169,7 +169,6 @@ class LocalRun:
             time.sleep(0.05)
         return job_exit_code({m: p.poll() for m, p in procs.items()})
 
-
     def _serve_grow(self) -> None:
         """Answer the grow requests in RUN_DIR/grow/ (module docstring)."""
         folder = self.run_dir / GROW_DIR
