@@ -105,6 +105,8 @@ class _Worker:
     waiting: bool = False
     """It waits for a membership (ready to train): a spare asks to join once all are."""
     exit_code: int | None = None
+    link_read: threading.Event = field(default_factory=threading.Event)
+    """Set once the worker's link reached its end: everything it sent is in the inbox."""
 
 
 class Agent:
@@ -197,15 +199,24 @@ class Agent:
                          name=f"agent-link-{lr}").start()
 
     def _watch_exit(self, w: _Worker) -> None:
-        self.inbox.put(("worker_exit", w.local_rank, w.proc.wait()))
+        code = w.proc.wait()
+        # What the worker sent before it exited (its "done") comes first: its end of the link
+        # closes with it, so the reader reaches the end at once. Without this wait the exit
+        # could overtake the "done" just before it ("exited without 'done'": a finished node
+        # taken for a crashed one; seen once in a CI run of test_engine_run).
+        w.link_read.wait(timeout=5.0)
+        self.inbox.put(("worker_exit", w.local_rank, code))
 
     def _watch_link(self, w: _Worker) -> None:
-        while True:
-            try:
-                msg = recv_msg(w.sock)
-            except (ConnectionClosed, OSError, ValueError):
-                return
-            self.inbox.put(("worker_msg", w.local_rank, msg))
+        try:
+            while True:
+                try:
+                    msg = recv_msg(w.sock)
+                except (ConnectionClosed, OSError, ValueError):
+                    return
+                self.inbox.put(("worker_msg", w.local_rank, msg))
+        finally:
+            w.link_read.set()
 
     def _send(self, w: _Worker, msg: dict[str, Any]) -> None:
         if w.exit_code is not None:
