@@ -129,10 +129,11 @@ class Story:
         self.recoveries += 1
         lost = e.get("lost") or []
         since = "the fault"
-        if self.first_sign is not None:
-            t0 = self.first_sign
-        elif not lost and e.get("joined") and self.grown is not None:
+        if not lost and e.get("joined") and self.grown is not None:
+            # a grow's round aborts the step in flight: its step_failed events are not the cause
             t0, since = self.grown, "the grow"
+        elif self.first_sign is not None:
+            t0 = self.first_sign
         else:
             t0 = e["t"] - e.get("seconds", 0.0)
         self.first_sign = self.grown = None

@@ -85,8 +85,8 @@ def _grow(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from oobleck_hpc.elastic.events import read_events
     from oobleck_hpc.launch.local import grow
+    from oobleck_hpc.story import Tail
 
     run_dir = Path(args.run_dir)
     if args.run_dir.isdigit() and not run_dir.exists():
@@ -103,8 +103,9 @@ def _grow(args: argparse.Namespace) -> int:
           "on fewer nodes than it started with, else waits as a spare for the next loss")
     deadline = time.monotonic() + args.wait
     waiting = set(names)
+    events = Tail(run_dir / "events.jsonl")  # each poll reads only what was appended
     while waiting and time.monotonic() < deadline:
-        for e in read_events(run_dir / "events.jsonl"):
+        for e in events.read():
             if e.get("kind") == "node_joined" and e.get("node") in waiting and e["t"] >= t0:
                 print(f"{e['node']} joined: generation {e['generation']}, from step {e['step']}, "
                       f"{e['seconds']:.2f} s after the agreement")

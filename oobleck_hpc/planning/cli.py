@@ -9,8 +9,9 @@ predicted step time, the one number the console and the plan use), its throughpu
 k = 0, and among the loss sets that reach it the one that moves the most bytes. With
 `cluster.spares: s`, each row also gives the throughput once min(k, s) spares are swapped in by
 the same recovery (`with spares`: what the spares buy; a spare restores nodes, not layers that
-lost every replica, so it never turns a row beyond the guarantee into a survivable one). The new plan's time depends only on the survivors' count, and which plan is valid only on
-how many nodes each pipeline loses, so one loss set per pattern of per-pipeline loss counts is
+lost every replica, so it never turns a row beyond the guarantee into a survivable one). The
+new plan's time depends only on the survivors' count, and which plan is valid only on how many
+nodes each pipeline loses, so one loss set per pattern of per-pipeline loss counts is
 tried (reconfigure.loss_patterns; `patterns` says how many; the bytes moved are those of that
 loss set, which loses each pipeline's first nodes). With --json: one object with keys
 templates, plan, survivability, planning_seconds.
@@ -67,10 +68,6 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int,
                 worst = {"lost": k, "pattern": name, "patterns": len(patterns), "error": str(e)}
                 break
             moved = moved_bytes(plan, new, profile) if lost else 0
-            swapped = new
-            if lost and spares:
-                swapped = reconfigure(plan, lost, templates, profile, f,
-                                      joined=[f"spare{i}" for i in range(min(k, spares))])
             if worst is None or (new.predicted_iteration_ms, moved) > (worst["objective_ms"],
                                                                         worst["moved_bytes"]):
                 step_ms = predicted_step_ms(new, profile)
@@ -81,7 +78,9 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int,
                          "relative_throughput": base / step_ms,
                          "pipelines": [p.template.num_nodes for p in new.pipelines],
                          "moved_bytes": moved}
-                if spares:
+                if spares:  # the same losses, with the spares swapped in by their round
+                    swapped = reconfigure(plan, lost, templates, profile, f, joined=[
+                        f"spare{i}" for i in range(min(k, spares))]) if lost else new
                     spare_ms = predicted_step_ms(swapped, profile)
                     worst["with_spares"] = {
                         "spares_in": min(k, spares), "step_ms": spare_ms,
