@@ -538,3 +538,49 @@ def test_flaky_connection_is_retried_and_a_dead_peer_still_detected_at_once(tmp_
     finally:
         for cp in cps.values():
             cp.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_path):
+    """Three control planes in this process; c's is frozen for longer than probe_s (its lock
+    held: it neither answers nor sends). A worker's comm error on a starts a probe, then a
+    round opens (a retry round: a join's round aborts every worker's step the same way): the
+    probe is dropped, b's probe for its own error is not started, and once c answers again the
+    round decides with all three. Probing during the round would have suspected a member only
+    slow to answer (seen: a healthy member lost in a grow's round on a loaded machine)."""
+    from oobleck_hpc.elastic.control import ControlPlane
+    from oobleck_hpc.elastic.events import EventLog
+
+    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", free_port()) for m in "abc"), free_port())
+    log = tmp_path / "events.jsonl"
+    cps = {m: ControlPlane(m, roster, heartbeat_s=0.1, lease_s=5.0, probe_s=0.3, startup_s=10,
+                           events=EventLog(log, source=m)) for m in roster.names}
+    try:
+        for cp in cps.values():
+            cp.start()
+        deadline = time.time() + 10
+        while not all(len(cp._last_heard) == 2 for cp in cps.values()):
+            assert time.time() < deadline, "the planes never heard from each other"
+            time.sleep(0.02)
+        with cps["c"]._lock:  # c hangs (for 1 s: over probe_s, under the lease)
+            cps["a"].probe("worker a/0 reported comm_error", gen=0)
+            cps["a"]._run(lambda: cps["a"].core.retry("a worker's collective failed"))
+            deadline = time.time() + 5
+            while cps["b"].core.proposal is None:
+                assert time.time() < deadline, "b never heard of a's round"
+                time.sleep(0.01)
+            cps["b"].probe("worker b/0 reported comm_error", gen=0)
+            time.sleep(1.0)
+        deadline = time.time() + 5
+        while not all(cp.core.decided.gen == 1 for cp in cps.values()):
+            assert time.time() < deadline, f"generation 1 not decided: {read_events(log)}"
+            time.sleep(0.02)
+        assert all(cp.core.decided.nodes == ("a", "b", "c") for cp in cps.values())
+        events = read_events(log)
+        assert not [e for e in events if e["kind"] == "failure_detected"], events
+        assert [e["source"] for e in events if e["kind"] == "probe"] == ["a"], events
+        skipped = [e for e in events if e["kind"] == "probe_skipped"]
+        assert [(e["source"], e["round_open"]) for e in skipped] == [("b", True)], skipped
+    finally:
+        for cp in cps.values():
+            cp.close()

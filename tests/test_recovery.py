@@ -106,7 +106,8 @@ def check_equal_to_reference(code: int, rows: list[dict], run_dir: Path, referen
     events = read_events(run_dir / "events.jsonl")
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert recovered, f"no recovery happened (events: {run_dir / 'events.jsonl'})"
-    assert set(recovered[-1]["lost"]) == lost
+    detected = [(e["source"], e["node"], e["how"]) for e in events if e["kind"] == "failure_detected"]
+    assert set(recovered[-1]["lost"]) == lost, f"failures detected: {detected}"
     if last_on_new_plan:
         assert rows[-1]["generation"] >= 1
     return events

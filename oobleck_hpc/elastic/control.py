@@ -30,7 +30,8 @@ What each timeout bounds
   adds one finds its leases of the members fresh.
 - probe_s: after a worker reports a communication error without naming a peer, every peer not
   heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
-  every peer answered, the agent opens a retry round (4b).
+  every peer answered, the agent opens a retry round (4b). Not while a round is open: the round
+  explains the error, and the lease bounds its wait for a hung member.
 - agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
   proposal and no decision; an agent that hits it fences itself for a requeue (never hang).
 - startup_s: how long agents wait for each other's first connection at start.
@@ -200,15 +201,21 @@ class ControlPlane:
 
     def probe(self, why: str, gen: int | None = None) -> None:
         """Ping every member now; those not heard from within probe_s are suspected. If every
-        member answers, a retry round opens (unless a round opened meanwhile). `gen`: the
-        generation the failure happened in; a failure of an older generation is ignored (the
-        newer generation already gave the workers fresh groups)."""
+        member answers, a retry round opens. `gen`: the generation the failure happened in; a
+        failure of an older generation is ignored (the newer generation already gave the
+        workers fresh groups). A probe is not started, and one running is dropped, while a
+        round is open: the round explains the error (it aborted the step everywhere: a join's
+        round makes every worker report one), and it waits for its members at most lease_s,
+        so a hung member is still found. Probing then would only suspect a healthy member
+        slower than probe_s to answer while the whole job reconfigures (seen: a member lost
+        in a grow's round on a loaded 2-core machine)."""
         with self._lock:
             if self.core.fenced:
                 return
             current = self.core.decided.gen
-            if gen is not None and gen < current:
-                self.events.emit("probe_skipped", why=why, failed_gen=gen, gen=current)
+            if (gen is not None and gen < current) or self.core.proposal is not None:
+                self.events.emit("probe_skipped", why=why, failed_gen=gen, gen=current,
+                                 round_open=self.core.proposal is not None)
                 return
             if self._probe is not None:
                 return  # one probe at a time: the running one answers for this failure too
@@ -249,6 +256,7 @@ class ControlPlane:
                              gen=fields["gen"])
         elif kind == "round_started":
             self._round_t[fields["gen"]] = now
+            self._probe = None  # the round answers for the error that started it (probe())
             self.events.emit("round_started", gen=fields["gen"], suspects=sorted(fields["suspects"]),
                              joiners=fields["joiners"])
         elif kind == "proposed":
