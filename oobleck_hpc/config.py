@@ -124,16 +124,14 @@ class ClusterConfig:
     """'auto' picks cuda when GPUs are visible, else cpu."""
     spares: int = 0
     """Extra nodes that start idle (workers ready, no layers) and are swapped in by the round
-    of a loss, so the job goes on at full size (elastic/membership.py, step 7)."""
+    of a loss, so the job goes on at full size (elastic/membership.py, step 7). Under Slurm
+    the job allocates nodes + spares; the last ones of the allocation are the spares."""
 
     def check(self, where: _Where) -> None:
         if self.nodes < 1:
             where.fail("nodes", self.nodes, "must be at least 1", "use a positive integer")
         if self.spares < 0:
             where.fail("spares", self.spares, "must be >= 0", "use the number of idle spare nodes")
-        if self.spares and self.launch != "local":
-            where.fail("spares", self.spares, "is supported by the local launcher only so far",
-                       "use spares: 0 with launch: slurm")
         if self.gpus_per_node < 1:
             where.fail("gpus_per_node", self.gpus_per_node, "must be at least 1",
                        "use the number of GPUs of one node (CPU runs: worker processes per node)")

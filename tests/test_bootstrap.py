@@ -95,6 +95,10 @@ def test_discovery_record_round_trip_and_roster_format(tmp_path):
     assert other.digest != found.digest  # order is part of what everyone must agree on
     with pytest.raises(TimeoutError, match="restart 2"):
         wait_for_discovery(tmp_path, "42", 2, timeout_s=0.3)
+    spared = Discovery("42", 1, found.records, 40100, spares=1)  # cluster.spares: 1
+    spared.write(tmp_path)
+    assert Discovery.load(tmp_path) == spared and spared.digest != found.digest
+    assert Roster.load(tmp_path / "roster.json").members0 == ("n1",)
 
 
 def test_handed_out_ports_avoid_the_ephemeral_range_and_each_other(monkeypatch, tmp_path):
@@ -193,7 +197,8 @@ def test_a_job_that_resumes_asks_for_the_nodes_left(monkeypatch):
 
 
 def test_sbatch_parameters_and_agent_command():
-    from oobleck_hpc.launch.slurm import DEFAULT_AGENT_COMMAND, agent_argv, sbatch_parameters
+    from oobleck_hpc.launch.slurm import (DEFAULT_AGENT_COMMAND, agent_argv, members,
+                                          sbatch_parameters)
 
     job = job_from_dict({"name": "t", "cluster": {"nodes": 8}, "slurm": {
         "partition": "gpu", "time_min": 120, "gpus_per_node": 4, "signal": "SIGUSR1",
@@ -204,6 +209,9 @@ def test_sbatch_parameters_and_agent_command():
     extra = p["additional_parameters"]
     assert extra["no-kill"] is True and extra["requeue"] is True
     assert extra["signal"] == "USR1@300" and extra["qos"] == "high"
+    spared = job_from_dict({"name": "t", "cluster": {"launch": "slurm", "nodes": 8, "spares": 2}})
+    assert sbatch_parameters(spared)["nodes"] == 10  # the spares are allocated with the job
+    assert (members(spared), members(job)) == (8, 0)
     assert agent_argv(None, python="/p y", job_file="/r/job.yaml", run_dir="/r") == [
         "/p y", "-m", "oobleck_hpc.agent", "--job", "/r/job.yaml", "--run-dir", "/r"]
     assert "{run_dir}" in DEFAULT_AGENT_COMMAND

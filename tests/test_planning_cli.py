@@ -81,9 +81,7 @@ def test_plan_shows_what_spares_buy(capsys, tmp_path):
     job = tmp_path / "job.yaml"
     text = (EXAMPLES / "gpt3-6.7b-paper.yaml").read_text()
     assert "  gpus_per_node:" in text
-    # (spares run on the local launcher so far)
-    job.write_text(text.replace("  gpus_per_node:", "  spares: 1\n  gpus_per_node:", 1)
-                   .replace("launch: slurm", "launch: local"))
+    job.write_text(text.replace("  gpus_per_node:", "  spares: 1\n  gpus_per_node:", 1))
     assert main(["plan", str(job), "--nodes", "6", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["spares"] == 1

@@ -64,10 +64,13 @@ def reference():
     return reference_run(job_from_dict(job_dict(Path("/nonexistent"), "reference")), STEPS)
 
 
-def write_job(tmp_path: Path, name: str) -> tuple[Path, Path]:
+def write_job(tmp_path: Path, name: str, **cluster) -> tuple[Path, Path]:
+    """The job file (`cluster`: overrides of its cluster section) and its run directory."""
     run_dir = tmp_path / name
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(job_dict(run_dir, name)))
+    data = job_dict(run_dir, name)
+    data["cluster"].update(cluster)
+    path.write_text(yaml.safe_dump(data))
     return path, run_dir
 
 
@@ -169,18 +172,19 @@ def _job_state(job_id: str) -> str:
 
 
 def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
-                   node: str | None, hang_at: tuple[int, str] | None = None) -> dict:
+                   node: str | None, hang_at: tuple[int, str] | None = None,
+                   **cluster) -> dict:
     """Submit, wait for step 2 to commit, do `dev-cluster.sh ACTION NODE` (node None: the batch
     host), let the job finish; check it against the reference. `hang_at` (step, phase): first
     the job's own `hang` fault stops NODE's processes exactly there (in the job file), and the
-    action follows once it fired. Returns figures (seconds from the fault to the first step
-    committed after it)."""
+    action follows once it fired. `cluster`: overrides of the job's cluster section. Returns
+    figures (seconds from the fault to the first step committed after it)."""
     from oobleck_hpc.bootstrap import current_job_nodes
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch import submit
     from oobleck_hpc.launch.slurm import wait_result
 
-    path, run_dir = write_job(tmp_path, name)
+    path, run_dir = write_job(tmp_path, name, **cluster)
     if hang_at is not None:
         data = yaml.safe_load(path.read_text())
         data["faults"] = [{"node": int(node[1:]) - 1, "step": hang_at[0], "phase": hang_at[1],
@@ -220,7 +224,9 @@ def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
     after = [r for r in metrics(run_dir) if r["time"] > t_fault and r["generation"] >= 1]
     recovered = [e for e in events if e["kind"] == "recovered"][-1]
     return {"fault_at_step": at, "fault_to_first_step_s": round(after[0]["time"] - t_fault, 2),
-            "recovery_s": recovered["seconds"]}
+            "recovery_s": recovered["seconds"], "joined": recovered["joined"],
+            "started_on": result.nodes,
+            "last_plan_nodes": [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"]}
 
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
@@ -228,6 +234,17 @@ def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, reference):
     figures = run_with_fault(slurm_cluster, tmp_path, reference, "kill", "kill-node",
                              "n3")
     print("kill n3:", figures)
+
+
+@pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
+def test_killed_node_replaced_by_the_spare_of_the_allocation(slurm_cluster, tmp_path, reference):
+    """cluster.nodes 3 + spares 1: the job allocates all 4 nodes, n4 waits as a spare; n3 is
+    killed and the loss's own recovery swaps n4 in: the job ends on 3 nodes, exact."""
+    figures = run_with_fault(slurm_cluster, tmp_path, reference, "spare", "kill-node", "n3",
+                             nodes=3, spares=1)
+    print("kill n3, spare n4:", figures)
+    assert figures["started_on"] == ["n1", "n2", "n3", "n4"], figures  # spare included
+    assert figures["joined"] == ["n4"] and figures["last_plan_nodes"] == 3, figures
 
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock

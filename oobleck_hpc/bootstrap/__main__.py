@@ -1,7 +1,9 @@
 """`python -m oobleck_hpc.bootstrap COMMAND`: the bootstrap's command-line side, run by srun.
 
-    discover --run-dir DIR        one task per node, under `srun --mpi=pmix`: agree on the roster
-                                  and write DIR/roster.json + DIR/discovery.json (discovery.py)
+    discover --run-dir DIR [--members K]
+                                  one task per node, under `srun --mpi=pmix`: agree on the roster
+                                  and write DIR/roster.json + DIR/discovery.json (discovery.py);
+                                  with K > 0 the nodes after the first K are spares
     probe --run-dir DIR [--job F] [--seconds S] [--first-run-exit CODE]
                                   a small real per-node program standing in for the agent in
                                   launch tests: reads the discovery of this job run, binds its
@@ -9,13 +11,15 @@
                                   DIR/probe/NODE.json, then beats (DIR/probe/NODE.beats, one line
                                   every 0.2 s) for S seconds, noting any SIGUSR2/SIGTERM it gets;
                                   exits CODE on a job's first run (restart 0), else 0
-    discover-step --run-dir DIR --nodes A,B,.. [--min-nodes K] [--mpi M] [--log F]
+    discover-step --run-dir DIR --nodes A,B,.. [--min-nodes K] [--members K] [--mpi M] [--log F]
                                   run the discovery step from the batch script, leaving out
                                   nodes that cannot run a step (discovery.run_discovery_step);
                                   prints the nodes it ran on; exit 75 with fewer than K left
     run-dir JOB.yaml              print the job's run directory (for slurm/train.sbatch)
     min-nodes JOB.yaml            print the fewest nodes the job's plan accepts, (f + 1) * n0
                                   (discover-step's --min-nodes)
+    members JOB.yaml              print generation 0's node count for discover-step's --members:
+                                  cluster.nodes for a job with cluster.spares, else 0 (all)
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def _discover(args: argparse.Namespace) -> int:
     from oobleck_hpc.bootstrap.discovery import discover
 
     t0 = time.monotonic()
-    found = discover(args.run_dir)
+    found = discover(args.run_dir, members=args.members)
     env = detect()
     if env.task_rank == 0:
         print(f"discovery: job {found.job_id} restart {found.restart_count}: "
@@ -95,7 +99,7 @@ def _discover_step(args: argparse.Namespace) -> int:
     try:
         nodes = run_discovery_step(args.run_dir, args.nodes.split(","), python=sys.executable,
                                    mpi=args.mpi, log=args.log or "/dev/null",
-                                   min_nodes=args.min_nodes)
+                                   min_nodes=args.min_nodes, members=args.members)
     except TooFewNodes as e:
         print(f"discovery: {e}; asking for a requeue", file=sys.stderr)
         return EXIT_REQUEUE
@@ -114,12 +118,22 @@ def _min_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _members(args: argparse.Namespace) -> int:
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.launch.slurm import members
+
+    print(members(load_job(args.job)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oobleck_hpc.bootstrap",
                                      description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("discover", help="agree on the roster (one task per node, under MPI)")
     p.add_argument("--run-dir", required=True)
+    p.add_argument("--members", type=int, default=0,
+                   help="generation 0's node count; the nodes after it are spares (0: none)")
     p.set_defaults(func=_discover)
     p = sub.add_parser("probe", help="a per-node test program standing in for the agent")
     p.add_argument("--run-dir", required=True)
@@ -132,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--nodes", required=True, help="comma-separated node names")
     p.add_argument("--min-nodes", type=int, default=1)
+    p.add_argument("--members", type=int, default=0,
+                   help="generation 0's node count; the nodes after it are spares (0: none)")
     p.add_argument("--mpi", default="pmix")
     p.add_argument("--log", default=None, help="the step's output file")
     p.set_defaults(func=_discover_step)
@@ -141,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("min-nodes", help="print the fewest nodes a job's plan accepts")
     p.add_argument("job")
     p.set_defaults(func=_min_nodes)
+    p = sub.add_parser("members", help="print generation 0's node count (0: every node)")
+    p.add_argument("job")
+    p.set_defaults(func=_members)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -63,11 +63,13 @@ class Discovery:
     """Port of the first rendezvous point, on the first node's address."""
     controller_nodes: tuple[str, ...] = ()
     """The job's nodes as the controller saw them at discovery (empty outside Slurm)."""
+    spares: int = 0
+    """How many of the last records are spares (`cluster.spares`: outside generation 0)."""
 
     @property
     def roster(self) -> Roster:
         return Roster(tuple(NodeAddress(r.node, r.address, r.port) for r in self.records),
-                      self.store_port)
+                      self.store_port, self.spares)
 
     @property
     def store(self) -> tuple[str, int]:
@@ -76,13 +78,15 @@ class Discovery:
     @property
     def digest(self) -> str:
         """A checksum of what must be identical everywhere (records and rendezvous point)."""
-        body = json.dumps([[asdict(r) for r in self.records], self.store_port], sort_keys=True)
+        body = json.dumps([[asdict(r) for r in self.records], self.store_port, self.spares],
+                          sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
         return {"job_id": self.job_id, "restart_count": self.restart_count,
                 "records": [asdict(r) for r in self.records], "store_port": self.store_port,
-                "controller_nodes": list(self.controller_nodes), "digest": self.digest}
+                "controller_nodes": list(self.controller_nodes), "spares": self.spares,
+                "digest": self.digest}
 
     @classmethod
     def load(cls, run_dir: str | Path) -> Discovery:
@@ -90,7 +94,8 @@ class Discovery:
         return cls(job_id=data["job_id"], restart_count=data["restart_count"],
                    records=tuple(NodeRecord(**r) for r in data["records"]),
                    store_port=data["store_port"],
-                   controller_nodes=tuple(data.get("controller_nodes", ())))
+                   controller_nodes=tuple(data.get("controller_nodes", ())),
+                   spares=data.get("spares", 0))
 
     def write(self, run_dir: str | Path) -> None:
         """Atomically write roster.json and discovery.json (a reader never sees half a file)."""
@@ -100,10 +105,14 @@ class Discovery:
         write_json(run_dir / DISCOVERY_FILE, self.to_dict())
 
 
-def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discovery:
+def discover(run_dir: str | Path, env: NodeEnvironment | None = None,
+             members: int = 0) -> Discovery:
     """Run in every task of an MPI launch with one task per node (`srun --mpi=pmix
     --ntasks-per-node=1 python -m oobleck_hpc.bootstrap discover`). Returns the agreed
-    `Discovery` on every task; rank 0 has written it to `run_dir`. Finalizes MPI."""
+    `Discovery` on every task; rank 0 has written it to `run_dir`. Finalizes MPI.
+    `members` > 0 (a job with `cluster.spares`): generation 0 is the first `members` nodes and
+    the others wait as spares; when the step runs on fewer nodes (some left out), the spares
+    are the ones that go. 0: every node is a member."""
     from mpi4py import MPI  # only here: the agents never initialise MPI (module docstring)
 
     env = env or detect()
@@ -130,7 +139,8 @@ def discover(run_dir: str | Path, env: NodeEnvironment | None = None) -> Discove
         else:
             head = None
         store_port, controller = comm.bcast(head, root=0)
-        found = Discovery(env.job_id, env.restart_count, records, store_port, controller)
+        found = Discovery(env.job_id, env.restart_count, records, store_port, controller,
+                          spares=max(0, len(records) - members) if members else 0)
         digests = comm.allgather(found.digest)
         if len(set(digests)) != 1:
             raise RuntimeError(f"discovery tasks disagree on the roster: digests {digests}")
@@ -167,20 +177,21 @@ class TooFewNodes(RuntimeError):
 
 
 def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mpi: str,
-                       log: str | Path, min_nodes: int = 1, timeout_s: float = 300,
-                       attempts: int = 3) -> list[str]:
+                       log: str | Path, min_nodes: int = 1, members: int = 0,
+                       timeout_s: float = 300, attempts: int = 3) -> list[str]:
     """Run the discovery step (`srun --mpi=MPI ... python -m oobleck_hpc.bootstrap discover`) on
     `nodes`; returns the nodes it ran on. When it fails, each node is tried alone with a trivial
     step (`srun -w NODE true`) and the ones that fail are left out of the next attempt: measured
     after a requeue, a node that was frozen and thawed can refuse the job's steps ("Job credential
     revoked") while its slurmd answers the controller. Raises TooFewNodes when fewer than
-    `min_nodes` remain, RuntimeError when the step fails on nodes that each run alone."""
+    `min_nodes` remain, RuntimeError when the step fails on nodes that each run alone.
+    `members`: see `discover`."""
     nodes = list(nodes)
     for attempt in range(attempts):
         argv = ["srun", f"--mpi={mpi}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
                 "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
                 f"--output={log}", python, "-m", "oobleck_hpc.bootstrap", "discover",
-                "--run-dir", str(run_dir)]
+                "--run-dir", str(run_dir), "--members", str(members)]
         rc = subprocess.run(argv, timeout=timeout_s).returncode
         if rc == 0:
             return nodes

@@ -24,10 +24,10 @@ Why these flags (measured on Slurm 22.05, see issue 6 and tests/test_slurm_*.py)
   apart. Losing the batch node does NOT end a --no-kill job (measured): the agents elsewhere go on
   and the last one to exit records the verdict and requeues the job; its next run only publishes
   the recorded outcome (slurm_task.finish_without_driver): COMPLETED, with submitit's result.
-- `--nodes=N` (cluster.nodes), not MIN-MAX: with `--nodes=2-4 --ntasks-per-node=1` Slurm 22.05
-  started every job on 2 nodes of an idle 4-node cluster (measured). MIN = `min_nodes`,
-  (f + 1) * n0, bounds the discovery step instead: nodes that cannot run a step are left out
-  while at least MIN remain. A requeued job would ask for N again and wait for a DOWN node: one
+- `--nodes=N` (cluster.nodes + cluster.spares: the discovery makes the last ones spares), not
+  MIN-MAX: with `--nodes=2-4 --ntasks-per-node=1` Slurm 22.05 started every job on 2 nodes of
+  an idle 4-node cluster (measured). MIN = `min_nodes`, (f + 1) * n0, bounds the discovery step
+  instead: nodes that cannot run a step are left out (spares first) while at least MIN remain. A requeued job would ask for N again and wait for a DOWN node: one
   that resumes after a node loss asks for the nodes left instead, when at least MIN are
   (slurm_task.requeue: `scontrol update JobId=J NumNodes=K NumTasks=K`, taken only once the job
   is PENDING, by a detached helper).
@@ -128,6 +128,8 @@ class SlurmDriver:
     python: str = sys.executable
     min_nodes: int = 1
     """The fewest nodes the job's plan accepts (`min_nodes`): below it, requeue and wait."""
+    members: int = 0
+    """Generation 0's node count (`members`): the allocation's nodes after it are spares."""
 
     def __call__(self) -> LaunchResult:
         env = detect()
@@ -148,7 +150,8 @@ class SlurmDriver:
         try:
             nodes = run_discovery_step(run_dir, nodes, python=self.python, mpi=self.mpi,
                                        log=logs / f"discovery-{tag}.out",
-                                       min_nodes=self.min_nodes, timeout_s=DISCOVERY_TIMEOUT_S)
+                                       min_nodes=self.min_nodes, members=self.members,
+                                       timeout_s=DISCOVERY_TIMEOUT_S)
         except TooFewNodes as e:
             print(f"oobleck: {e}; requeueing job {env.job_id}", file=sys.stderr, flush=True)
             self._requeue(env.job_id, run_dir, tag, reason=str(e))
@@ -252,12 +255,19 @@ def min_nodes(job: JobConfig) -> int:
     return (job.fault_tolerance.f + 1) * spec.n0
 
 
+def members(job: JobConfig) -> int:
+    """Generation 0's node count for the discovery step: `cluster.nodes` when the job has
+    spares (the allocation is nodes + spares, the last ones wait), else 0 (every node of the
+    allocation is a member, as many as the batch script asked for)."""
+    return job.cluster.nodes if job.cluster.spares else 0
+
+
 def sbatch_parameters(job: JobConfig) -> dict:
     """The submitit parameters of a job (also what `oobleck-hpc submit --dry-run` prints)."""
     s = job.slurm
     params: dict = {
         "job_name": job.name,
-        "nodes": job.cluster.nodes,
+        "nodes": job.cluster.nodes + job.cluster.spares,
         "time": s.time_min,
         "signal_delay_s": s.signal_delay_s,
         "use_srun": False,
@@ -299,7 +309,8 @@ def submit(job: JobConfig, *, python: str | None = None) -> submitit.Job:
     driver = SlurmDriver(job_file=str(job_file), run_dir=str(run_dir),
                          agent=agent_argv(job.slurm.agent_command, python=python,
                                           job_file=job_file, run_dir=run_dir),
-                         mpi=job.slurm.mpi, python=python, min_nodes=fewest)
+                         mpi=job.slurm.mpi, python=python, min_nodes=fewest,
+                         members=members(job))
     return executor.submit(driver)
 
 
