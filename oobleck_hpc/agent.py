@@ -40,7 +40,8 @@ OOBLECK_NODE_INDEX (see oobleck_hpc/elastic/client.py for the link itself).
 Under Slurm the launcher runs `python -m oobleck_hpc.agent --job JOB --run-dir RUN_DIR`: the node
 name then defaults to $SLURMD_NODENAME (else the short host name), the roster to
 RUN_DIR/roster.json (written by the discovery step), and the worker command to
-`python -m oobleck_hpc.train`.
+`python -m oobleck_hpc.train`. A replacement job's agents (launch/slurm.py) add `--join`: the
+node adds itself to the running job's roster file and joins like a spare.
 
 Every transition goes to `<run_dir>/events.jsonl` (events.py) and a short line on stderr.
 """
@@ -64,7 +65,7 @@ from typing import Any
 from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Decision
-from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, recv_msg, send_msg
+from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, join_roster_file, recv_msg, send_msg
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 EXIT_NODE_LOST = EXIT_UNRECOVERABLE
@@ -408,6 +409,9 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
     p.add_argument("--quorum", choices=["majority", "none"], default="majority")
     p.add_argument("--kill-grace-s", type=float, default=2.0,
                    help="time fenced workers get to exit before they are killed")
+    p.add_argument("--join", action="store_true",
+                   help="this node is not in the roster: add it (this host's address, a free "
+                   "port) and join the running job like a spare (a replacement job's agents)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- worker command and arguments")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -428,8 +432,13 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
         p.error(f"need 0 < --heartbeat-s ({heartbeat_s}) < --lease-s ({lease_s})")
     run_dir = Path(a.run_dir) if a.run_dir else run_dir
     roster_path = a.roster or str(run_dir / "roster.json")
-    roster = Roster.load(roster_path)
     node = a.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    if a.join:
+        from oobleck_hpc.bootstrap.environment import node_address
+
+        node, roster = join_roster_file(roster_path, node, node_address())
+    else:
+        roster = Roster.load(roster_path)
     if node not in roster.names:
         p.error(f"node {node!r} is not in the roster {roster_path} (nodes: {', '.join(roster.names)}); "
                 "pass --node NAME")

@@ -147,6 +147,10 @@ class FaultToleranceConfig:
     """Interval of the agents' heartbeats on the control plane."""
     lease_s: float = 3.0
     """A node whose heartbeat is older than this is declared lost (catches hangs, partitions)."""
+    replace: bool = False
+    """Under Slurm: after a loss the job submits a replacement job (its partition, account, QOS
+    and constraints, the time it has left) whose agents join the running job; replacements end
+    with the job (launch/slurm.py). Locally, `oobleck-hpc grow` adds nodes by hand."""
 
     def check(self, where: _Where) -> None:
         if self.f < 0:
@@ -286,6 +290,10 @@ class JobConfig:
     """The file this job was read from (for error messages); not a YAML key."""
 
     def check(self, where: _Where) -> None:
+        if self.fault_tolerance.replace and self.cluster.launch != "slurm":
+            where.fail("fault_tolerance.replace", True, "needs cluster.launch: slurm (it submits "
+                       "replacement jobs)", "set it to false; grow a local job by hand with "
+                       "`oobleck-hpc grow RUN_DIR --nodes K`")
         for i, fault in enumerate(self.faults):
             if not 0 <= fault.node < self.cluster.nodes:
                 where.fail(f"faults[{i}].node", fault.node,

@@ -21,7 +21,7 @@ from oobleck_hpc.bootstrap.environment import (
 )
 from oobleck_hpc.config import job_from_dict
 from oobleck_hpc.elastic import wire
-from oobleck_hpc.elastic.wire import Roster
+from oobleck_hpc.elastic.wire import NodeAddress, Roster
 from oobleck_hpc.errors import ConfigError
 from oobleck_hpc.launch.slurm_task import verdict
 
@@ -250,3 +250,27 @@ def test_submit_dry_run_prints_flags(tmp_path):
     shown = json.loads(out.stdout)
     assert shown["sbatch"]["nodes"] == 3 and shown["sbatch"]["additional_parameters"]["no-kill"]
     assert shown["agent"][1:3] == ["-m", "oobleck_hpc.agent"]
+
+
+def test_a_replacement_agent_adds_itself_to_the_running_jobs_roster(tmp_path):
+    """`agent --join` (join_roster_file): appended as a grown node with its address and a free
+    port; a name already in the roster -- a lost node given back to the job -- gets a suffix."""
+    from oobleck_hpc.elastic.wire import join_roster_file
+
+    path = tmp_path / "roster.json"
+    Roster((NodeAddress("n1", "10.0.0.1", 40001), NodeAddress("n2", "10.0.0.2", 40002)),
+           40100).write(path)
+    name, roster = join_roster_file(path, "n4", "127.0.0.1")
+    assert name == "n4" and roster == Roster.load(path)
+    assert roster.names == ("n1", "n2", "n4") and roster.members0 == ("n1", "n2")
+    again, roster = join_roster_file(path, "n2", "127.0.0.1")
+    assert again == "n2~2" and Roster.load(path).names == ("n1", "n2", "n4", "n2~2")
+    assert len({n.port for n in roster.nodes}) == 4
+
+
+def test_replace_needs_slurm():
+    with pytest.raises(ConfigError) as err:
+        job_from_dict({"fault_tolerance": {"replace": True}}, source="job.yaml")
+    assert err.value.key == "fault_tolerance.replace" and "oobleck-hpc grow" in str(err.value)
+    job = job_from_dict({"cluster": {"launch": "slurm"}, "fault_tolerance": {"replace": True}})
+    assert job.fault_tolerance.replace

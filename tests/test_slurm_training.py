@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 30  # gpt-tiny steps take ~0.1 s here: enough of them that a fault lands mid-run
+LONG_STEPS = 300  # long enough for a replacement job to start and join after a loss
 TOL = 1e-5
 
 
@@ -64,12 +65,24 @@ def reference():
     return reference_run(job_from_dict(job_dict(Path("/nonexistent"), "reference")), STEPS)
 
 
-def write_job(tmp_path: Path, name: str, **cluster) -> tuple[Path, Path]:
-    """The job file (`cluster`: overrides of its cluster section) and its run directory."""
+@pytest.fixture(scope="module")
+def long_reference():
+    """The failure-free run of LONG_STEPS steps (the jobs that grow)."""
+    from oobleck_hpc.engine import reference_run
+
+    data = job_dict(Path("/nonexistent"), "reference")
+    data["train"]["steps"] = LONG_STEPS
+    return reference_run(job_from_dict(data), LONG_STEPS)
+
+
+def write_job(tmp_path: Path, name: str, **sections: dict) -> tuple[Path, Path]:
+    """The job file (`sections`: keys to change per section, e.g. cluster={"nodes": 3}) and its
+    run directory."""
     run_dir = tmp_path / name
     path = tmp_path / f"{name}.yaml"
     data = job_dict(run_dir, name)
-    data["cluster"].update(cluster)
+    for section, values in sections.items():
+        data[section].update(values)
     path.write_text(yaml.safe_dump(data))
     return path, run_dir
 
@@ -96,7 +109,8 @@ def check_run(run_dir: Path, job_id: str, reference, lost: set[str],
     batch node was lost, the job came back once only to publish the outcome (COMPLETED)."""
     ref_losses, ref_params = reference
     rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), f"{rows} (logs: {run_dir}/logs)"
+    assert [r["step"] for r in rows] == list(range(1, len(ref_losses) + 1)), \
+        f"{rows} (logs: {run_dir}/logs)"
     np.testing.assert_allclose([r["loss"] for r in rows], ref_losses, rtol=TOL)
     for layer, params in ref_params.items():
         got = torch.load(run_dir / "final" / f"layer-{layer}.pt")
@@ -115,7 +129,7 @@ def check_run(run_dir: Path, job_id: str, reference, lost: set[str],
     recovered = [e for e in events if e["kind"] == "recovered"]
     if lost:
         assert recovered, f"no recovery in {run_dir / 'events.jsonl'}"
-        assert set(recovered[-1]["lost"]) == lost
+        assert set().union(*(e["lost"] for e in recovered)) == lost, recovered
         assert rows[-1]["generation"] >= 1
     else:
         assert not recovered and rows[-1]["generation"] == 0
@@ -173,18 +187,19 @@ def _job_state(job_id: str) -> str:
 
 def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
                    node: str | None, hang_at: tuple[int, str] | None = None,
-                   **cluster) -> dict:
+                   then=None, **sections: dict) -> dict:
     """Submit, wait for step 2 to commit, do `dev-cluster.sh ACTION NODE` (node None: the batch
     host), let the job finish; check it against the reference. `hang_at` (step, phase): first
     the job's own `hang` fault stops NODE's processes exactly there (in the job file), and the
-    action follows once it fired. `cluster`: overrides of the job's cluster section. Returns
-    figures (seconds from the fault to the first step committed after it)."""
+    action follows once it fired. `then(job_id, run_dir)`: what to do once Slurm dropped the
+    node. `sections`: changes to the job file (write_job). Returns figures (seconds from the
+    fault to the first step committed after it)."""
     from oobleck_hpc.bootstrap import current_job_nodes
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch import submit
     from oobleck_hpc.launch.slurm import wait_result
 
-    path, run_dir = write_job(tmp_path, name, **cluster)
+    path, run_dir = write_job(tmp_path, name, **sections)
     if hang_at is not None:
         data = yaml.safe_load(path.read_text())
         data["faults"] = [{"node": int(node[1:]) - 1, "step": hang_at[0], "phase": hang_at[1],
@@ -204,7 +219,7 @@ def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
         at = len(metrics(run_dir))
         subprocess.run([str(slurm_cluster), action, node], check=True, capture_output=True)
         done_when_fault_landed = len(metrics(run_dir))
-        assert done_when_fault_landed < STEPS, "the job finished before the fault landed"
+        assert done_when_fault_landed < len(reference[0]), "the job finished before the fault landed"
         try:
             if not batch_host:  # (the survivors may finish before Slurm notices a batch host)
                 wait_until(lambda: node not in current_job_nodes(submitted.job_id), 40,
@@ -213,6 +228,8 @@ def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
             if action == "freeze-node":
                 subprocess.run([str(slurm_cluster), "thaw-node", node], check=True,
                                capture_output=True)
+        if then is not None:
+            then(submitted.job_id, run_dir)
         result = wait_result(submitted, run_dir)
     except BaseException:  # not after a result: the batch script may still be on its way out
         subprocess.run(["scancel", submitted.job_id], capture_output=True)
@@ -241,10 +258,60 @@ def test_killed_node_replaced_by_the_spare_of_the_allocation(slurm_cluster, tmp_
     """cluster.nodes 3 + spares 1: the job allocates all 4 nodes, n4 waits as a spare; n3 is
     killed and the loss's own recovery swaps n4 in: the job ends on 3 nodes, exact."""
     figures = run_with_fault(slurm_cluster, tmp_path, reference, "spare", "kill-node", "n3",
-                             nodes=3, spares=1)
+                             cluster={"nodes": 3, "spares": 1})
     print("kill n3, spare n4:", figures)
     assert figures["started_on"] == ["n1", "n2", "n3", "n4"], figures  # spare included
     assert figures["joined"] == ["n4"] and figures["last_plan_nodes"] == 3, figures
+
+
+def check_replacement(run_dir: Path, events: list[dict], figures: dict) -> str:
+    """One replacement job was submitted, its node n4 joined the running job in the round after
+    the loss of n3, and the replacement ended with the job (COMPLETED, no record left)."""
+    (submitted,) = [e for e in events if e["kind"] == "replacement_submitted"]
+    assert submitted["nodes"] == 1, submitted
+    agreed = {e["gen"]: (e["lost"], e["joined"]) for e in events if e["kind"] == "agreement_reached"}
+    assert agreed == {1: (["n3"], []), 2: ([], ["n4"])}, agreed
+    assert figures["last_plan_nodes"] == 3, figures
+    job_id = submitted["job_id"]
+    states = wait_until(lambda: (s := sacct_states(job_id)) and s[-1][1] not in (
+        "PENDING", "RUNNING") and s, 30, f"replacement job {job_id} to end")
+    assert states[-1][1] == "COMPLETED", states
+    assert not list((run_dir / "replacements").glob("*.json"))
+    return job_id
+
+
+@pytest.mark.timeout(180, func_only=True)  # setup may wait for the cluster lock
+def test_replace_submits_a_replacement_job_that_joins(slurm_cluster, tmp_path, long_reference):
+    """fault_tolerance.replace on a 3-node job: n3 is killed, the job goes on on 2 nodes and
+    submits a 1-node replacement job (n4, the idle node), whose agent joins the running job:
+    it ends on 3 nodes, exact, and the replacement job ends with it."""
+    figures = run_with_fault(slurm_cluster, tmp_path, long_reference, "replace", "kill-node",
+                             "n3", cluster={"nodes": 3}, fault_tolerance={"replace": True},
+                             train={"steps": LONG_STEPS})
+    events = read_events(tmp_path / "replace" / "events.jsonl")
+    figures["replacement"] = check_replacement(tmp_path / "replace", events, figures)
+    print("kill n3, replacement job:", figures)
+
+
+@pytest.mark.timeout(180, func_only=True)  # setup may wait for the cluster lock
+def test_grow_by_job_id_adds_a_node_from_a_new_job(slurm_cluster, tmp_path, long_reference):
+    """`oobleck-hpc grow JOB_ID --nodes 1 --wait 60` after a 3-node job lost n3: the command
+    finds the run by the job's id, submits a replacement job and returns once n4 joined."""
+    said = []
+
+    def grow(job_id: str, run_dir: Path) -> None:
+        wait_until(lambda: [e for e in read_events(run_dir / "events.jsonl")
+                            if e["kind"] == "recovered"], 60, "the recovery from the loss")
+        out = subprocess.run([sys.executable, "-m", "oobleck_hpc", "grow", job_id, "--nodes",
+                              "1", "--wait", "60"], capture_output=True, text=True, timeout=90)
+        said.append(out)
+
+    figures = run_with_fault(slurm_cluster, tmp_path, long_reference, "grow", "kill-node", "n3",
+                             then=grow, cluster={"nodes": 3}, train={"steps": LONG_STEPS})
+    assert said[0].returncode == 0 and "n4 joined" in said[0].stdout, said[0]
+    events = read_events(tmp_path / "grow" / "events.jsonl")
+    figures["replacement"] = check_replacement(tmp_path / "grow", events, figures)
+    print("kill n3, grow by job id:", figures)
 
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock

@@ -156,6 +156,29 @@ class Roster:
         return cls.from_dict(data, source=str(path))
 
 
+def join_roster_file(path: str | Path, node: str, host: str) -> tuple[str, Roster]:
+    """Add this node to the roster file of a running job, as a grown node (`Roster.with_node`:
+    it joins like a spare), with `host` and a free port; returns (its name, the new roster).
+    For agents of a replacement job (launch/slurm.py), which start after the job's discovery:
+    the file is updated under an exclusive lock (several replacements may start at once, on a
+    shared filesystem that honours flock) and atomically (the job's other readers). A name
+    already in the roster -- the node was lost and given back to this job -- gets a suffix
+    (`n4~2`): a name excluded once never comes back (membership.py)."""
+    import fcntl
+
+    path = Path(path)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        roster = Roster.load(path)
+        name, k = node, 1
+        while name in roster.names:
+            k += 1
+            name = f"{node}~{k}"
+        roster = roster.with_node(NodeAddress(name, host, free_port(host)))
+        roster.write(path)
+    return name, roster
+
+
 # Ports we hand out for others to bind later (agents, stores) come from above this floor and
 # outside the kernel's ephemeral range: every bind-to-0 and every outgoing connection on the host
 # (srun's I/O listeners, gloo's pairs, Slurm's daemons) gets an ephemeral port, so none of them

@@ -1,6 +1,7 @@
 """`oobleck-hpc run JOB.yaml [--metrics FILE]`: train a job with its launcher;
 `oobleck-hpc kill-node RUN_DIR NODE`: kill a node of a running local job from another shell;
-`oobleck-hpc grow RUN_DIR --nodes K`: add K nodes to a running local job (they join in place).
+`oobleck-hpc grow RUN_DIR|JOB_ID --nodes K`: add K nodes to a running job (they join in place;
+under Slurm through a replacement job).
 
 `launch: local` starts the job's nodes as local process groups (launch/local.py) and trains;
 rank 0 prints the plan, progress and a summary. `launch: slurm` jobs are submitted with
@@ -54,16 +55,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="KILL: a crash (default); STOP: a hang; TERM: ask the node to stop")
     k.set_defaults(func=_kill_node)
 
-    g = sub.add_parser("grow", help="add nodes to a running local job (they join in place)",
-                       description="Start K more nodes for a running `oobleck-hpc run` job. They "
-                       "join at the next step boundary while the job runs on fewer nodes than it "
-                       "started with (after a loss), receive their layers from the members and "
-                       "train; otherwise they wait as spares and are swapped in at the next loss.")
-    g.add_argument("run_dir", help="the job's run directory (holds agents.json)")
+    g = sub.add_parser("grow", help="add nodes to a running job (they join in place)",
+                       description="Add K nodes to a running job: a local job's launcher starts "
+                       "them; a Slurm job gets a replacement job of K nodes (the job's sbatch "
+                       "parameters, the time it has left), which ends with it. They join at the "
+                       "next step boundary while the job runs on fewer nodes than it started "
+                       "with (after a loss), receive their layers from the members and train; "
+                       "otherwise they wait as spares and are swapped in at the next loss.")
+    g.add_argument("run_dir", metavar="RUN_DIR|JOB_ID",
+                   help="the job's run directory, or a Slurm job id")
     g.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes to add (default 1)")
     g.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds until they trained their first step (default: "
-                        "return once their agents started)")
+                        "return once their agents started, or the replacement job was submitted)")
+    g.add_argument("--job", default=None, metavar="JOB.yaml",
+                   help="a Slurm job's job file (default: RUN_DIR/job.yaml, written by submit)")
+    g.add_argument("--reason", default="grown by hand",
+                   help="why (recorded in the replacement_submitted event)")
     g.set_defaults(func=_grow)
 
 
@@ -82,37 +90,53 @@ def _kill_node(args: argparse.Namespace) -> int:
 
 
 def _grow(args: argparse.Namespace) -> int:
+    import json
     import time
     from pathlib import Path
 
-    from oobleck_hpc.launch.local import grow
+    from oobleck_hpc.errors import OobleckError
     from oobleck_hpc.story import Tail
 
     run_dir = Path(args.run_dir)
-    if args.run_dir.isdigit() and not run_dir.exists():
-        print(f"oobleck-hpc grow: error: {args.run_dir} looks like a Slurm job id; growing a "
-              "Slurm job is not supported yet: give the run directory of a local job")
-        return 2
     t0 = time.time()
     try:
-        names = grow(run_dir, args.nodes)
-    except (FileNotFoundError, ValueError, TimeoutError, RuntimeError) as e:
+        if args.run_dir.isdigit() and not run_dir.exists():
+            from oobleck_hpc.launch.slurm import run_dir_of_job
+
+            run_dir = run_dir_of_job(args.run_dir)
+        roster = run_dir / "roster.json"
+        before = {n["name"] for n in json.loads(roster.read_text())["nodes"]} if roster.exists() else set()
+        if (run_dir / "discovery.json").exists() and not (run_dir / "agents.json").exists():
+            from oobleck_hpc.config import load_job
+            from oobleck_hpc.launch.slurm import submit_replacement
+
+            job = load_job(args.job or run_dir / "job.yaml")
+            job_id = submit_replacement(job, run_dir, args.nodes, args.reason)
+            print(f"submitted replacement job {job_id} ({args.nodes} node(s)) for the job in "
+                  f"{run_dir}: once it starts, its agents join like spares; it ends with the job")
+        else:
+            from oobleck_hpc.launch.local import grow
+
+            names = grow(run_dir, args.nodes)
+            print(f"started {', '.join(names)} for the job in {run_dir}: each joins while the "
+                  "job runs on fewer nodes than it started with, else waits as a spare for the "
+                  "next loss")
+    except (OobleckError, OSError, ValueError, TimeoutError, RuntimeError) as e:
         print(f"oobleck-hpc grow: error: {e}")
         return 2
-    print(f"started {', '.join(names)} for the job in {run_dir}: each joins while the job runs "
-          "on fewer nodes than it started with, else waits as a spare for the next loss")
     deadline = time.monotonic() + args.wait
-    waiting = set(names)
+    joined: set[str] = set()
     events = Tail(run_dir / "events.jsonl")  # each poll reads only what was appended
-    while waiting and time.monotonic() < deadline:
+    while len(joined) < args.nodes and time.monotonic() < deadline:
         for e in events.read():
-            if e.get("kind") == "node_joined" and e.get("node") in waiting and e["t"] >= t0:
+            if (e.get("kind") == "node_joined" and e.get("node") not in before | joined
+                    and e["t"] >= t0):
                 print(f"{e['node']} joined: generation {e['generation']}, from step {e['step']}, "
                       f"{e['seconds']:.2f} s after the agreement")
-                waiting.discard(e["node"])
+                joined.add(e["node"])
         time.sleep(0.2)
-    if waiting and args.wait > 0:
-        print(f"not joined within {args.wait:.0f} s: {', '.join(sorted(waiting))} (see "
+    if len(joined) < args.nodes and args.wait > 0:
+        print(f"{len(joined)} of {args.nodes} node(s) joined within {args.wait:.0f} s (see "
               f"{run_dir / 'events.jsonl'})")
         return 1
     return 0

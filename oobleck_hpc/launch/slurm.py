@@ -50,6 +50,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,7 +62,8 @@ from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
 from oobleck_hpc.files import write_atomic, write_json
-from oobleck_hpc.launch.slurm_task import (begin_run, nodes_left, recorded_outcome, requeue,
+from oobleck_hpc.launch.slurm_task import (REPLACEMENTS_DIR, begin_run, end_replacements,
+                                          nodes_left, recorded_outcome, requeue,
                                           run_verdict)
 
 DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}"
@@ -167,9 +169,13 @@ class SlurmDriver:
                   f"--output={logs}/agent-{tag}-%t.out", self.python, "-m",
                   "oobleck_hpc.launch.slurm_task", "--run-dir", str(run_dir), "--tag", tag, "--",
                   *self.agent]
+        replacer = _Replacer(Path(self.job_file), run_dir, roster, since, self.python)
+        if replacer.wanted:
+            replacer.start()
         # the last agent requeues the job when this node dies (slurm_task): on the nodes left
         step_rc = subprocess.run(agents, env={**os.environ,
                                               "OOBLECK_MIN_NODES": str(self.min_nodes)}).returncode
+        replacer.stop.set()
         run_s = time.monotonic() - t1
         survivors = set(current_job_nodes(env.job_id))
         lost = [n for n in roster if n not in survivors]
@@ -179,6 +185,7 @@ class SlurmDriver:
         result = LaunchResult(env.job_id, env.restart_count, roster, lost, rc, discovery_s, run_s,
                               str(logs), events)
         write_json(run_dir / f"launch-{tag}.json", result.to_dict())
+        end_replacements(run_dir, f"the job's run ended with exit {rc}")
         if rc == EXIT_REQUEUE:
             self._requeue(env.job_id, run_dir, tag, nodes_left(roster, codes, self.min_nodes))
         return self._end(result)
@@ -208,6 +215,140 @@ class SlurmDriver:
         while time.monotonic() < deadline and _restarts(job_id) == before:
             time.sleep(1)
         os._exit(EXIT_REQUEUE)
+
+
+class _Replacer(threading.Thread):
+    """`fault_tolerance.replace`: while the agents run, each generation the agents agree on that
+    has fewer members than cluster.nodes, counting replacements submitted and not yet joined,
+    gets replacement nodes (`oobleck-hpc grow RUN_DIR --nodes K`, in a subprocess with this job's
+    SLURM_* variables but SLURM_CONF removed: a job submitted from inside a job must not inherit
+    them). Reads
+    the agents' `agreement_reached` events; lives in the batch script, so a job that lost its
+    batch host asks for no more replacements."""
+
+    def __init__(self, job_file: Path, run_dir: Path, roster: list[str], since: float,
+                 python: str):
+        super().__init__(name="replacer", daemon=True)
+        from oobleck_hpc.config import load_job
+
+        job = load_job(job_file)
+        self.wanted = job.fault_tolerance.replace
+        self.size, self.job_file, self.run_dir = job.cluster.nodes, job_file, run_dir
+        self.roster, self.since, self.python = set(roster), since, python
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from oobleck_hpc.story import Tail
+
+        events, seen, asked, arrived = Tail(self.run_dir / "events.jsonl"), set(), 0, 0
+        while not self.stop.wait(0.5):
+            for e in events.read():
+                if e.get("kind") != "agreement_reached" or e["t"] < self.since or e["gen"] in seen:
+                    continue
+                seen.add(e["gen"])
+                arrived += sum(n not in self.roster for n in e["joined"])
+                want = self.size - len(e["nodes"]) - (asked - arrived)
+                if e["lost"] and want > 0:
+                    env = {k: v for k, v in os.environ.items() if k == "SLURM_CONF"
+                           or not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+                    out = subprocess.run(
+                        [self.python, "-m", "oobleck_hpc", "grow", str(self.run_dir), "--nodes",
+                         str(want), "--job", str(self.job_file), "--reason",
+                         f"generation {e['gen']} lost {', '.join(e['lost'])}"],
+                        env=env, capture_output=True, text=True, timeout=120)
+                    print(f"oobleck: replacement for generation {e['gen']}: "
+                          f"{(out.stdout + out.stderr).strip()}", file=sys.stderr, flush=True)
+                    if out.returncode == 0:
+                        asked += want
+
+
+@dataclass
+class JoinDriver:
+    """The callable a replacement job runs in its batch script: one agent per node, each with
+    `--join` (it adds its node to the running job's roster and joins like a spare)."""
+
+    run_dir: str
+    agent: list[str]
+
+    def __call__(self) -> int:
+        env = detect()
+        nodes = current_job_nodes(env.job_id)
+        logs = Path(self.run_dir) / "logs"
+        return subprocess.run(
+            ["srun", "--no-kill", "--kill-on-bad-exit=0", f"--nodes={len(nodes)}",
+             f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+             f"--output={logs}/agent-join-{env.job_id}-%t.out", *self.agent, "--join"]).returncode
+
+
+def run_dir_of_job(job_id: str) -> Path:
+    """The run directory of a job submitted by `submit` or slurm/train.sbatch: they name it in
+    the job's comment (`oobleck:RUN_DIR`)."""
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                         timeout=60)
+    match = re.search(r"(?:^|\s)Comment=oobleck:(\S+)", out.stdout)
+    if out.returncode != 0 or match is None:
+        raise OobleckError(f"job {job_id} is not a running oobleck_hpc job "
+                           f"({(out.stdout + out.stderr).strip()[:200] or 'no such job'}). Fix: "
+                           "give its run directory instead, or the id of a job started by "
+                           "`oobleck-hpc submit` or slurm/train.sbatch")
+    return Path(match.group(1))
+
+
+def time_left_min(job_id: str) -> int | None:
+    """Minutes job `job_id` has left (squeue %L: [D-]HH:MM:SS, MM:SS), None if unknown."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True,
+                         text=True, timeout=60).stdout.strip()
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", out)
+    if match is None:
+        return None  # UNLIMITED, NOT_SET, INVALID or no such job
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return days * 1440 + hours * 60 + minutes + (seconds > 0)
+
+
+def submit_replacement(job: JobConfig, run_dir: Path, count: int, reason: str,
+                       python: str | None = None) -> str:
+    """Submit a replacement job of `count` nodes for the job running in `run_dir` (its job id
+    from the run's discovery): the same sbatch parameters as `submit` (partition, account,
+    QOS, constraints and other extra flags), not requeued, for the time the job has left, on
+    none of the nodes the job and its earlier replacements hold. Its
+    agents join the running job (`JoinDriver`); it ends with the job (`end_replacements`).
+    Records RUN_DIR/replacements/ID.json and a `replacement_submitted` event; returns its id."""
+    from oobleck_hpc.bootstrap.discovery import Discovery
+    from oobleck_hpc.elastic.events import EventLog
+
+    require_controller()
+    python, run_dir = python or sys.executable, run_dir.absolute()
+    main = Discovery.load(run_dir).job_id
+    params = sbatch_parameters(job)
+    params.update(job_name=f"{job.name}-replacement", nodes=count,
+                  time=time_left_min(main) or job.slurm.time_min)
+    extra = params["additional_parameters"]
+    extra.pop("requeue")
+    # Not on a node the job (or an earlier replacement) already runs on: where nodes are shared
+    # (seen on the local cluster) Slurm would place it there, a second agent on the same node.
+    taken = set(current_job_nodes(main))
+    for record in (run_dir / REPLACEMENTS_DIR).glob("*.json"):
+        try:
+            taken.update(current_job_nodes(record.stem))
+        except subprocess.CalledProcessError:
+            pass  # ended and forgotten by the controller
+    if extra.get("exclude"):
+        taken.update(str(extra["exclude"]).split(","))
+    extra.update({"no-requeue": True, "comment": f"oobleck-replacement:{run_dir}"},
+                 **({"exclude": ",".join(sorted(taken))} if taken else {}))
+    (run_dir / REPLACEMENTS_DIR).mkdir(exist_ok=True)  # before: nothing may fail after sbatch
+    executor = _DriverExecutor(folder=run_dir / "submitit", python=shlex.quote(python))
+    executor.update_parameters(**params)
+    agent = agent_argv(job.slurm.agent_command, python=python,
+                       job_file=Path(job.source).absolute(), run_dir=run_dir)
+    submitted = executor.submit(JoinDriver(run_dir=str(run_dir), agent=agent))
+    write_json(run_dir / REPLACEMENTS_DIR / f"{submitted.job_id}.json",
+               {"job_id": submitted.job_id, "nodes": count, "for_job": main, "reason": reason,
+                "time": time.time()})
+    EventLog(run_dir / "events.jsonl", source="grow").emit(
+        "replacement_submitted", job_id=submitted.job_id, nodes=count, for_job=main,
+        reason=reason)
+    return submitted.job_id
 
 
 def _restarts(job_id: str) -> int:
@@ -277,6 +418,7 @@ def sbatch_parameters(job: JobConfig) -> dict:
             "requeue": True,
             "signal": f"{s.signal.upper().removeprefix('SIG')}@{s.signal_delay_s}",
             "ntasks-per-node": 1,
+            "comment": f"oobleck:{job.resolved_run_dir.absolute()}",  # `grow JOB_ID` finds it
             **{k.replace("_", "-"): v for k, v in s.extra.items()},
         },
     }

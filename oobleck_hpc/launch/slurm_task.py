@@ -183,6 +183,7 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
         "exit_code": rc, "codes": codes, "left_early": sorted(left),
         "batch_host_lost": fields.get("BatchHost"), "finished_by": node,
         "time": time.time()})
+    end_replacements(run_dir, f"the job's run ended with exit {rc} (its batch host was lost)")
     print(f"slurm_task {node}: batch host {fields.get('BatchHost')} is gone; survivors "
           f"{current} exited {codes}: verdict {rc}; requeueing the job to "
           f"{'resume' if rc == EXIT_REQUEUE else 'end with it'}", flush=True)
@@ -217,8 +218,39 @@ def nodes_left(roster: list[str], codes: dict[str, int], least: int | None = Non
 
 
 def roster_names(run_dir: Path) -> list[str]:
-    """The nodes of the current run (RUN_DIR/roster.json, written by its discovery step)."""
-    return [n["name"] for n in json.loads((run_dir / "roster.json").read_text())["nodes"]]
+    """The nodes of the current run: its discovery's (RUN_DIR/discovery.json; roster.json also
+    lists the nodes of replacement jobs that joined, which are not this job's)."""
+    return [r["node"] for r in json.loads((run_dir / "discovery.json").read_text())["records"]]
+
+
+REPLACEMENTS_DIR = "replacements"
+"""RUN_DIR/replacements/JOBID.json: one record per replacement job submitted (launch/slurm.py)."""
+
+
+def end_replacements(run_dir: Path, why: str, grace_s: float = 15.0) -> list[str]:
+    """The job ends or is requeued: its replacement jobs end with it (no orphaned jobs). A
+    replacement whose agents joined ends by itself with the job's agents (given `grace_s`);
+    every replacement recorded in RUN_DIR/replacements/ still pending or running after that is
+    cancelled (`scancel`). Records a `replacements_ended` event, removes the records; returns
+    the job ids cancelled."""
+    records = sorted((run_dir / REPLACEMENTS_DIR).glob("*.json"))
+    active = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED")
+    deadline = time.monotonic() + grace_s
+    cancelled = []
+    for record in records:
+        job_id = record.stem
+        state = _job_fields(job_id).get("JobState", "")
+        while state in ("RUNNING", "COMPLETING") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            state = _job_fields(job_id).get("JobState", "")
+        if state in active:
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+            cancelled.append(job_id)
+        record.unlink(missing_ok=True)
+    if cancelled:
+        EventLog(run_dir / "events.jsonl", source="driver").emit(
+            "replacements_ended", job_ids=cancelled, why=why)
+    return cancelled
 
 
 def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None, reason: str = "") -> None:
