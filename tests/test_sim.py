@@ -486,3 +486,30 @@ def test_simulator_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_growth_compares_shrinking_spares_and_replacements_on_the_same_failures(tmp_path, capsys):
+    """--growth: the oobleck policy on one trace three ways. Arrivals only add to the trace (the
+    failures are the same); spares answer the first S losses at once, replacements every loss
+    later; more nodes never train less, and a job that shrinks below its plan stops."""
+    import yaml
+
+    trace = fixed_interval(node_names(8), 3600.0, 12 * 3600.0, seed=3)
+    spared = trace.with_arrivals(3.0, 2)
+    assert [e for e in spared.events if e.kind == "fail"] == list(trace.events)
+    assert [(e.time_s, e.node) for e in spared.events if e.kind == "add"] == [
+        (3603.0, "new1"), (7203.0, "new2")]
+    assert len(trace.with_arrivals(600.0).events) == 2 * trace.failures
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(_small_job().to_dict()))
+    assert _cli(str(job), "--every", "60", "--duration", "12", "--growth", "--spares", "2",
+                "--replace-after", "10", "--json") == 0
+    data = json.loads(capsys.readouterr().out)["policies"]
+    shrink, spares, replaced = (data[k] for k in (
+        "oobleck, shrink only", "oobleck, 2 spares", "oobleck, replaced after 10 min"))
+    # one an hour for 12 h, but the 8 nodes are all gone after 8 (arrivals are never victims)
+    assert shrink["failures"] == spares["failures"] == replaced["failures"] == 8
+    assert shrink["samples"] < spares["samples"] < replaced["samples"]
+    assert shrink["seconds"]["stopped"] > 0 and replaced["seconds"]["stopped"] == 0
+    with pytest.raises(ConfigError, match="--spares"):
+        _cli(str(job), "--every", "60", "--growth", "--spares", "-1")

@@ -8,6 +8,13 @@ profile with `profile.analytic: true` and `profile.device` answers for clusters 
     oobleck-hpc simulate examples/gpt3-175b-1024gpu.yaml --every 60 --duration 168
     oobleck-hpc simulate JOB.yaml --mtbf 3.1 --per cluster --policies oobleck,restart --json
     oobleck-hpc simulate JOB.yaml --trace cluster-log.csv --plot goodput.png
+    oobleck-hpc simulate JOB.yaml --every 60 --growth --spares 2 --replace-after 30
+
+--growth compares the oobleck policy on the same failures three ways: shrinking only, with
+--spares S idle nodes (each of the first S losses is answered by a spare swapped in by the
+loss's own round, --detect-s after it) and with a replacement node arriving --replace-after
+minutes (default 30) after each loss; a joining node costs the policy's join (regroup + its
+layers' transfer).
 
 --plot FILE (.png, .svg or .pdf) draws goodput over time per policy -- the work that is kept,
 so a restart's lost work shows -- with the failures marked; the path is checked before the
@@ -38,6 +45,11 @@ def register(subparsers) -> None:
                    help="--mtbf is of the whole cluster (default) or of each node")
     p.add_argument("--replace-after", type=float, metavar="MINUTES",
                    help="a replacement node joins this long after each generated failure")
+    p.add_argument("--growth", action="store_true",
+                   help="compare oobleck shrinking only, with --spares, and with replacements "
+                   "after --replace-after minutes (default 30), on the same failures")
+    p.add_argument("--spares", type=int, default=1, metavar="S",
+                   help="idle spare nodes of --growth (default 1)")
     p.add_argument("--time-unit", choices=("s", "ms"), default="s",
                    help="time unit of a headerless CSV trace (the Oobleck artifact's are ms)")
     p.add_argument("--policies", default=",".join(_ALL),
@@ -108,7 +120,13 @@ def main(args: argparse.Namespace) -> int:
         name = job.name
     duration_s = duration_h * 3600.0
     nodes = node_names(n_nodes)
-    replace = None if args.replace_after is None else 60.0 * args.replace_after
+    if args.spares < 0:
+        _fail("--spares", args.spares, "must be >= 0", "give the number of idle spare nodes")
+    if args.growth:
+        policies = ("oobleck",)  # the variants below are of the oobleck policy
+    # --growth builds its replacements on the plain trace (the same failures for every variant)
+    replace = (None if args.replace_after is None or args.growth
+               else 60.0 * args.replace_after)
     if args.trace:
         trace = load_trace(args.trace, nodes, time_unit=args.time_unit)
     elif args.every:
@@ -140,7 +158,23 @@ def main(args: argparse.Namespace) -> int:
                    f"({profile.fingerprint.device_name}, {profile.fingerprint.source} profile), "
                    f"global batch {job.train.global_microbatches * job.train.microbatch_size}")
         job_line = f"{name}: {subject}"
-    results = run_policies(backends, trace, duration_s, policies)
+    if args.growth:
+        from oobleck_hpc.sim import POLICIES, simulate
+
+        detect_s = args.detect_s if args.detect_s is not None else (
+            job.fault_tolerance.lease_s if scenario is None else 0.0)
+        after_min = args.replace_after or 30.0
+        variants = {
+            "oobleck, shrink only": trace,
+            f"oobleck, {args.spares} spare{'s' if args.spares != 1 else ''}":
+                trace.with_arrivals(detect_s, args.spares),
+            f"oobleck, replaced after {after_min:g} min": trace.with_arrivals(60.0 * after_min),
+        }
+        backend, kw = backends["oobleck"]
+        results = {label: simulate(POLICIES["oobleck"](backend, **kw), tr.until(duration_s),
+                                   duration_s) for label, tr in variants.items()}
+    else:
+        results = run_policies(backends, trace, duration_s, policies)
     title = (f"{subject}\n{trace.description}; {duration_h:g} h simulated, "
              f"{trace.failures} failures")
     if args.json:

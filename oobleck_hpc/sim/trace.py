@@ -65,6 +65,18 @@ class Trace:
         return Trace(self.nodes, tuple(e for e in self.events if e.time_s < duration_s),
                      self.description)
 
+    def with_arrivals(self, delay_s: float, count: int | None = None,
+                      description: str = "") -> Trace:
+        """This trace with a fresh node joining `delay_s` after each of its first `count`
+        failures (all when None): spares swapped in by the loss's own round (`delay_s`: its
+        detection), or replacement nodes that take that long to arrive. The failures are the
+        same, so the variants compare on identical losses."""
+        fails = [e for e in self.events if e.kind == "fail"]
+        fails = fails if count is None else fails[:count]
+        adds = [TraceEvent(e.time_s + delay_s, "add", f"new{k}") for k, e in enumerate(fails, 1)]
+        events = sorted(self.events + tuple(adds), key=lambda e: e.time_s)
+        return Trace(self.nodes, tuple(events), description or self.description)
+
     def mean_failure_interval_s(self, duration_s: float) -> float:
         """Observed mean time between failures of the whole job over `duration_s` (inf if none)."""
         n = sum(1 for e in self.events if e.kind == "fail" and e.time_s < duration_s)
