@@ -114,6 +114,21 @@ class Story:
         self.grown = e["t"]
         return f"grow: {', '.join(e['nodes'])} started; joining"
 
+    def _replacement_submitted(self, e: dict) -> str:
+        self.grown = e["t"]
+        return (f"replacement: Slurm job {e['job_id']} submitted for "
+                f"{plural(e['nodes'], 'node')} ({e.get('reason', '')}); its agents join once it "
+                "starts")
+
+    def _replacements_ended(self, e: dict) -> str:
+        return f"replacements ended with the run: {', '.join(e['job_ids'])} cancelled"
+
+    def _nodes_released(self, e: dict) -> str:
+        if not e.get("ok"):
+            return f"could not give back {', '.join(e['nodes'])}: {e.get('detail', '')}"
+        return (f"gave back {', '.join(e['nodes'])}: agreed away but still allocated, now "
+                "released from the job")
+
     def _failure_detected(self, e: dict) -> str:
         how = str(e.get("how", "")).replace("_", " ")
         return f"fault seen: {e['node']} lost ({how}, seen by {e.get('source', '?')})"

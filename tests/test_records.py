@@ -130,6 +130,20 @@ def test_the_story_tells_a_spare_swapped_in_by_a_recovery():
                            "eeeeeeee"), line
 
 
+def test_the_story_tells_a_slurm_jobs_replacement_and_a_node_given_back():
+    story = Story()
+    (released,) = story.feed(ev(1.0, "nodes_released", "driver", nodes=["n2"], ok=True))
+    assert released == "gave back n2: agreed away but still allocated, now released from the job"
+    (asked,) = story.feed(ev(1.5, "replacement_submitted", "grow", job_id="17", nodes=1,
+                             reason="generation 1 lost n2"))
+    assert asked.startswith("replacement: Slurm job 17 submitted for 1 node (generation 1 lost")
+    (line,) = story.feed(ev(9.5, "recovered", step=40, generation=2, lost=[], joined=["n4"],
+                            seconds=0.2, plan="e" * 16))
+    assert "after the grow" in line, line  # timed from the request, not from the loss
+    (ended,) = story.feed(ev(20.0, "replacements_ended", "driver", job_ids=["18"], why="done"))
+    assert ended == "replacements ended with the run: 18 cancelled"
+
+
 def test_the_story_tells_a_loss_after_the_last_step_as_the_end_agreed():
     story = Story()
     assert story.feed(ev(0.0, "run_started", "launcher", steps=12)) == []

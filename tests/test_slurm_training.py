@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 30  # gpt-tiny steps take ~0.1 s here: enough of them that a fault lands mid-run
-LONG_STEPS = 300  # long enough for a replacement job to start and join after a loss
+LONG_STEPS = 500  # a replacement job starts and joins ~5 s after a loss; 2 nodes run ~30 steps/s
 TOL = 1e-5
 
 
@@ -189,10 +189,9 @@ def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
                    node: str | None, hang_at: tuple[int, str] | None = None,
                    then=None, **sections: dict) -> dict:
     """Submit, wait for step 2 to commit, do `dev-cluster.sh ACTION NODE` (node None: the batch
-    host), let the job finish; check it against the reference. `hang_at` (step, phase): first
+    host; action None: nothing), let the job finish; check it against the reference. `hang_at` (step, phase): first
     the job's own `hang` fault stops NODE's processes exactly there (in the job file), and the
-    action follows once it fired. `then(job_id, run_dir)`: what to do once Slurm dropped the
-    node. `sections`: changes to the job file (write_job). Returns figures (seconds from the
+    action follows once it fired. `then(job_id, run_dir)`: what to do right after the action. `sections`: changes to the job file (write_job). Returns figures (seconds from the
     fault to the first step committed after it)."""
     from oobleck_hpc.bootstrap import current_job_nodes
     from oobleck_hpc.config import load_job
@@ -217,9 +216,12 @@ def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
                                         if e["kind"] == "fault_injected"], 60, "the hang fault")
             t_fault = fired[0]["t"]
         at = len(metrics(run_dir))
-        subprocess.run([str(slurm_cluster), action, node], check=True, capture_output=True)
+        if action:
+            subprocess.run([str(slurm_cluster), action, node], check=True, capture_output=True)
         done_when_fault_landed = len(metrics(run_dir))
         assert done_when_fault_landed < len(reference[0]), "the job finished before the fault landed"
+        if then is not None:
+            then(submitted.job_id, run_dir)
         try:
             if not batch_host:  # (the survivors may finish before Slurm notices a batch host)
                 wait_until(lambda: node not in current_job_nodes(submitted.job_id), 40,
@@ -228,8 +230,6 @@ def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
             if action == "freeze-node":
                 subprocess.run([str(slurm_cluster), "thaw-node", node], check=True,
                                capture_output=True)
-        if then is not None:
-            then(submitted.job_id, run_dir)
         result = wait_result(submitted, run_dir)
     except BaseException:  # not after a result: the batch script may still be on its way out
         subprocess.run(["scancel", submitted.job_id], capture_output=True)
@@ -322,6 +322,20 @@ def test_frozen_node_recovered_in_place(slurm_cluster, tmp_path, reference):
     figures = run_with_fault(slurm_cluster, tmp_path, reference, "freeze",
                              "freeze-node", "n2", hang_at=(5, "vote"))
     print("freeze n2 in the commit window:", figures)
+
+
+@pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
+def test_a_node_whose_processes_froze_is_given_back(slurm_cluster, tmp_path, reference):
+    """n2's processes stop in the commit window of step 5 (the job's hang fault) while its slurmd
+    lives: Slurm never marks the node, and the agents step would wait for its stopped task
+    forever. The survivors agree it away; the batch script kills what the job runs there and
+    shrinks the allocation without it (`nodes_released`); the job ends exact, COMPLETED."""
+    figures = run_with_fault(slurm_cluster, tmp_path, reference, "giveback", None, "n2",
+                             hang_at=(5, "vote"))
+    events = read_events(tmp_path / "giveback" / "events.jsonl")
+    released = [e for e in events if e["kind"] == "nodes_released"]
+    assert [(e["nodes"], e["ok"]) for e in released] == [(["n2"], True)], released
+    print("freeze n2's processes, give n2 back:", figures)
 
 
 @pytest.mark.timeout(180, func_only=True)  # setup may wait for the cluster lock

@@ -127,7 +127,7 @@ def read_codes(exit_dir: Path) -> dict[str, int]:
     return codes
 
 
-def _job_fields(job_id: str) -> dict[str, str]:
+def job_fields(job_id: str) -> dict[str, str]:
     out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
                          timeout=60).stdout
     return dict(re.findall(r"(?:^|\s)(\w+)=(\S*)", out))
@@ -139,7 +139,7 @@ def _hostnames(hostlist: str) -> list[str]:
     return out.split()
 
 
-def _slurmd_alive(node: str, timeout_s: float = 2.0) -> bool:
+def slurmd_alive(node: str, timeout_s: float = 2.0) -> bool:
     """Whether `node`'s slurmd accepts a TCP connection (NodeAddr and Port from scontrol; True
     when they are unknown: then the controller's view stands)."""
     import socket
@@ -163,13 +163,13 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return
-    fields = _job_fields(job_id)
+    fields = job_fields(job_id)
     current = _hostnames(fields.get("NodeList", "")) if fields.get("NodeList") else []
     codes = read_codes(run_dir / "exit" / tag)
     # The controller drops a dead node only after SlurmdTimeout (~10 s here), and agents that
     # fall back (exit 75) right after a node loss are faster: a node whose slurmd refuses
     # connections is dead already, batch host included (else nobody would requeue the job).
-    current = [n for n in current if n in codes or _slurmd_alive(n)]
+    current = [n for n in current if n in codes or slurmd_alive(n)]
     if fields.get("BatchHost") in current or not current:
         return  # the driver lives: it takes the verdict
     if any(n not in codes for n in current):
@@ -239,10 +239,10 @@ def end_replacements(run_dir: Path, why: str, grace_s: float = 15.0) -> list[str
     cancelled = []
     for record in records:
         job_id = record.stem
-        state = _job_fields(job_id).get("JobState", "")
+        state = job_fields(job_id).get("JobState", "")
         while state in ("RUNNING", "COMPLETING") and time.monotonic() < deadline:
             time.sleep(0.5)
-            state = _job_fields(job_id).get("JobState", "")
+            state = job_fields(job_id).get("JobState", "")
         if state in active:
             subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
             cancelled.append(job_id)
@@ -282,7 +282,7 @@ def shrink_when_pending(job_id: str, nodes: int, timeout_s: float = 300.0) -> bo
     True when the update was taken."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if _job_fields(job_id).get("JobState") == "PENDING":
+        if job_fields(job_id).get("JobState") == "PENDING":
             done = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"NumNodes={nodes}",
                                    f"NumTasks={nodes}"], capture_output=True, timeout=60)
             return done.returncode == 0
