@@ -99,6 +99,9 @@ def _grow(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     t0 = time.time()
+    if args.nodes < 1:
+        print(f"oobleck-hpc grow: error: --nodes {args.nodes}: grow by at least one node")
+        return 2
     try:
         if args.run_dir.isdigit() and not run_dir.exists():
             from oobleck_hpc.launch.slurm import run_dir_of_job
