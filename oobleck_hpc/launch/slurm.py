@@ -268,8 +268,8 @@ def submit_replacement(job: JobConfig, run_dir: Path, count: int, reason: str,
     """Submit a replacement job of `count` nodes for the job running in `run_dir` (its job id
     from the run's discovery): the same sbatch parameters as `submit` (partition, account,
     QOS, constraints and other extra flags), not requeued, for the time the job has left, on
-    none of the nodes the job and its earlier replacements hold. Its
-    agents join the running job (`JoinDriver`); it ends with the job (`end_replacements`).
+    none of the nodes the job and its earlier replacements hold. Its agents join the running
+    job (`JoinDriver`); it ends with the job (`end_replacements`).
     Records RUN_DIR/replacements/ID.json and a `replacement_submitted` event; returns its id."""
     from oobleck_hpc.bootstrap.discovery import Discovery
     from oobleck_hpc.elastic.events import EventLog
@@ -449,4 +449,3 @@ def _write_job(path: Path, job: JobConfig, run_dir: Path) -> None:
     data["run_dir"] = str(run_dir)
     write_atomic(path, f"# Written by oobleck-hpc submit from {job.source}\n"
                  + yaml.safe_dump(data, sort_keys=False))
-
