@@ -36,7 +36,7 @@ TOL = 1e-5
 
 
 def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0,
-             steps: int = STEPS) -> dict:
+             steps: int = STEPS, lease_s: float = 3.0) -> dict:
     return {
         "name": "recovery-test",
         "model": {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
@@ -45,7 +45,7 @@ def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int =
         "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 2, "device": "cpu",
                     "spares": spares},
         "fault_tolerance": {"f": f, "collective_timeout_s": 10.0, "heartbeat_s": 0.5,
-                            "lease_s": 3.0},
+                            "lease_s": lease_s},
         "profile": {"library": str(ROOT / "profiles")},
         "run_dir": str(run_dir),
         "faults": list(faults),
@@ -159,13 +159,18 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
 
     from oobleck_hpc.engine import reference_run
     from oobleck_hpc.launch.local import kill_node
+    from oobleck_hpc.story import Tail
 
     said: list[str] = []
 
     def act(run_dir: Path, stop) -> None:
+        events: list[dict] = []
+        tail = Tail(run_dir / "events.jsonl")  # each poll parses only what was appended
+
         def seen(done) -> bool:  # poll the run's events until done(events), or the run ends
             while not stop.wait(0.05):
-                if done(read_events(run_dir / "events.jsonl") if run_dir.exists() else []):
+                events.extend(tail.read())
+                if done(events):
                     return True
             return False
 
@@ -186,7 +191,12 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
                                   "--nodes", "1"], capture_output=True, text=True, timeout=60)
             said.append(out.stdout + out.stderr)
 
-    code, rows, run_dir = run_job(tmp_path, spares=1, steps=LONG_STEPS, during=act)
+    # A lease of 10 s rides out a stall of the machine: seen on the 2-core VM at the grow, the
+    # busiest moment of the suite (10 training workers, 2 more importing torch), a step took
+    # 4.7 s instead of 0.08 and agents went unscheduled for over 3 s; with a 3 s lease three
+    # healthy members were excluded and the job fell back. Crashes are still seen at once
+    # (the connection drops), so the test checks the same recoveries.
+    code, rows, run_dir = run_job(tmp_path, spares=1, steps=LONG_STEPS, during=act, lease_s=10.0)
     assert said and "started node6" in said[0], said
     reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=LONG_STEPS)),
                               LONG_STEPS)
