@@ -189,10 +189,11 @@ def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
                    node: str | None, hang_at: tuple[int, str] | None = None,
                    then=None, **sections: dict) -> dict:
     """Submit, wait for step 2 to commit, do `dev-cluster.sh ACTION NODE` (node None: the batch
-    host; action None: nothing), let the job finish; check it against the reference. `hang_at` (step, phase): first
-    the job's own `hang` fault stops NODE's processes exactly there (in the job file), and the
-    action follows once it fired. `then(job_id, run_dir)`: what to do right after the action. `sections`: changes to the job file (write_job). Returns figures (seconds from the
-    fault to the first step committed after it)."""
+    host; action None: nothing), let the job finish; check it against the reference.
+    `hang_at` (step, phase): first the job's own `hang` fault stops NODE's processes exactly
+    there (in the job file), and the action follows once it fired. `then(job_id, run_dir)`:
+    what to do right after the action. `sections`: changes to the job file (write_job).
+    Returns figures (seconds from the fault to the first step committed after it)."""
     from oobleck_hpc.bootstrap import current_job_nodes
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch import submit
