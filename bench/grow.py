@@ -105,14 +105,7 @@ def wait_event(run_dir: Path, match, proc, timeout: float) -> dict:
     raise TimeoutError(f"no matching event within {timeout} s (see {run_dir})")
 
 
-def bench_job(run_dir: Path, nodes: int, workers: int, checkpoint: Path) -> dict:
-    """The recovery bench's job with `workers` processes per node, checkpoints every 3 steps."""
-    d = job_dict(run_dir, nodes, 100_000, checkpoint, 3)
-    d["cluster"]["gpus_per_node"] = workers
-    return d
-
-
-def grow_once(work: Path, nodes: int, workers: int, window: int, settle: int) -> dict:
+def grow_once(work: Path, nodes: int, window: int, settle: int) -> dict:
     import subprocess
 
     from oobleck_hpc.launch.local import kill_node
@@ -120,7 +113,7 @@ def grow_once(work: Path, nodes: int, workers: int, window: int, settle: int) ->
     run_dir = work / "grow"
     run_dir.mkdir(parents=True)
     job = work / "grow.yaml"
-    job.write_text(yaml.safe_dump(bench_job(run_dir, nodes, workers, work / "ckpt-grow")))
+    job.write_text(yaml.safe_dump(job_dict(run_dir, nodes, 100_000, work / "ckpt-grow", 3)))
     metrics = run_dir / "metrics.jsonl"
     proc = start(job, run_dir, metrics, work / "grow.log")
     try:
@@ -158,13 +151,13 @@ def grow_once(work: Path, nodes: int, workers: int, window: int, settle: int) ->
             "cpu_per_step_after": cpu_after, "work_ratio": round(cpu_before / cpu_after, 4)}
 
 
-def swap_once(work: Path, nodes: int, workers: int, window: int) -> dict:
+def swap_once(work: Path, nodes: int, window: int) -> dict:
     from oobleck_hpc.launch.local import kill_node
 
     run_dir = work / "swap"
     run_dir.mkdir(parents=True)
     job = work / "swap.yaml"
-    d = bench_job(run_dir, nodes, workers, work / "ckpt-swap")
+    d = job_dict(run_dir, nodes, 100_000, work / "ckpt-swap", 3)
     d["cluster"]["spares"] = 1
     job.write_text(yaml.safe_dump(d))
     metrics = run_dir / "metrics.jsonl"
@@ -183,7 +176,6 @@ def swap_once(work: Path, nodes: int, workers: int, window: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--workers", type=int, default=2, help="worker processes per node")
     p.add_argument("--window", type=int, default=100, help="steps per throughput measurement")
     p.add_argument("--settle", type=int, default=20,
                    help="steps left out after each reconfiguration before measuring (as the "
@@ -192,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-grow-"))
-    grow = grow_once(work, args.nodes, args.workers, args.window, args.settle)
-    swap = swap_once(work, args.nodes, args.workers, args.window)
+    grow = grow_once(work, args.nodes, args.window, args.settle)
+    swap = swap_once(work, args.nodes, args.window)
     result = {"join_s": grow["join_s"], "swap_s": swap["swap_s"],
               "throughput_before": grow["throughput_before"],
               "throughput_shrunk": grow["throughput_shrunk"],
@@ -201,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               "restored_ratio": grow["restored_ratio"],
               "failure_free_ratio": grow["failure_free_ratio"], "work_ratio": grow["work_ratio"],
               "grow": grow, "swap": swap,
-              "nodes": args.nodes, "workers": args.workers, "machine": platform.node(), "work": str(work) if args.keep else None}
+              "nodes": args.nodes, "machine": platform.node(), "work": str(work) if args.keep else None}
     if not args.keep:
         import shutil
 
