@@ -88,13 +88,12 @@ def tree_cpu(root: int) -> dict[int, float]:
 def measure(metrics: Path, proc, start: int, window: int) -> tuple[float, float]:
     """Steps start+1 .. start+window: (median samples/s, CPU seconds of the whole job per step:
     its work, which the machine's other load does not change)."""
-    wait_steps(metrics, start, proc, 300)
-    cpu0, n0 = tree_cpu(proc.pid), len(read_jsonl(metrics))
+    n0, cpu0 = len(wait_steps(metrics, start, proc, 300)), tree_cpu(proc.pid)
     rows = wait_steps(metrics, start + window, proc, 300)
-    cpu1, n1 = tree_cpu(proc.pid), len(rows)
+    n1, cpu1 = len(rows), tree_cpu(proc.pid)
     used = sum(c - cpu0[pid] for pid, c in cpu1.items() if pid in cpu0)
-    return (round(statistics.median(r["samples"] / r["seconds"] for r in rows[start:start + window]), 2),
-            round(used / max(n1 - n0, 1), 5))
+    rates = [r["samples"] / r["seconds"] for r in rows[start:start + window]]
+    return round(statistics.median(rates), 2), round(used / max(n1 - n0, 1), 5)
 
 
 def wait_event(run_dir: Path, match, proc, timeout: float) -> dict:
@@ -209,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
               "restored_ratio": grow["restored_ratio"],
               "failure_free_ratio": grow["failure_free_ratio"], "work_ratio": grow["work_ratio"],
               "grow": grow, "swap": swap,
-              "nodes": args.nodes, "workers": args.workers, "machine": platform.node(), "work": str(work) if args.keep else None}
+              "nodes": args.nodes, "workers": args.workers, "machine": platform.node(),
+              "work": str(work) if args.keep else None}
     if not args.keep:
         import shutil
 

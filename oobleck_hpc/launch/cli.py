@@ -90,10 +90,10 @@ def _kill_node(args: argparse.Namespace) -> int:
 
 
 def _grow(args: argparse.Namespace) -> int:
-    import json
     import time
     from pathlib import Path
 
+    from oobleck_hpc.elastic.wire import Roster
     from oobleck_hpc.errors import OobleckError
     from oobleck_hpc.story import Tail
 
@@ -108,7 +108,7 @@ def _grow(args: argparse.Namespace) -> int:
 
             run_dir = run_dir_of_job(args.run_dir)
         roster = run_dir / "roster.json"
-        before = {n["name"] for n in json.loads(roster.read_text())["nodes"]} if roster.exists() else set()
+        before = set(Roster.load(roster).names) if roster.exists() else set()
         if (run_dir / "discovery.json").exists() and not (run_dir / "agents.json").exists():
             from oobleck_hpc.config import load_job
             from oobleck_hpc.launch.slurm import submit_replacement
