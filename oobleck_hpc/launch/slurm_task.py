@@ -274,7 +274,12 @@ def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None, reason: str
                         sys.executable, str(run_dir), tag, str(nodes)], timeout=30)
     print(f"slurm_task: requeueing job {job_id}"
           + (f" on {nodes} node(s)" if nodes is not None else ""), file=sys.stderr, flush=True)
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    done = subprocess.run(["scontrol", "requeue", job_id], timeout=60)
+    # The requeue ends this run at once: Slurm's SIGTERM to the batch step can reach scontrol
+    # itself before it exits (seen in a fresh-clone .ci/run: the driver took it for a failed
+    # requeue, and submitit recorded the run as failed). Any other failure is one.
+    if done.returncode not in (0, -signal.SIGTERM):
+        raise subprocess.CalledProcessError(done.returncode, done.args)
 
 
 def shrink_when_pending(job_id: str, nodes: int, timeout_s: float = 300.0) -> bool:
