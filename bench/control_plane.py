@@ -15,6 +15,15 @@ repetition a fresh set of agents, then
 
 Medians and maxima over the repetitions. Targets: kill agree_s <= 0.5 s (the recovery budget of
 issue 5 is 5 s in total), hang agree_s <= lease_s + heartbeat_s.
+
+    python bench/control_plane.py --json --steady 8,32,128     # steady load, no failure
+
+`--steady N,...`: N control planes in this process (real sockets on loopback, no agents or
+workers), each left running `--seconds` after all have heard from their subjects: messages
+sent + received per agent per second, and the most sockets and threads one agent holds. The
+monitoring topology (elastic/topology.py) keeps all three constant in N; the full mesh before
+it had every agent heartbeat every other: 2 (N - 1) / heartbeat_s messages per agent per second
+(`full_mesh_msgs_per_agent_per_s`, the formula) and N - 1 links with a thread each.
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.events import read_events
 from oobleck_hpc.elastic.local import LocalAgents
+from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
 
 
 def wait_view(run_dir: Path, nodes: list[str], timeout: float) -> list[dict]:
@@ -69,6 +80,40 @@ def measure(run_dir: Path, lost: str, survivors: list[str], t: float, timeout: f
     return {"detect_s": detect - t, "agree_s": max(e["t"] for e in decided) - t}
 
 
+def steady(n: int, seconds: float, heartbeat_s: float, lease_s: float) -> dict:
+    """`n` control planes in this process, no failure: their load once every lease is held."""
+    *ports, store = free_ports(n + 1)
+    roster = Roster(tuple(NodeAddress(f"n{i}", "127.0.0.1", p) for i, p in enumerate(ports)), store)
+    cps = [ControlPlane(m, roster, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120)
+           for m in roster.names]
+    try:
+        for cp in cps:
+            cp.start()
+        deadline = time.monotonic() + 120
+        while not all(cp.detector.subjects and set(cp.detector.subjects) <= set(cp.detector.last_heard)
+                      for cp in cps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{n} control planes did not all hear their subjects")
+            time.sleep(0.1)
+        time.sleep(2 * heartbeat_s)
+        before = sum(cp.sent + cp.received for cp in cps)
+        time.sleep(seconds)
+        msgs = sum(cp.sent + cp.received for cp in cps) - before
+        held = [cp.resources() for cp in cps]
+        suspected = sorted({s for cp in cps for s in cp.core.suspects})
+    finally:
+        for cp in cps:  # all stop first: else each close is a failure the others act on
+            cp._stop.set()
+        for cp in cps:
+            cp.close()
+    if suspected:
+        raise RuntimeError(f"{n} control planes without a failure suspected {suspected}")
+    return {"nodes": n, "msgs_per_agent_per_s": round(msgs / n / seconds, 2),
+            "full_mesh_msgs_per_agent_per_s": round(2 * (n - 1) / heartbeat_s, 2),
+            "max_sockets_per_agent": max(h["sockets"] for h in held),
+            "max_threads_per_agent": max(h["threads"] for h in held)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=8)
@@ -77,7 +122,15 @@ def main() -> int:
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--lease-s", type=float, default=3.0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--steady", help="node counts, e.g. 8,32,128: steady load instead of failures")
+    ap.add_argument("--seconds", type=float, default=10.0, help="--steady: measured seconds")
     a = ap.parse_args()
+    if a.steady:
+        rows = [steady(int(n), a.seconds, a.heartbeat_s, a.lease_s) for n in a.steady.split(",")]
+        out = {"steady": rows, "heartbeat_s": a.heartbeat_s, "lease_s": a.lease_s,
+               "host": platform.node(), "python": platform.python_version()}
+        print(json.dumps(out) if a.json else "\n".join(map(str, rows)))
+        return 0
     if a.nodes < 3:
         ap.error("--nodes must be at least 3 (one killed, one hung, one left)")
     worker = [sys.executable, "-m", "oobleck_hpc.testing.echo_worker"]

@@ -515,7 +515,7 @@ def test_flaky_connection_is_retried_and_a_dead_peer_still_detected_at_once(tmp_
         for cp in cps.values():
             cp.start()
         deadline = time.time() + 10
-        while not all(cp._last_heard for cp in cps.values()):
+        while not all(cp.detector.last_heard for cp in cps.values()):
             assert time.time() < deadline, "the two planes never heard from each other"
             time.sleep(0.02)
         for _ in range(3):  # break a's outgoing connection to b, three times
@@ -523,9 +523,9 @@ def test_flaky_connection_is_retried_and_a_dead_peer_still_detected_at_once(tmp_
             assert sock is not None
             sock.shutdown(socketlib.SHUT_RDWR)
             time.sleep(0.4)
-        heard = cps["b"]._last_heard["a"]
+        heard = cps["b"].detector.last_heard["a"]
         time.sleep(0.3)
-        assert cps["b"]._last_heard["a"] > heard, "a's heartbeats stopped reaching b"
+        assert cps["b"].detector.last_heard["a"] > heard, "a's heartbeats stopped reaching b"
         assert not cps["a"].core.suspects and not cps["b"].core.suspects
         assert any(e["kind"] == "connection_reopened" for e in read_events(log))
         t = time.monotonic()
@@ -559,7 +559,7 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
         for cp in cps.values():
             cp.start()
         deadline = time.time() + 10
-        while not all(len(cp._last_heard) == 2 for cp in cps.values()):
+        while not all(len(cp.detector.last_heard) == 2 for cp in cps.values()):
             assert time.time() < deadline, "the planes never heard from each other"
             time.sleep(0.02)
         with cps["c"]._lock:  # c hangs (for 1 s: over probe_s, under the lease)

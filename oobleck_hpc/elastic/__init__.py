@@ -6,7 +6,9 @@ training process groups -- and has no single point of failure:
 - `membership`  the agreement protocol as a pure state machine (`MembershipCore`, `Decision`,
                 `Fenced`, `Superseded`); its docstring gives the message flow, what each timeout
                 bounds and why two survivors cannot decide differently.
-- `control`     `ControlPlane`: the protocol over sockets (heartbeats, leases, probes, fencing).
+- `control`     `ControlPlane`: the protocol over sockets (heartbeats, leases, probes, fencing);
+                `links`: its outgoing connections; `topology`: who watches whom (K rings) and
+                when silence becomes a suspicion.
 - `client`      `AgentClient`, `Membership`: what a worker process uses to talk to its agent
                 (report a failure as a value, wait for the next membership, exchange a digest).
 - `events`      `EventLog(path).emit(kind, **fields)`: the run's JSONL event file, for every module.

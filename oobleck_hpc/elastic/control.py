@@ -8,10 +8,14 @@ sockets, with stdlib only. Per agent:
   is handed to the core under one lock (the core is single-threaded by construction). A HELLO
   from a node outside the roster adds it (with a link to its address): a node grown into the
   running job, which joins like a spare.
-- one outgoing link per peer: a queue and a sender thread that connects (retrying until
-  `startup_s` has passed for a peer never reached), sends HELLO, then the queued messages.
-  Nothing ever blocks the core: sends are queued. A failed send is retried on a fresh
-  connection (`SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart) before it becomes a suspicion, so
+- one outgoing link per peer it sends to, opened on the first message (lazily): a queue and a
+  sender thread that connects (retrying until `startup_s` has passed for a peer never
+  reached), sends HELLO, then the queued messages. Nothing ever blocks the core: sends are
+  queued. A link that has been idle for `IDLE_CLOSE_S` to a node that is not one of this
+  agent's observers is closed (after an UNLINK that tells the reader to end quietly), so that
+  the links a membership round opened to every member do not stay: in steady state an agent
+  holds links only along its monitoring edges (topology.py). A failed send is retried on a fresh
+  connection (links.py: `SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart) before it becomes a suspicion, so
   one flaky TCP connection does not exclude a healthy peer; a refused connection ends the
   retries at once (nobody listens on the peer's port: its agent is gone).
 - an inbound connection that ends is checked the same way before it counts: the peer's
@@ -19,15 +23,20 @@ sockets, with stdlib only. Per agent:
 - one ticker thread, every heartbeat_s / 2: heartbeats, leases, probes, the agreement timeout,
   and this agent's own scheduling (see below), and a spare's repeated JOIN.
 
+Who watches whom (topology.py): K rings over the decided view; an agent heartbeats its (at
+most K) observers and holds leases on its (at most K) subjects, and a lease expiry becomes a
+suspicion only when most of the subject's observers report it (REPORT messages among them). A
+round's joiners and the members watch each other directly while the round is open.
+
 What each timeout bounds
 ------------------------
-- heartbeat_s: how often an agent sends HEARTBEAT (and checks leases and its own scheduling: a
+- heartbeat_s: how often an agent sends HEARTBEAT to its observers (and checks leases and its
+  own scheduling: a
   ticker that was not scheduled for more than lease_s fences its node -- it was stopped, its
   peers have excluded it by now, so it must not act on its old view).
-- lease_s: longest silence before a peer is suspected; bounds detection of hangs and partitions
-  (crashes are seen at once through the dropped connection). Also bounds how long a round waits
-  for an unresponsive member. Spares waiting to join hear the heartbeats too, so the round that
-  adds one finds its leases of the members fresh.
+- lease_s: longest silence of a subject before its observer reports it; bounds detection of
+  hangs and partitions (crashes are seen at once through the dropped connection). Also bounds
+  how long a round waits for an unresponsive member. Every edge starts with a fresh lease.
 - probe_s: after a worker reports a communication error without naming a peer, every peer not
   heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
   every peer answered, the agent opens a retry round (4b). Not while a round is open: the round
@@ -50,27 +59,21 @@ must only queue work.
 
 from __future__ import annotations
 
-import queue
 import socket
 import threading
 import time
 from typing import Any, Callable
 
 from oobleck_hpc.elastic.events import EventLog
+from oobleck_hpc.elastic.links import Link, reach
 from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, Quorum
-from oobleck_hpc.elastic.wire import (ConnectionClosed, NodeAddress, Roster, free_port, recv_msg,
-                                      send_msg)
+from oobleck_hpc.elastic.topology import MONITORS, Detector
+from oobleck_hpc.elastic.wire import (ConnectionClosed, NodeAddress, Roster, free_port, recv_msg)
 from oobleck_hpc.errors import EXIT_REQUEUE
 
-SEND_ATTEMPTS = 3
-"""Tries of one message (or one liveness check) on fresh connections before the peer is
-suspected; a refused connection is not retried."""
-RETRY_PAUSE_S = 0.05
-"""Pause before each retry: a reconnect costs milliseconds, so the retries stay far below a
-heartbeat."""
-CONFIRM_S = 0.1
-"""How long a connection opened to check a peer must stay open (and silent) to prove the peer
-alive."""
+IDLE_CLOSE_S = 10.0
+"""An outgoing link idle for this long to a node that is not an observer of this agent is
+closed (a round's messages to every member opened it)."""
 
 
 class ControlPlane:
@@ -79,8 +82,8 @@ class ControlPlane:
     def __init__(self, me: str, roster: Roster, *, heartbeat_s: float = 0.5, lease_s: float = 3.0,
                  probe_s: float | None = None, agreement_timeout_s: float | None = None,
                  startup_s: float = 60.0, quorum: Quorum = "majority",
-                 open_to_joins: bool = True, events: EventLog | None = None,
-                 on_note: Callable[[str, dict[str, Any]], None] | None = None):
+                 open_to_joins: bool = True, monitors: int = MONITORS,
+                 events: EventLog | None = None, on_note: Callable[[str, dict[str, Any]], None] | None = None):
         if lease_s <= heartbeat_s:
             raise ValueError(f"lease_s={lease_s} must exceed heartbeat_s={heartbeat_s}")
         self.me = me
@@ -99,8 +102,10 @@ class ControlPlane:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
-        self._links: dict[str, _Link] = {}
-        self._last_heard: dict[str, float] = {}
+        self._links: dict[str, Link] = {}
+        self.detector = Detector(me, lease_s, monitors)
+        self.sent = self.received = 0
+        """Messages sent and received (HELLOs included): the control plane's load."""
         self._t0 = time.monotonic()
         self._round_t: dict[int, float] = {}
         self._proposal_seen: tuple[Any, float] = (None, 0.0)
@@ -130,13 +135,8 @@ class ControlPlane:
         if self._listener is None:
             self.bind()
         self._t0 = time.monotonic()
-        for node in self.roster.nodes:
-            if node.name != self.me:
-                self._links[node.name] = _Link(self, node.name, (node.host, node.port))
         self._spawn(self._accept_loop, "accept")
         self._spawn(self._tick_loop, "ticker")
-        for link in self._links.values():
-            link.start()
 
     def close(self) -> None:
         self._stop.set()
@@ -224,7 +224,17 @@ class ControlPlane:
             self.events.emit("probe", why=why, timeout_s=self.probe_s)
             for node in self.core.decided.nodes:
                 if node != self.me:
-                    self._links[node].put({"type": "ping"})
+                    self._link(node).put({"type": "ping"})
+
+    def resources(self) -> dict[str, int]:
+        """What this agent's control plane holds open now: sockets (listener, links,
+        accepted connections) and threads."""
+        with self._lock:
+            links = [link for link in self._links.values() if link.thread.is_alive()]
+            inbound = [s for s in self._inbound if s.fileno() != -1]
+            threads = [t for t in self._threads if t.is_alive()]
+            return {"sockets": (self._listener is not None) + len(links) + len(inbound),
+                    "threads": len(threads) + len(links)}
 
     def store_host(self, node: str) -> str:
         return self.roster.address(node).host
@@ -241,9 +251,8 @@ class ControlPlane:
         with self._lock:
             fn()
             for dst, msg in self.core.outbox:
-                link = self._links.get(dst)
-                if link is not None:
-                    link.put(msg)
+                if dst in self.roster.names:
+                    self._link(dst).put(msg)
             self.core.outbox.clear()
             notes, self.core.notes = self.core.notes, []
             for kind, fields in notes:
@@ -284,11 +293,49 @@ class ControlPlane:
                              reason=fields["reason"])
         self.on_note(kind, fields)
 
+    def _link(self, peer: str) -> Link:
+        """The outgoing link to `peer`, opened now if there is none (call with the lock held)."""
+        link = self._links.get(peer)
+        if link is None:
+            addr = self.roster.address(peer)
+            link = self._links[peer] = Link(self, peer, (addr.host, addr.port))
+            link.start()
+        return link
+
     def _on_message(self, src: str, msg: dict[str, Any]) -> None:
-        self._last_heard[src] = time.monotonic()
-        if msg.get("type") == "ping" and src in self._links:
-            self._links[src].put({"type": "pong"})
-        self._run(lambda: self.core.handle(src, msg))
+        with self._lock:
+            self.received += 1
+            self.detector.heard(src, time.monotonic())
+            kind = msg.get("type")
+            if kind == "ping":
+                self._link(src).put({"type": "pong"})
+            elif kind == "report":
+                if msg.get("gen") == self.detector.gen and self.core.joined:
+                    self._report(msg["node"], src, str(msg.get("how", "lease_expired")))
+                return
+            self._run(lambda: self.core.handle(src, msg))
+
+    def _gone(self) -> set[str]:
+        return set(self.core.suspects) | self.core.left | {self.me}
+
+    def _report(self, subject: str, observer: str, how: str) -> None:
+        """`observer` (this agent or a peer) found `subject` silent; suspect it once most of
+        its observers did (topology.py). This agent's own report goes to the subject's other
+        observers."""
+        gone = self._gone()
+        if subject in gone:
+            return
+        if observer == self.me:
+            observers = self.detector.observers(subject, gone)
+            self.events.emit("silence_reported", node=subject, how=how, observers=list(observers))
+            for node in observers:
+                if node != self.me:
+                    self._link(node).put({"type": "report", "node": subject,
+                                          "gen": self.detector.gen, "how": how})
+        if self.detector.report(subject, observer, gone):
+            reporters = sorted(self.detector.reporters(subject))
+            self._run(lambda: self.core.suspect(subject, f"{how} (reported by {', '.join(reporters)})"
+                                                if reporters != [self.me] else how))
 
     def _link_failed(self, peer: str, how: str) -> None:
         with self._lock:
@@ -299,7 +346,7 @@ class ControlPlane:
     def _connection_lost(self, peer: str) -> None:
         """An inbound connection from `peer` ended: a failure only if its agent no longer
         listens (a flaky connection is reopened by the peer's sender)."""
-        error = _reach(self.roster.address(peer).host, self.roster.address(peer).port,
+        error = reach(self.roster.address(peer).host, self.roster.address(peer).port,
                        timeout=min(1.0, self.lease_s / 3), stop=self._stop)
         if error is None:
             self.events.emit("connection_reopened", node=peer)
@@ -314,7 +361,9 @@ class ControlPlane:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._inbound.append(sock)
+            with self._lock:
+                self._inbound = [s for s in self._inbound if s.fileno() != -1] + [sock]
+                self._threads = [t for t in self._threads if t.is_alive()]
             self._spawn(self._read_loop, "reader", sock)
 
     def _read_loop(self, sock: socket.socket) -> None:
@@ -326,7 +375,10 @@ class ControlPlane:
                 return
             self._on_message(src, hello)
             while not self._stop.is_set():
-                self._on_message(src, recv_msg(sock))
+                msg = recv_msg(sock)
+                if msg.get("type") == "unlink":
+                    return  # the sender closed an idle link; it opens a new one when needed
+                self._on_message(src, msg)
         except (ConnectionClosed, OSError, ValueError):
             if src is not None and not self._stop.is_set():
                 self._connection_lost(src)
@@ -347,8 +399,6 @@ class ControlPlane:
                 return False
             self.roster = self.roster.with_node(NodeAddress(src, host, port))
             self.core.add_node(src)
-            link = self._links[src] = _Link(self, src, (host, port))
-            link.start()
         self.events.emit("peer_added", node=src, addr=f"{host}:{port}")
         return True
 
@@ -368,29 +418,22 @@ class ControlPlane:
                     return
                 members = [n for n in self.core.participants if n != self.me
                            and n not in self.core.suspects and n not in self.core.left]
+                targets = self._watch(now)
                 if now - last_hb >= self.heartbeat_s:
                     last_hb = now
-                    # spares waiting to join too (module docstring, lease_s)
-                    waiting = [n for n in self.core.joiners if n not in members]
-                    for node in members + waiting:
-                        self._links[node].put({"type": "heartbeat", "gen": self.core.decided.gen})
-                start_grace = self._t0 + self.startup_s
-                for node in members:
-                    heard = self._last_heard.get(node)
-                    if heard is None:
-                        if now > start_grace:
-                            self._run(lambda n=node: self.core.suspect(
-                                n, f"never_connected (within startup_s={self.startup_s})"))
-                    elif now - heard > self.lease_s:
-                        self._run(lambda n=node, s=now - heard: self.core.suspect(
-                            n, f"lease_expired (silent {s:.2f} s)"))
+                    for node in targets:
+                        self._link(node).put({"type": "heartbeat", "gen": self.core.decided.gen})
+                    self._retire_idle(now, targets)
+                for node, how in self.detector.expired(now, self._gone()):
+                    self._report(node, self.me, how)
                 if (self._join_how is not None and not self.core.joined
                         and now - self._join_asked >= self.lease_s):
                     self.request_join(self._join_how)
                 if self._probe is not None and now >= self._probe[1]:
                     started, _, gen, why = self._probe
                     self._probe = None
-                    silent = [n for n in members if self._last_heard.get(n, 0.0) < started]
+                    silent = [n for n in members
+                              if self.detector.last_heard.get(n, 0.0) < started]
                     for node in silent:
                         self._run(lambda n=node: self.core.suspect(
                             n, f"probe_unanswered (within probe_s={self.probe_s})"))
@@ -405,123 +448,27 @@ class ControlPlane:
                         f"{self.agreement_timeout_s}", code=EXIT_REQUEUE))
                     return
 
+    def _watch(self, now: float) -> list[str]:
+        """Bring the detector to the current generation's topology (topology.py); returns
+        whom to heartbeat. A member watches its subjects, and the open round's joiners; a
+        joiner in a round watches the members and they it; a spare outside a round nobody."""
+        core, view = self.core, self.core.decided.nodes
+        extra = (tuple(n for n in core.participants if n not in view) if core.joined else
+                 view if core.proposal is not None else ())
+        grace = max(0.0, self._t0 + self.startup_s - self.lease_s - now) if core.decided.gen == 0 \
+            else 0.0
+        self.detector.watch(core.decided.gen, view if core.joined else (), now, extra, grace)
+        targets = list(self.detector.observers(self.me, {self.me})) + list(extra)
+        for node in self.detector.recount(self._gone()):
+            self._run(lambda n=node: core.suspect(n, "lease_expired (reported by "
+                                                  f"{', '.join(sorted(self.detector.reporters(n)))})"))
+        gone = self._gone()
+        return [n for n in dict.fromkeys(targets) if n not in gone]
 
-class _Link:
-    """Outgoing messages to one peer: a queue drained by a sender thread."""
-
-    def __init__(self, cp: ControlPlane, peer: str, addr: tuple[str, int]):
-        self.cp, self.peer, self.addr = cp, peer, addr
-        self.q: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        self.sock: socket.socket | None = None
-        self.connected_once = False
-        self.failed = False
-        self.drained = threading.Event()
-        self.drained.set()
-        self.thread = threading.Thread(target=self._loop, name=f"cp-{cp.me}-to-{peer}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def put(self, msg: dict[str, Any]) -> None:
-        if not self.failed:
-            self.drained.clear()
-            self.q.put(msg)
-
-    def close(self) -> None:
-        self.q.put(None)
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-
-    def _connect(self) -> None:
-        """Open the connection and say HELLO. Until the first success, retries for startup_s
-        (agents start at different moments); after it, one try. Raises OSError."""
-        deadline = self.cp._t0 + self.cp.startup_s
-        while True:
-            try:
-                sock = socket.create_connection(self.addr, timeout=max(1.0, self.cp.lease_s))
-                break
-            except OSError:
-                if self.connected_once or time.monotonic() > deadline or self.cp._stop.is_set():
-                    raise
-                time.sleep(0.05)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
-        self.connected_once = True
-        send_msg(sock, {"type": "hello", "src": self.cp.me, "host": self.cp.addr.host,
-                        "port": self.cp.addr.port})
-
-    def _drop(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-        self.sock = None
-
-    def _deliver(self, msg: dict[str, Any]) -> OSError | None:
-        """Send `msg`, on a fresh connection if the current one fails (SEND_ATTEMPTS tries; a
-        refused connection ends them). Returns the last error, None once sent."""
-        error: OSError | None = None
-        for attempt in range(SEND_ATTEMPTS):
-            if attempt and self.cp._stop.wait(RETRY_PAUSE_S):
-                break
-            try:
-                if self.sock is None:
-                    self._connect()
-                assert self.sock is not None
-                send_msg(self.sock, {**msg, "src": self.cp.me})
-                return None
-            except OSError as e:
-                error = e
-                self._drop()
-                if isinstance(e, ConnectionRefusedError):
-                    break
-        return error
-
-    def _loop(self) -> None:
-        # Connect at once (not on the first message), so that peers start hearing from us.
-        try:
-            self._connect()
-        except OSError:
-            self._drop()
-        while True:
-            if self.q.empty():
-                self.drained.set()
-            msg = self.q.get()
-            if msg is None or self.cp._stop.is_set():
-                return
-            if self.failed:
-                continue
-            error = self._deliver(msg)
-            if error is not None:
-                self.failed = True
-                if not self.cp._stop.is_set():
-                    self.cp._link_failed(self.peer, f"send_failed ({error})")
-
-
-def _reach(host: str, port: int, timeout: float, stop: threading.Event) -> OSError | None:
-    """Whether an agent still listens on host:port: None if a connection opens and stays open
-    for CONFIRM_S (then it is closed; the peer reads no HELLO and drops it), else the last error
-    of SEND_ATTEMPTS tries (a refusal or a reset at once: nobody listens)."""
-    error: OSError | None = None
-    for attempt in range(SEND_ATTEMPTS):
-        if attempt and stop.wait(RETRY_PAUSE_S):
-            break
-        try:
-            with socket.create_connection((host, port), timeout=timeout) as sock:
-                # A dying agent's listener may still accept for a moment; the kernel resets
-                # what it accepted once the listener closes. A live agent waits for a HELLO.
-                sock.settimeout(CONFIRM_S)
-                try:
-                    if sock.recv(1) == b"":
-                        return ConnectionResetError(f"{host}:{port} closed the connection")
-                except TimeoutError:
-                    return None
-        except ConnectionRefusedError as e:
-            return e
-        except OSError as e:
-            error = e
-    return error
+    def _retire_idle(self, now: float, targets: list[str]) -> None:
+        """Close the links idle for IDLE_CLOSE_S that are not heartbeat targets."""
+        for peer, link in list(self._links.items()):
+            if peer not in targets and link.drained.is_set() and now - link.used > IDLE_CLOSE_S:
+                del self._links[peer]
+                link.put({"type": "unlink"})
+                link.close(after_queue=True)

@@ -1,0 +1,161 @@
+"""Who watches whom on the control plane: K rings over the view, and the rule that turns lease
+expiries into a suspicion. Pure (no sockets, no clocks of its own): control.py feeds it times.
+
+Monitoring topology (`Rings`)
+-----------------------------
+Every agent computes the same K rings from the decided view alone: ring r orders the view by a
+hash of (r, node name), and every node watches its successor in each ring (its *subjects*) and
+is watched by its predecessor in each (its *observers*): at most K of each, whatever the job's
+size. The union of K random rings is an expander, so the graph stays connected and of small
+diameter when nodes fail (the Rapid membership service, ATC'18, monitors the same way). With
+N <= K + 1 nodes most pairs watch each other, as the full mesh did.
+
+Load: a subject sends HEARTBEAT to its observers every heartbeat_s and an observer holds a
+lease on each subject, so an agent sends and receives at most 2K heartbeats per heartbeat_s,
+independent of N (the full mesh: 2(N - 1)).
+
+Suspicion (`Detector`)
+----------------------
+- A lease that expires (or a subject never heard from since the edge began) makes the observer
+  REPORT the subject to the subject's other observers -- K messages per report.
+- An observer suspects the subject once more than half of the subject's observers that are
+  still members (not suspected, not left) have reported it in this generation, its own report
+  included. So one slow or partitioned observer cannot evict a healthy node, and a hung node,
+  whose K observers all stop hearing it at the same moment, is suspected at lease_s as before.
+  When observers themselves fail (a switch taking 32 nodes with it), the ones left decide.
+- A dropped connection, a failed send, FAILED, BYE and a worker's report naming a peer are
+  direct evidence and still make a suspicion at once (control.py): the kernel closes a
+  SIGKILLed agent's sockets in milliseconds, and that fast path stays.
+- An edge starts with a fresh lease when it appears (a new generation's topology, a joiner):
+  a subject is expected to be heard from within lease_s of the moment one starts watching it,
+  or within startup_s of the start for generation 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+MONITORS = 4
+"""K: rings in the monitoring topology (subjects and observers per agent, at most)."""
+
+
+def _ring_key(ring: int, node: str) -> bytes:
+    return hashlib.blake2b(f"{ring}\0{node}".encode(), digest_size=8).digest()
+
+
+@dataclass(frozen=True)
+class Rings:
+    """The K-ring monitoring topology over `view` (see the module docstring)."""
+
+    view: tuple[str, ...]
+    k: int = MONITORS
+    _subjects: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    _observers: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        subjects: dict[str, list[str]] = {n: [] for n in self.view}
+        observers: dict[str, list[str]] = {n: [] for n in self.view}
+        if len(self.view) > 1:
+            for r in range(self.k):
+                ring = sorted(self.view, key=lambda n: _ring_key(r, n))
+                for i, node in enumerate(ring):
+                    nxt = ring[(i + 1) % len(ring)]
+                    if nxt not in subjects[node]:
+                        subjects[node].append(nxt)
+                        observers[nxt].append(node)
+        object.__setattr__(self, "_subjects", {n: tuple(s) for n, s in subjects.items()})
+        object.__setattr__(self, "_observers", {n: tuple(o) for n, o in observers.items()})
+
+    def subjects(self, node: str) -> tuple[str, ...]:
+        """The nodes `node` watches (holds a lease on)."""
+        return self._subjects.get(node, ())
+
+    def observers(self, node: str) -> tuple[str, ...]:
+        """The nodes that watch `node` (it sends them its heartbeats)."""
+        return self._observers.get(node, ())
+
+
+@dataclass
+class Detector:
+    """One agent's leases on its subjects and the reports of lease expiries it has seen.
+
+    `watch()` after every decision; `heard()` for every message; `expired()` on every tick:
+    the subjects to report (again every lease_s while they stay silent, so that a report lost
+    to a peer that had not reached this generation yet is made good); `report()` for a report
+    (one's own or a peer's): True when the subject is to be suspected now."""
+
+    me: str
+    lease_s: float
+    k: int = MONITORS
+    rings: Rings = field(init=False)
+    gen: int = field(init=False, default=-1)
+    _since: dict[str, tuple[float, float]] = field(init=False, default_factory=dict)
+    """subject -> (when its edge began, grace before a first message is due)."""
+    last_heard: dict[str, float] = field(init=False, default_factory=dict)
+    """When each peer was last heard from (any message), by the control plane's clock."""
+    _reported: dict[str, float] = field(init=False, default_factory=dict)
+    _reports: dict[str, set[str]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rings = Rings((), self.k)
+
+    def watch(self, gen: int, view: tuple[str, ...], now: float, extra: tuple[str, ...] = (),
+              grace_s: float = 0.0) -> None:
+        """Watch the subjects of `view`'s topology plus `extra` (e.g. an open round's joiners)
+        from generation `gen` on; an edge new here gets a fresh lease (`grace_s` more for the
+        start: until the subject was first heard from). Reports of an older generation are
+        forgotten."""
+        if gen != self.gen or view != self.rings.view:
+            self.rings = Rings(view, self.k)
+        if gen != self.gen:
+            self.gen, self._reported, self._reports = gen, {}, {}
+        want = [n for n in self.rings.subjects(self.me) + extra if n != self.me]
+        self._since = {n: self._since.get(n, (now, grace_s)) for n in dict.fromkeys(want)}
+
+    @property
+    def subjects(self) -> tuple[str, ...]:
+        return tuple(self._since)
+
+    def heard(self, node: str, now: float) -> None:
+        self.last_heard[node] = now
+
+    def expired(self, now: float, skip: set[str]) -> list[tuple[str, str]]:
+        """(subject, how) for each subject silent for more than lease_s since its edge began,
+        not reported in the last lease_s (`skip`: already suspected or gone)."""
+        out = []
+        for node, (since, grace) in self._since.items():
+            if node in skip or now - self._reported.get(node, -1e18) <= self.lease_s:
+                continue
+            heard = self.last_heard.get(node)
+            last = since + grace if heard is None else max(heard, since)
+            if now - last > self.lease_s:
+                self._reported[node] = now
+                out.append((node, "never_connected" if heard is None else
+                            f"lease_expired (silent {now - last:.2f} s)"))
+        return out
+
+    def observers(self, subject: str, gone: set[str]) -> tuple[str, ...]:
+        """The subject's observers in this generation that are not `gone`."""
+        return tuple(o for o in self.rings.observers(subject) if o not in gone)
+
+    def report(self, subject: str, observer: str, gone: set[str]) -> bool:
+        """`observer` reports `subject` silent in this generation. True once more than half of
+        the subject's observers that are not `gone` have reported it. A subject outside the
+        topology (an open round's joiner, watched by every member) needs one report."""
+        if self.rings.observers(subject) and observer not in self.rings.observers(subject):
+            return False
+        self._reports.setdefault(subject, set()).add(observer)
+        return self._enough(subject, gone)
+
+    def reporters(self, subject: str) -> set[str]:
+        return set(self._reports.get(subject, ()))
+
+    def recount(self, gone: set[str]) -> list[str]:
+        """Subjects whose reports suffice now that more observers are `gone`."""
+        return [s for s in self._reports if s not in gone and self._enough(s, gone)]
+
+    def _enough(self, subject: str, gone: set[str]) -> bool:
+        live = self.observers(subject, gone)
+        return 2 * len(self._reports.get(subject, set()) & set(live)) > len(live) if live \
+            else bool(self._reports.get(subject))

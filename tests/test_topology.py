@@ -1,0 +1,125 @@
+"""The control plane's monitoring topology and suspicion rule (oobleck_hpc/elastic/topology.py),
+pure: K rings with constant degree at any size, and lease expiries that suspect a node only
+when most of its observers report it."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from oobleck_hpc.elastic.topology import MONITORS, Detector, Rings
+
+
+def names(n: int) -> tuple[str, ...]:
+    return tuple(f"n{i}" for i in range(n))
+
+
+def diameter_from(rings: Rings, start: str) -> int:
+    """Hops from `start` to the farthest node over watch edges (either direction)."""
+    dist = {start: 0}
+    todo = deque([start])
+    while todo:
+        node = todo.popleft()
+        for nxt in rings.subjects(node) + rings.observers(node):
+            if nxt not in dist:
+                dist[nxt] = dist[node] + 1
+                todo.append(nxt)
+    assert len(dist) == len(rings.view), "the watch graph is not connected"
+    return max(dist.values())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 64, 1024, 16384])
+def test_rings_have_constant_degree_are_inverse_and_connected(n):
+    view = names(n)
+    rings = Rings(view)
+    for node in view:
+        subjects, observers = rings.subjects(node), rings.observers(node)
+        assert len(subjects) <= MONITORS and len(observers) <= MONITORS
+        assert node not in subjects and node not in observers
+        assert len(set(subjects)) == len(subjects)
+        assert all(node in rings.observers(s) for s in subjects)
+        if n > 1:
+            assert observers and subjects
+    if n > 1:
+        hops = diameter_from(rings, view[0])
+        print(f"\n[figures] {n} nodes: {hops} hops from n0 to the farthest node")
+        assert hops <= max(2, 2 * n.bit_length())  # an expander: logarithmic, not N / 2
+
+
+def test_rings_are_the_same_on_every_agent_and_follow_the_view():
+    view = names(40)
+    assert Rings(view).subjects("n7") == Rings(tuple(view)).subjects("n7")
+    smaller = Rings(tuple(n for n in view if n != "n7"))
+    assert all("n7" not in smaller.subjects(n) for n in smaller.view)
+    assert all(smaller.observers(n) for n in smaller.view)
+
+
+def hung(n: int = 20) -> tuple[Rings, str, tuple[str, ...]]:
+    rings = Rings(names(n))
+    subject = "n5"
+    return rings, subject, rings.observers(subject)
+
+
+def test_a_hung_node_is_suspected_once_most_of_its_observers_report_it():
+    rings, subject, observers = hung()
+    assert len(observers) == MONITORS
+    me = observers[0]
+    d = Detector(me, lease_s=1.0)
+    d.watch(1, rings.view, now=0.0)
+    assert subject in d.subjects
+    for node in d.subjects:
+        d.heard(node, 0.5)
+    assert d.expired(1.4, skip=set()) == []
+    d.heard(d.subjects[-1] if d.subjects[-1] != subject else d.subjects[0], 1.0)
+    (got,) = [x for x in d.expired(1.6, skip=set()) if x[0] == subject]
+    assert got[1].startswith("lease_expired")
+    need = MONITORS // 2 + 1
+    results = [d.report(subject, o, gone={me}) for o in observers[:need]]
+    assert results == [False] * (need - 1) + [True]
+
+
+def test_one_slow_observer_cannot_evict_and_reports_of_non_observers_do_not_count():
+    rings, subject, observers = hung()
+    d = Detector(observers[0], lease_s=1.0)
+    d.watch(1, rings.view, now=0.0)
+    assert not d.report(subject, observers[1], gone=set())
+    outsider = next(n for n in rings.view if n not in observers and n != subject)
+    assert not d.report(subject, outsider, gone=set())
+    assert d.reporters(subject) == {observers[1]}
+
+
+def test_observers_that_fail_lower_the_bar_and_a_new_generation_forgets_reports():
+    rings, subject, observers = hung()
+    d = Detector(observers[0], lease_s=1.0)
+    d.watch(1, rings.view, now=0.0)
+    assert not d.report(subject, observers[0], gone=set())
+    assert d.recount(gone=set()) == []
+    # three of its four observers died with it (one switch): the one left decides
+    assert d.recount(gone=set(observers[1:])) == [subject]
+    d.watch(2, rings.view, now=5.0)
+    assert d.reporters(subject) == set()
+
+
+def test_a_new_edge_gets_a_fresh_lease_and_a_silent_subject_is_reported_again():
+    rings = Rings(names(10))
+    me = "n0"
+    d = Detector(me, lease_s=1.0)
+    d.watch(0, rings.view, now=0.0, grace_s=4.0)  # generation 0: startup grace
+    (s, *_) = d.subjects
+    assert d.expired(4.9, skip=set()) == []
+    assert [x[0] for x in d.expired(5.1, skip=set())].count(s) == 1
+    assert s not in [x[0] for x in d.expired(5.5, skip=set())]  # reported less than lease_s ago
+    assert s in [x[0] for x in d.expired(6.2, skip=set())]  # silent still: reported again
+    assert s not in [x[0] for x in d.expired(9.0, skip={s})]
+    # a subject that only appears in a later generation is given its own lease from then on
+    smaller = tuple(n for n in rings.view if n != s)
+    d.watch(1, smaller, now=20.0)
+    fresh = [n for n in d.subjects if n not in rings.subjects(me)]
+    assert all(n not in [x[0] for x in d.expired(20.9, skip=set())] for n in fresh)
+    joiner = "n99"
+    d.watch(1, smaller, now=21.0, extra=(joiner,))
+    assert joiner in d.subjects
+    (got,) = [x for x in d.expired(22.1, skip=set()) if x[0] == joiner]
+    assert got[1] == "never_connected"
+    assert d.report(joiner, me, gone={me})  # outside the rings: this member's report suffices
