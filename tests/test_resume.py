@@ -157,8 +157,13 @@ def test_guarantee_exceeded_falls_back_requeues_on_fewer_nodes_and_resumes_exact
         row = json.loads(line)
         plans.setdefault(row["plan"], []).append(row["step"])
     # The resumed run replays the steps committed on the old plan after the checkpoint (not
-    # saved) and records them again.
-    assert list(plans.values()) == [list(range(1, 6)), list(range(fallback + 1, STEPS + 1))], plans
+    # saved) and records them again. Step 5 is on the old plan's record unless node3 died while
+    # node0 still voted on it: then step 5 is committed by rolling forward in the recovery
+    # that node1's death ends, whose step never runs, so its row is not written before the
+    # fallback (seen in a fresh-clone run); the resumed run records it.
+    first, second = list(plans.values())
+    assert first in (list(range(1, 5)), list(range(1, 6))), plans
+    assert second == list(range(fallback + 1, STEPS + 1)), plans
 
     # Every loss, on either plan, equals the reference.
     for step, losses in losses_by_step(run_dir / "metrics.jsonl").items():
