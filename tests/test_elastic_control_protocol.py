@@ -47,6 +47,7 @@ class SimNet:
         self.false_suspicions: set[tuple[str, str]] = set()  # (suspecter, suspected)
         self.retried: set[int] = set()  # generations some node opened a retry round for
         self.joins_pending = False  # some node asked to join: a round may then change nothing
+        self.sent = 0  # messages put on the links
 
     def down(self, m: str) -> bool:
         return m in self.crashed or self.cores[m].fenced is not None
@@ -55,6 +56,7 @@ class SimNet:
         core = self.cores[m]
         for dst, msg in core.outbox:
             self.links[(m, dst)].append(msg)
+            self.sent += 1
         core.outbox.clear()
         for kind, fields in core.notes:
             if kind == "retry":
@@ -209,6 +211,24 @@ def test_one_crash_every_survivor_decides_the_same_new_generation():
         assert (d.gen, d.nodes, d.lost, d.store_node) == (1, ("n0", "n1", "n3", "n4"), ("n2",), "n0")
     ports = {net.cores[m].decided.store_port for m in ("n0", "n1", "n3", "n4")}
     assert len(ports) == 1 and ports != {999}  # a fresh store port, the same everywhere
+
+
+@pytest.mark.parametrize("crashed", ["n5", "n0"], ids=["member", "coordinator"])
+def test_a_round_costs_messages_linear_in_the_job_size(crashed):
+    """Proposals go to the coordinator and only it tells everyone (membership.py, steps 2-3):
+    a crash costs a few messages per member, whatever N, where every member telling every
+    other cost 2 (N - 1) each. Here every survivor detects the crash itself (the worst case:
+    on the control plane only the dead node's observers and links do)."""
+    per_member = {}
+    for n in (8, 24, 64):
+        net = SimNet(n, seed=3)
+        net.crashed.add(crashed)
+        while net.step(chaos=False):
+            pass
+        assert {net.cores[m].decided.gen for m in net.names if m != crashed} == {1}
+        per_member[n] = round(net.sent / n, 2)
+    print(f"\n[figures] messages per member for one crash ({crashed}): {per_member}")
+    assert max(per_member.values()) <= 5, per_member
 
 
 def test_store_host_death_moves_the_store_to_the_next_survivor():

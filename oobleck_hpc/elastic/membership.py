@@ -22,14 +22,24 @@ Message flow
    agent's sockets are closed by its kernel: seen in milliseconds), a lease expiry (no message
    for `lease_s`: a hung or partitioned node), an explicit FAILED message (an agent whose worker
    crashed declares its own node failed), or a worker-reported communication error naming a peer.
-2. PROPOSE(g, P, reasons, my_store_port, my last decision) goes to every node of decided.nodes.
-   A receiver adopts the sender's suspicions (its own proposal becomes the intersection) and
-   proposes too. So one hop spreads every suspicion; all live members converge on the same P.
+2. PROPOSE(g, P, reasons, my_store_port, my last decision) goes to P's coordinator: its first
+   node in roster order (the next store host). The coordinator itself sends its PROPOSE to
+   every node of decided.nodes and to the round's joiners. A receiver adopts the sender's
+   suspicions (its own proposal becomes the intersection) and proposes too. So a suspicion
+   reaches the coordinator in one hop and everyone in two; all live members converge on the
+   coordinator's P, and each tells it so. A member that suspects the coordinator proposes
+   without it, to the next node: that node absorbs the suspicion, coordinates, and its
+   broadcast fences the old coordinator if it still runs. Messages per round: O(N) (a few per
+   member; the coordinator sends and receives one per member), where every member telling
+   every other would be O(N^2).
 3. DECIDE: an agent decides P for generation g as soon as it holds the proposal P for g from
-   every member of P, itself included, and P is a quorum of decided.nodes (below). The store of
-   the new generation is hosted by the first node of P in roster order, on the port that node
-   put in its proposal; everyone holding P's proposals knows that port, so the store address is
-   part of the decision. The decider sends DECIDED(g, P, store) to the old members.
+   every member of P, itself included, and P is a quorum of decided.nodes (below). Only the
+   coordinator holds them all. The store of the new generation is hosted by the first node of
+   P in roster order, on the port that node put in its proposal; it is the coordinator, so the
+   store address is part of the decision. The decider sends DECIDED(g, P, store) to the old
+   members, the joiners and the new members; the others adopt it (step 5). A PROPOSE for a
+   generation the receiver has decided, from a member of that decision, is answered with
+   DECIDED (the sender missed it: the coordinator died while it told the members).
 4. A new suspicion while a round is open simply shrinks the proposal (a failure during agreement
    supersedes the round); a suspicion of a node that is still in a just-decided view opens round
    g + 1 at once.
@@ -47,7 +57,8 @@ Message flow
    to the spares too, which stop with the member's code (the job ended without needing them).
 5. Adoption: an agent still in round g that receives DECIDED(g, V) (or a PROPOSE for g + 1,
    which carries its sender's decision of g) from a node it does not suspect, with itself in V,
-   decides V too. This unblocks survivors when a member decided and then another failed.
+   decides V too. This is how every member but the coordinator decides; it also unblocks
+   survivors when the coordinator decided and then failed.
 6. Fencing: any message from a member of my view whose view excludes me, and any FENCE from a
    member, makes me fenced: the agent stops its workers and exits. A message from a node that
    is not in my view is answered with FENCE (e.g. a SIGSTOPped node resumed after survivors
@@ -185,14 +196,15 @@ class MembershipCore:
 
     # ------------------------------------------------------------------ inputs
 
-    def suspect(self, node: str, how: str) -> None:
-        """Local detection: `node` failed, as seen by `how` (e.g. 'connection_lost')."""
+    def suspect(self, node: str, how: str, relayed: bool = False) -> None:
+        """Local detection: `node` failed, as seen by `how` (e.g. 'connection_lost');
+        `relayed`: learned from a peer's proposal (a spare that a round adds takes it too)."""
         if self.fenced:
             return
         if node == self.me:
             self.fence(f"own node failed: {how}")
             return
-        if not self.joined and self.proposal is None:
+        if not self.joined and self.proposal is None and not relayed:
             return  # a spare watches nobody until a round adds it: members' proposals tell it
         if node in self.suspects or (node not in self.decided.nodes and node not in self.joiners
                                      and node not in self._round_adds):
@@ -434,9 +446,11 @@ class MembershipCore:
         self._proposals.setdefault(g, {})[self.me] = (new, self._my_port)
         self.notes.append(("proposed", {"gen": g, "nodes": list(new)}))
         msg = {"type": "propose", "round": g, "view": list(new), "port": self._my_port,
-               "reasons": {n: self.suspects[n] for n in self.decided.nodes if n in self.suspects},
+               # the suspected members, and joiners (never members): their suspicion spreads
+               "reasons": {n: why for n, why in self.suspects.items() if n not in self._removed},
                "decided": self.decided.to_msg()}
-        for node in self.decided.nodes + self._round_told:
+        # To the coordinator (step 2); the coordinator to everyone.
+        for node in self.decided.nodes + self._round_told if new[0] == self.me else new[:1]:
             if node != self.me:
                 self.outbox.append((node, msg))
         self._check_decide()
@@ -449,8 +463,10 @@ class MembershipCore:
             if self.fenced or src in self.suspects:
                 return
         g, view = msg["round"], tuple(msg["view"])
-        if g <= self.decided.gen:
-            return  # an older round, already decided here
+        if g <= self.decided.gen:  # an older round, already decided here
+            if g == self.decided.gen and self.joined and src in self.decided.nodes:
+                self.outbox.append((src, {"type": "decided", **self.decided.to_msg()}))
+            return
         if not self.joined and self.me not in view and self.proposal is None:
             return  # a round that does not add this spare
         self._proposals.setdefault(g, {})[src] = (view, msg["port"])
@@ -475,9 +491,14 @@ class MembershipCore:
         try:
             for node in self.decided.nodes:
                 if node not in view and node not in self.suspects and node not in self.left:
-                    self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}")
+                    self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}", relayed=True)
                     if self.fenced or self.round != g:
                         return  # fenced, or the suspicion completed the round (decided)
+            for node, why in reasons.items():  # a joiner the peer suspects never joins
+                if node not in view and (node in self.joiners or node in self._round_adds):
+                    self.suspect(node, f"via {src}: {why}", relayed=True)
+                    if self.fenced or self.round != g:
+                        return
         finally:
             self._opening_adds = None
         if self.proposal is None:
@@ -530,7 +551,7 @@ class MembershipCore:
             self.joiners.pop(node, None)
         self.notes.append(("decided", {**d.to_msg(), "how": how}))
         msg = {"type": "decided", **d.to_msg()}
-        for node in dict.fromkeys(told):
+        for node in dict.fromkeys(told) if how == "direct" else ():  # adopters: step 5
             if node != self.me:
                 self.outbox.append((node, msg))
         # Suspicions of nodes still in the decided view (adoption) and pending joiners open the
@@ -551,6 +572,7 @@ class MembershipCore:
         self.decided = d
         self.proposal = None
         self._round_adds = self._round_told = ()
+        self._opening_adds = None  # a proposal being absorbed was for the round just closed
         for g in [g for g in self._proposals if g <= d.gen]:
             del self._proposals[g]
         for key in [k for k in self._reasons if k[0] <= d.gen]:
