@@ -96,6 +96,11 @@ Message flow
    until a round adds it; before that it only follows the members' decisions. Messages about
    generations before the one that added a node do not exclude it.
 
+8. Exchanges (`exchange`: the workers' all-gathers, e.g. the commit vote of every step): each
+   member sends its value to the decided view's first node, the coordinator, which sends all
+   of them to every member once it holds them -- 2 (N - 1) messages, not N (N - 1). A round
+   fails the exchanges still open (their workers redo them in the next generation).
+
 Why two survivors cannot decide differently
 -------------------------------------------
 Claim: if A decides V and B decides W for the same generation g, with A in W and B in V, then
@@ -293,9 +298,10 @@ class MembershipCore:
             self.notes.append(("exchange_failed", {"gen": gen, "key": key, "reason": reason}))
             return
         self._x.put(gen, key, self.me, value, mine=True)
-        for node in self.decided.nodes:
-            if node != self.me:
-                self.outbox.append((node, {"type": "exchange", "xgen": gen, "key": key, "value": value}))
+        coordinator = self.decided.nodes[0]  # it gathers and tells everyone (step 8)
+        if coordinator != self.me:
+            self.outbox.append((coordinator, {"type": "exchange", "xgen": gen, "key": key,
+                                              "value": value}))
         self._check_exchange(gen, key)
 
     def handle(self, src: str, msg: dict[str, Any]) -> None:
@@ -354,6 +360,8 @@ class MembershipCore:
             self._on_decided(src, Decision.from_msg(msg))
         elif kind == "exchange":
             self._on_exchange(src, msg)
+        elif kind == "exchange_done":
+            self._on_exchange_done(src, msg)
         # heartbeat / hello / ping / pong: liveness only (tracked by the caller)
 
     def _handle_as_spare(self, src: str, kind: Any, msg: dict[str, Any]) -> None:
@@ -597,11 +605,24 @@ class MembershipCore:
             self._x.put(msg["xgen"], msg["key"], src, msg["value"])
             self._check_exchange(msg["xgen"], msg["key"])
 
+    def _on_exchange_done(self, src: str, msg: dict[str, Any]) -> None:
+        """The coordinator's gathered values (step 8)."""
+        gen = msg["xgen"]
+        if gen == self.decided.gen:  # (it needed this node's value: no later generation)
+            for node, value in msg["values"].items():
+                if node != self.me:
+                    self._x.put(gen, msg["key"], node, value)
+            self._check_exchange(gen, msg["key"])
+
     def _check_exchange(self, gen: int, key: str) -> None:
         if gen != self.decided.gen or self.proposal is not None:
             return
         values = self._x.take(gen, key, self.decided.nodes)
         if values is not None:
+            if self.decided.nodes[0] == self.me:
+                done = {"type": "exchange_done", "xgen": gen, "key": key, "values": values}
+                for node in self.decided.nodes[1:]:
+                    self.outbox.append((node, done))
             self.notes.append(("exchange_done", {"gen": gen, "key": key, "values": values}))
 
     def _fail_exchanges(self, reason: str) -> None:
