@@ -24,6 +24,15 @@ sent + received per agent per second, and the most sockets and threads one agent
 monitoring topology (elastic/topology.py) keeps all three constant in N; the full mesh before
 it had every agent heartbeat every other: 2 (N - 1) / heartbeat_s messages per agent per second
 (`full_mesh_msgs_per_agent_per_s`, the formula) and N - 1 links with a thread each.
+
+    python bench/control_plane.py --json --real 512      # failures among 512 control planes
+
+`--real N`: N control planes in this process as above; then one is killed (`close()`: its
+sockets close, as a SIGKILLed agent's do) and, once the survivors agreed, another hangs (its
+lock held for lease_s + 2 s: it neither sends nor answers, its sockets stay open, as under
+SIGSTOP). kill_agree_s / hang_agree_s: the failure -> the last survivor's decision of the view
+without the node; max_sockets_per_agent / max_threads_per_agent: the most one agent held,
+sampled after each agreement (while the round's links are still open).
 """
 
 from __future__ import annotations
@@ -82,19 +91,8 @@ def measure(run_dir: Path, lost: str, survivors: list[str], t: float, timeout: f
 
 def steady(n: int, seconds: float, heartbeat_s: float, lease_s: float) -> dict:
     """`n` control planes in this process, no failure: their load once every lease is held."""
-    *ports, store = free_ports(n + 1)
-    roster = Roster(tuple(NodeAddress(f"n{i}", "127.0.0.1", p) for i, p in enumerate(ports)), store)
-    cps = [ControlPlane(m, roster, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120)
-           for m in roster.names]
+    cps = planes(n, heartbeat_s, lease_s)
     try:
-        for cp in cps:
-            cp.start()
-        deadline = time.monotonic() + 120
-        while not all(cp.detector.subjects and set(cp.detector.subjects) <= set(cp.detector.last_heard)
-                      for cp in cps):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{n} control planes did not all hear their subjects")
-            time.sleep(0.1)
         time.sleep(2 * heartbeat_s)
         before = sum(cp.sent + cp.received for cp in cps)
         time.sleep(seconds)
@@ -102,14 +100,89 @@ def steady(n: int, seconds: float, heartbeat_s: float, lease_s: float) -> dict:
         held = [cp.resources() for cp in cps]
         suspected = sorted({s for cp in cps for s in cp.core.suspects})
     finally:
-        for cp in cps:  # all stop first: else each close is a failure the others act on
-            cp._stop.set()
-        for cp in cps:
-            cp.close()
+        stop(cps)
     if suspected:
         raise RuntimeError(f"{n} control planes without a failure suspected {suspected}")
     return {"nodes": n, "msgs_per_agent_per_s": round(msgs / n / seconds, 2),
             "full_mesh_msgs_per_agent_per_s": round(2 * (n - 1) / heartbeat_s, 2),
+            "max_sockets_per_agent": max(h["sockets"] for h in held),
+            "max_threads_per_agent": max(h["threads"] for h in held)}
+
+
+def planes(n: int, heartbeat_s: float, lease_s: float, on_decided=None) -> list[ControlPlane]:
+    """`n` started control planes on loopback, each with the view it decided: `on_decided(me,
+    gen, nodes)` is called as it decides (with its lock held)."""
+    *ports, store = free_ports(n + 1)
+    roster = Roster(tuple(NodeAddress(f"n{i}", "127.0.0.1", p) for i, p in enumerate(ports)), store)
+
+    def note(me):
+        return lambda kind, f: on_decided(me, f["gen"], tuple(f["nodes"])) \
+            if kind == "decided" and on_decided else None
+    cps = [ControlPlane(m, roster, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120,
+                        on_note=note(m)) for m in roster.names]
+    for cp in cps:
+        cp.start()
+    deadline = time.monotonic() + 120
+    while not all(cp.detector.subjects and set(cp.detector.subjects) <= set(cp.detector.last_heard)
+                  for cp in cps):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n} control planes did not all hear their subjects")
+        time.sleep(0.1)
+    return cps
+
+
+def stop(cps: list[ControlPlane]) -> None:
+    for cp in cps:  # all stop first: else each close is a failure the others act on
+        cp._stop.set()
+    for cp in cps:
+        cp.close()
+
+
+def real(n: int, heartbeat_s: float, lease_s: float) -> dict:
+    """Kill one of `n` control planes, then hang another: time until all survivors agreed."""
+    import threading
+
+    decided: dict[tuple[str, ...], dict[str, float]] = {}
+    lock = threading.Lock()
+
+    def on_decided(me: str, gen: int, nodes: tuple[str, ...]) -> None:
+        with lock:
+            decided.setdefault(nodes, {})[me] = time.monotonic()
+
+    def agreed(view: tuple[str, ...], t: float, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with lock:
+                got = decided.get(view, {})
+                if len(got) == len(view):
+                    return max(got.values()) - t
+            time.sleep(0.01)
+        raise TimeoutError(f"{len(view) - len(decided.get(view, {}))} of {len(view)} survivors "
+                           f"did not agree within {timeout} s")
+
+    cps = planes(n, heartbeat_s, lease_s, on_decided)
+    held = []
+    try:
+        names = [cp.me for cp in cps]
+        killed, hung = cps[n // 2], cps[n // 3]
+        t = time.monotonic()
+        killed.close()
+        view = tuple(m for m in names if m != killed.me)
+        kill_s = agreed(view, t, 30)
+        held.append(max((cp.resources() for cp in cps if cp is not killed),
+                        key=lambda r: r["sockets"]))
+        hang = threading.Thread(target=lambda: hung._lock.acquire() and time.sleep(lease_s + 2)
+                                or hung._lock.release(), daemon=True)
+        t = time.monotonic()
+        hang.start()
+        view = tuple(m for m in view if m != hung.me)
+        hang_s = agreed(view, t, lease_s * 3 + 10)
+        held.append(max((cp.resources() for cp in cps if cp not in (killed, hung)),
+                        key=lambda r: r["sockets"]))
+        hang.join()
+    finally:
+        stop(cps)
+    return {"agents": n, "kill_agree_s": round(kill_s, 4), "hang_agree_s": round(hang_s, 4),
             "max_sockets_per_agent": max(h["sockets"] for h in held),
             "max_threads_per_agent": max(h["threads"] for h in held)}
 
@@ -124,7 +197,13 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--steady", help="node counts, e.g. 8,32,128: steady load instead of failures")
     ap.add_argument("--seconds", type=float, default=10.0, help="--steady: measured seconds")
+    ap.add_argument("--real", type=int, help="control planes: a kill and a hang among them")
     a = ap.parse_args()
+    if a.real:
+        out = {"real": real(a.real, a.heartbeat_s, a.lease_s), "heartbeat_s": a.heartbeat_s,
+               "lease_s": a.lease_s, "host": platform.node(), "python": platform.python_version()}
+        print(json.dumps(out) if a.json else out)
+        return 0
     if a.steady:
         rows = [steady(int(n), a.seconds, a.heartbeat_s, a.lease_s) for n in a.steady.split(",")]
         out = {"steady": rows, "heartbeat_s": a.heartbeat_s, "lease_s": a.lease_s,

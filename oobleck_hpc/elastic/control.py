@@ -67,7 +67,7 @@ from typing import Any, Callable
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.links import Link, reach
 from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, Quorum
-from oobleck_hpc.elastic.topology import MONITORS, Detector
+from oobleck_hpc.elastic.topology import MONITORS, Monitor
 from oobleck_hpc.elastic.wire import (ConnectionClosed, NodeAddress, Roster, free_port, recv_msg)
 from oobleck_hpc.errors import EXIT_REQUEUE
 
@@ -103,7 +103,9 @@ class ControlPlane:
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._links: dict[str, Link] = {}
-        self.detector = Detector(me, lease_s, monitors)
+        self.monitor = Monitor(self.core, heartbeat_s, lease_s, startup_s, monitors,
+                               emit=self.events.emit)
+        self.detector = self.monitor.detector
         self.sent = self.received = 0
         """Messages sent and received (HELLOs included): the control plane's load."""
         self._t0 = time.monotonic()
@@ -135,6 +137,7 @@ class ControlPlane:
         if self._listener is None:
             self.bind()
         self._t0 = time.monotonic()
+        self.monitor.start(self._t0)
         self._spawn(self._accept_loop, "accept")
         self._spawn(self._tick_loop, "ticker")
 
@@ -305,37 +308,10 @@ class ControlPlane:
     def _on_message(self, src: str, msg: dict[str, Any]) -> None:
         with self._lock:
             self.received += 1
-            self.detector.heard(src, time.monotonic())
-            kind = msg.get("type")
-            if kind == "ping":
+            if msg.get("type") == "ping":
                 self._link(src).put({"type": "pong"})
-            elif kind == "report":
-                if msg.get("gen") == self.detector.gen and self.core.joined:
-                    self._report(msg["node"], src, str(msg.get("how", "lease_expired")))
-                return
-            self._run(lambda: self.core.handle(src, msg))
-
-    def _gone(self) -> set[str]:
-        return set(self.core.suspects) | self.core.left | {self.me}
-
-    def _report(self, subject: str, observer: str, how: str) -> None:
-        """`observer` (this agent or a peer) found `subject` silent; suspect it once most of
-        its observers did (topology.py). This agent's own report goes to the subject's other
-        observers."""
-        gone = self._gone()
-        if subject in gone:
-            return
-        if observer == self.me:
-            observers = self.detector.observers(subject, gone)
-            self.events.emit("silence_reported", node=subject, how=how, observers=list(observers))
-            for node in observers:
-                if node != self.me:
-                    self._link(node).put({"type": "report", "node": subject,
-                                          "gen": self.detector.gen, "how": how})
-        if self.detector.report(subject, observer, gone):
-            reporters = sorted(self.detector.reporters(subject))
-            self._run(lambda: self.core.suspect(subject, f"{how} (reported by {', '.join(reporters)})"
-                                                if reporters != [self.me] else how))
+            self._run(lambda: self.monitor.message(src, msg, time.monotonic())
+                      or self.core.handle(src, msg))
 
     def _link_failed(self, peer: str, how: str) -> None:
         with self._lock:
@@ -403,37 +379,27 @@ class ControlPlane:
         return True
 
     def _tick_loop(self) -> None:
-        tick = self.heartbeat_s / 2
-        last_tick = last_hb = time.monotonic()
-        while not self._stop.wait(tick):
+        last_retire = time.monotonic()
+        while not self._stop.wait(self.heartbeat_s / 2):
             now = time.monotonic()
-            gap, last_tick = now - last_tick, now
             with self._lock:
+                targets: list[str] = []
+                self._run(lambda: targets.extend(self.monitor.tick(now)))
                 if self.core.fenced:
                     return
-                if gap > self.lease_s:
-                    self._run(lambda: self.core.fence(
-                        f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
-                        "(stopped or starved): its peers have excluded it"))
-                    return
-                members = [n for n in self.core.participants if n != self.me
-                           and n not in self.core.suspects and n not in self.core.left]
-                targets = self._watch(now)
-                if now - last_hb >= self.heartbeat_s:
-                    last_hb = now
-                    for node in targets:
-                        self._link(node).put({"type": "heartbeat", "gen": self.core.decided.gen})
+                if now - last_retire >= self.heartbeat_s:
+                    last_retire = now
                     self._retire_idle(now, targets)
-                for node, how in self.detector.expired(now, self._gone()):
-                    self._report(node, self.me, how)
                 if (self._join_how is not None and not self.core.joined
                         and now - self._join_asked >= self.lease_s):
                     self.request_join(self._join_how)
                 if self._probe is not None and now >= self._probe[1]:
                     started, _, gen, why = self._probe
                     self._probe = None
-                    silent = [n for n in members
-                              if self.detector.last_heard.get(n, 0.0) < started]
+                    probed = self.core.decided.nodes + self.core.round_joiners
+                    silent = [n for n in probed if n != self.me
+                              and n not in self.core.suspects and n not in self.core.left
+                              and self.detector.last_heard.get(n, 0.0) < started]
                     for node in silent:
                         self._run(lambda n=node: self.core.suspect(
                             n, f"probe_unanswered (within probe_s={self.probe_s})"))
@@ -447,23 +413,6 @@ class ControlPlane:
                         f"no agreement on {list(view)} within agreement_timeout_s="
                         f"{self.agreement_timeout_s}", code=EXIT_REQUEUE))
                     return
-
-    def _watch(self, now: float) -> list[str]:
-        """Bring the detector to the current generation's topology (topology.py); returns
-        whom to heartbeat. A member watches its subjects, and the open round's joiners; a
-        joiner in a round watches the members and they it; a spare outside a round nobody."""
-        core, view = self.core, self.core.decided.nodes
-        extra = (tuple(n for n in core.participants if n not in view) if core.joined else
-                 view if core.proposal is not None else ())
-        grace = max(0.0, self._t0 + self.startup_s - self.lease_s - now) if core.decided.gen == 0 \
-            else 0.0
-        self.detector.watch(core.decided.gen, view if core.joined else (), now, extra, grace)
-        targets = list(self.detector.observers(self.me, {self.me})) + list(extra)
-        for node in self.detector.recount(self._gone()):
-            self._run(lambda n=node: core.suspect(n, "lease_expired (reported by "
-                                                  f"{', '.join(sorted(self.detector.reporters(n)))})"))
-        gone = self._gone()
-        return [n for n in dict.fromkeys(targets) if n not in gone]
 
     def _retire_idle(self, now: float, targets: list[str]) -> None:
         """Close the links idle for IDLE_CLOSE_S that are not heartbeat targets."""

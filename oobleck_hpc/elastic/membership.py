@@ -405,10 +405,9 @@ class MembershipCore:
         return self.decided.gen + 1
 
     @property
-    def participants(self) -> tuple[str, ...]:
-        """Whom this node watches and heartbeats: the view and the open round's joiners; for a
-        spare, the members it asks to join."""
-        return self.decided.nodes + self._round_adds
+    def round_joiners(self) -> tuple[str, ...]:
+        """The open round's joiners (none when no round is open)."""
+        return self._round_adds
 
     def _has_quorum(self, view: tuple[str, ...]) -> bool:
         return has_quorum(self.decided.nodes, view, self.quorum)

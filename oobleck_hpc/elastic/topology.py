@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 MONITORS = 4
 """K: rings in the monitoring topology (subjects and observers per agent, at most)."""
@@ -159,3 +160,89 @@ class Detector:
         live = self.observers(subject, gone)
         return 2 * len(self._reports.get(subject, set()) & set(live)) > len(live) if live \
             else bool(self._reports.get(subject))
+
+
+class Monitor:
+    """Failure detection around one agent's `MembershipCore`, pure: what control.py runs on
+    every tick and every message (and the control plane's simulator, testing/netsim.py, too).
+
+    `tick(now)` every heartbeat_s / 2: fences the node if it was not scheduled for more than
+    lease_s (stopped or starved: its peers have excluded it by now), sends the heartbeats that
+    are due, reports the subjects whose lease expired; returns whom it heartbeats. `message()`
+    for every message received; True when it was a REPORT (consumed here). What it sends goes to
+    the core's outbox; the suspicions it makes, to the core."""
+
+    def __init__(self, core: Any, heartbeat_s: float, lease_s: float, startup_s: float,
+                 k: int = MONITORS, emit: Callable[..., None] | None = None):
+        self.core, self.heartbeat_s, self.lease_s, self.startup_s = core, heartbeat_s, lease_s, startup_s
+        self.detector = Detector(core.me, lease_s, k)
+        self.emit = emit or (lambda kind, **fields: None)
+        self.t0 = self._last_tick = self._last_hb = 0.0
+
+    def start(self, now: float) -> None:
+        self.t0 = self._last_tick = self._last_hb = now
+
+    def gone(self) -> set[str]:
+        return set(self.core.suspects) | self.core.left | {self.core.me}
+
+    def tick(self, now: float) -> list[str]:
+        core = self.core
+        gap, self._last_tick = now - self._last_tick, now
+        if core.fenced:
+            return []
+        if gap > self.lease_s:
+            core.fence(f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
+                       "(stopped or starved): its peers have excluded it")
+            return []
+        targets = self._watch(now)
+        if now - self._last_hb >= self.heartbeat_s:
+            self._last_hb = now
+            for node in targets:
+                core.outbox.append((node, {"type": "heartbeat", "gen": core.decided.gen}))
+        for node, how in self.detector.expired(now, self.gone()):
+            self.report(node, core.me, how)
+        return targets
+
+    def message(self, src: str, msg: dict[str, Any], now: float) -> bool:
+        self.detector.heard(src, now)
+        if msg.get("type") != "report":
+            return False
+        if msg.get("gen") == self.detector.gen and self.core.joined:
+            self.report(msg["node"], src, str(msg.get("how", "lease_expired")))
+        return True
+
+    def report(self, subject: str, observer: str, how: str) -> None:
+        """`observer` (this agent or a peer) found `subject` silent; suspect it once most of
+        its observers did. This agent's own report goes to the subject's other observers."""
+        gone = self.gone()
+        if subject in gone:
+            return
+        core = self.core
+        if observer == core.me:
+            observers = self.detector.observers(subject, gone)
+            self.emit("silence_reported", node=subject, how=how, observers=list(observers))
+            for node in observers:
+                if node != core.me:
+                    core.outbox.append((node, {"type": "report", "node": subject,
+                                               "gen": self.detector.gen, "how": how}))
+        if self.detector.report(subject, observer, gone):
+            reporters = sorted(self.detector.reporters(subject))
+            core.suspect(subject, how if reporters == [core.me] else
+                         f"{how} (reported by {', '.join(reporters)})")
+
+    def _watch(self, now: float) -> list[str]:
+        """The detector on the current generation's topology; whom to heartbeat. A member
+        watches its subjects and the open round's joiners; a joiner in a round watches the
+        members and they it; a spare outside a round nobody."""
+        core, view = self.core, self.core.decided.nodes
+        extra = (core.round_joiners if core.joined else
+                 view if core.proposal is not None else ())
+        grace = max(0.0, self.t0 + self.startup_s - self.lease_s - now) \
+            if core.decided.gen == 0 else 0.0
+        self.detector.watch(core.decided.gen, view if core.joined else (), now, extra, grace)
+        for node in self.detector.recount(self.gone()):
+            core.suspect(node, "lease_expired (reported by "
+                         f"{', '.join(sorted(self.detector.reporters(node)))})")
+        gone = self.gone()
+        targets = list(self.detector.observers(core.me, {core.me})) + list(extra)
+        return [n for n in dict.fromkeys(targets) if n not in gone]
