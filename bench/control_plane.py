@@ -33,6 +33,14 @@ lock held for lease_s + 2 s: it neither sends nor answers, its sockets stay open
 SIGSTOP). kill_agree_s / hang_agree_s: the failure -> the last survivor's decision of the view
 without the node; max_sockets_per_agent / max_threads_per_agent: the most one agent held,
 sampled after each agreement (while the round's links are still open).
+
+    python bench/control_plane.py --json --scale [--sizes 1024,4096,16384] [--scenarios ...]
+
+`--scale`: {"simulated": [...], "real": {...}}. simulated: the agents' own protocol code on a
+discrete-event network model (oobleck_hpc/testing/netsim.py: 100 us latency + up to 100 us
+jitter), every scenario at every size: detect_s, agree_s, agree_after_detect_delays (agreement
+after detection, in mean one-way delays), msgs_per_agent_per_s_steady (sent), msgs_per_event_
+per_agent, live, safe. real: `--real` control planes (default 256) as above.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.events import read_events
 from oobleck_hpc.elastic.local import LocalAgents
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
+from oobleck_hpc.testing.netsim import Sim, scenarios
 
 
 def wait_view(run_dir: Path, nodes: list[str], timeout: float) -> list[dict]:
@@ -198,7 +207,18 @@ def main() -> int:
     ap.add_argument("--steady", help="node counts, e.g. 8,32,128: steady load instead of failures")
     ap.add_argument("--seconds", type=float, default=10.0, help="--steady: measured seconds")
     ap.add_argument("--real", type=int, help="control planes: a kill and a hang among them")
+    ap.add_argument("--scale", action="store_true", help="simulated sizes and --real planes")
+    ap.add_argument("--sizes", default="1024,4096,16384", help="--scale: simulated node counts")
+    ap.add_argument("--scenarios", default=",".join(scenarios()), help="--scale: which ones")
     a = ap.parse_args()
+    if a.scale:
+        sims = [Sim(n, seed=1, heartbeat_s=a.heartbeat_s, lease_s=a.lease_s).run_scenario(
+                    name, scenarios()[name])
+                for n in map(int, a.sizes.split(",")) for name in a.scenarios.split(",")]
+        out = {"simulated": sims, "real": real(a.real or 256, a.heartbeat_s, a.lease_s),
+               "host": platform.node(), "python": platform.python_version()}
+        print(json.dumps(out) if a.json else json.dumps(out, indent=1))
+        return 0
     if a.real:
         out = {"real": real(a.real, a.heartbeat_s, a.lease_s), "heartbeat_s": a.heartbeat_s,
                "lease_s": a.lease_s, "host": platform.node(), "python": platform.python_version()}

@@ -108,9 +108,10 @@ def test_a_new_edge_gets_a_fresh_lease_and_a_silent_subject_is_reported_again():
     d.watch(0, rings.view, now=0.0, grace_s=4.0)  # generation 0: startup grace
     (s, *_) = d.subjects
     assert d.expired(4.9, skip=set()) == []
-    assert [x[0] for x in d.expired(5.1, skip=set())].count(s) == 1
+    assert (s, False) in [(x[0], x[2]) for x in d.expired(5.1, skip=set())]
     assert s not in [x[0] for x in d.expired(5.5, skip=set())]  # reported less than lease_s ago
-    assert s in [x[0] for x in d.expired(6.2, skip=set())]  # silent still: reported again
+    # silent still: reported again, and after two leases suspected by this observer alone
+    assert (s, True) in [(x[0], x[2]) for x in d.expired(6.2, skip=set())]
     assert s not in [x[0] for x in d.expired(9.0, skip={s})]
     # a subject that only appears in a later generation is given its own lease from then on
     smaller = tuple(n for n in rings.view if n != s)
@@ -121,5 +122,5 @@ def test_a_new_edge_gets_a_fresh_lease_and_a_silent_subject_is_reported_again():
     d.watch(1, smaller, now=21.0, extra=(joiner,))
     assert joiner in d.subjects
     (got,) = [x for x in d.expired(22.1, skip=set()) if x[0] == joiner]
-    assert got[1] == "never_connected"
+    assert got[1:] == ("never_connected", False)
     assert d.report(joiner, me, gone={me})  # outside the rings: this member's report suffices

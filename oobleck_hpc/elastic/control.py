@@ -69,7 +69,6 @@ from oobleck_hpc.elastic.links import Link, reach
 from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, Quorum
 from oobleck_hpc.elastic.topology import MONITORS, Monitor
 from oobleck_hpc.elastic.wire import (ConnectionClosed, NodeAddress, Roster, free_port, recv_msg)
-from oobleck_hpc.errors import EXIT_REQUEUE
 
 IDLE_CLOSE_S = 10.0
 """An outgoing link idle for this long to a node that is not an observer of this agent is
@@ -104,13 +103,12 @@ class ControlPlane:
         self._listener: socket.socket | None = None
         self._links: dict[str, Link] = {}
         self.monitor = Monitor(self.core, heartbeat_s, lease_s, startup_s, monitors,
-                               emit=self.events.emit)
+                               self.agreement_timeout_s, emit=self.events.emit)
         self.detector = self.monitor.detector
         self.sent = self.received = 0
         """Messages sent and received (HELLOs included): the control plane's load."""
         self._t0 = time.monotonic()
         self._round_t: dict[int, float] = {}
-        self._proposal_seen: tuple[Any, float] = (None, 0.0)
         self._probe: tuple[float, float, int, str] | None = None  # started, deadline, gen, why
         self._join_how: str | None = None
         self._join_asked = 0.0
@@ -271,8 +269,6 @@ class ControlPlane:
             self._probe = None  # the round answers for the error that started it (probe())
             self.events.emit("round_started", gen=fields["gen"], suspects=sorted(fields["suspects"]),
                              joiners=fields["joiners"])
-        elif kind == "proposed":
-            self._proposal_seen = (tuple(fields["nodes"]), now)
         elif kind == "decided":
             started = self._round_t.pop(fields["gen"], None)
             self.events.emit("agreement_reached", gen=fields["gen"], nodes=fields["nodes"],
@@ -281,7 +277,6 @@ class ControlPlane:
                              store_addr=f"{self.store_host(fields['store_node'])}:{fields['store_port']}",
                              how=fields["how"],
                              round_s=None if started is None else round(now - started, 4))
-            self._proposal_seen = (None, now)
         elif kind == "fenced":
             self.events.emit("fenced", reason=fields["reason"], gen=fields["gen"],
                              code=fields["code"])
@@ -406,13 +401,6 @@ class ControlPlane:
                     if not silent and self.core.decided.gen == gen:
                         self._run(lambda: self.core.retry(f"every peer answered the probe "
                                                           f"after: {why}"))
-                view, since = self._proposal_seen
-                if (self.core.proposal is not None and view == self.core.proposal
-                        and now - since > self.agreement_timeout_s):
-                    self._run(lambda: self.core.fence(
-                        f"no agreement on {list(view)} within agreement_timeout_s="
-                        f"{self.agreement_timeout_s}", code=EXIT_REQUEUE))
-                    return
 
     def _retire_idle(self, now: float, targets: list[str]) -> None:
         """Close the links idle for IDLE_CLOSE_S that are not heartbeat targets."""

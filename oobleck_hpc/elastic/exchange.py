@@ -19,6 +19,12 @@ class Exchanges:
             self._mine.add((gen, key))
         self._values.setdefault((gen, key), {})[node] = value
 
+    def put_all(self, gen: int, key: str, values: dict[str, Any], but: str) -> None:
+        """Every node's value but this node's own (`but`): a coordinator's gathered values."""
+        for node, value in values.items():
+            if node != but:
+                self.put(gen, key, node, value)
+
     def take(self, gen: int, key: str, nodes: Sequence[str]) -> dict[str, Any] | None:
         """Every value of `nodes`, in their order, once this node's own and all of theirs are
         in (then the exchange is forgotten); else None."""

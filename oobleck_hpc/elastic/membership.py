@@ -132,6 +132,7 @@ The timeouts that bound detection and agreement: control.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import filterfalse
 from typing import Any, Callable, Sequence
 
 from oobleck_hpc.elastic.decision import (Decision, Fenced, LeaveKind, Quorum, Superseded,
@@ -180,6 +181,7 @@ class MembershipCore:
         if not set(members0) <= set(self.roster):
             raise ValueError(f"generation 0 {list(members0)} is not part of the roster {list(self.roster)}")
         self.decided = Decision(0, members0, (), members0[0], self.store_port0)
+        self._in = frozenset(members0)  # decided.nodes, for lookups (thousands of nodes)
         self.size = self.size or len(members0)
         self.joined = self.me in members0
         """False until a decided generation holds this node (a spare, a replacement)."""
@@ -211,7 +213,7 @@ class MembershipCore:
             return
         if not self.joined and self.proposal is None and not relayed:
             return  # a spare watches nobody until a round adds it: members' proposals tell it
-        if node in self.suspects or (node not in self.decided.nodes and node not in self.joiners
+        if node in self.suspects or (node not in self._in and node not in self.joiners
                                      and node not in self._round_adds):
             return
         self.joiners.pop(node, None)  # a joiner that failed never joins (its incarnation is over)
@@ -313,7 +315,7 @@ class MembershipCore:
             self._handle_as_spare(src, kind, msg)
             return
         gone = src in self._removed or src in self.suspects or src in self.left
-        if src not in self.decided.nodes and not (src in self._round_adds and not gone):
+        if src not in self._in and not (src in self._round_adds and not gone):
             if kind == "bye" and msg.get("how") == "abort":
                 self._on_bye(src, msg)  # bad input stops the job, even if src was excluded
                 return
@@ -409,15 +411,13 @@ class MembershipCore:
         """The open round's joiners (none when no round is open)."""
         return self._round_adds
 
-    def _has_quorum(self, view: tuple[str, ...]) -> bool:
-        return has_quorum(self.decided.nodes, view, self.quorum)
-
     def _update_round(self, join: bool = False, adds: tuple[str, ...] | None = None) -> None:
         """Open or shrink the round for generation decided.gen + 1 after a change of suspects or
         joiners (`join`: open it even without a local change, because a peer proposed; `adds`:
         the joiners of the peer's proposal that opens it -- by default, this node's own)."""
         g = self.round
-        base = tuple(n for n in self.decided.nodes if n not in self.suspects and n not in self.left)
+        out = (self.suspects.keys() | self.left) & self._in  # (C loops: thousands of nodes)
+        base = tuple(filterfalse(out.__contains__, self.decided.nodes)) if out else self.decided.nodes
         if self.proposal is None:
             if adds is None:
                 adds = self._opening_adds
@@ -444,7 +444,8 @@ class MembershipCore:
         if self.me not in new:
             self.fence("this node is suspected")
             return
-        if not self._has_quorum(tuple(n for n in new if n in self.decided.nodes)):
+        if not has_quorum(self.decided.nodes, tuple(filter(self._in.__contains__, new)),
+                          self.quorum):
             self.fence(f"no quorum: proposal {list(new)} of generation {g} holds too few of "
                         f"{list(self.decided.nodes)} (quorum={self.quorum})", code=EXIT_REQUEUE)
             return
@@ -488,16 +489,18 @@ class MembershipCore:
         # Joiners: a round opened by a peer's proposal adds what it adds -- also when one of the
         # suspicions it carries is what opens it here; an open round keeps only the joiners
         # the peer adds too (others wait for the next round).
-        adds = tuple(n for n in view if n not in self.decided.nodes and n not in self.suspects
-                     and n not in self._removed and n not in self.left)
+        adds = tuple(n for n in view if n not in self._in and n not in self.suspects
+                     and n not in self._removed and n not in self.left) \
+            if len(view) > len(self._in) or not self._in.issuperset(view) else ()
+        gone = self._in.difference(view)
         if self.joined:
             for a in adds:
                 if a not in self._round_adds:  # recorded only: the round opens with src's adds
                     self._on_join(a, f"proposed by {src}", open_round=False)
         self._opening_adds = adds if self.proposal is None else None
         try:
-            for node in self.decided.nodes:
-                if node not in view and node not in self.suspects and node not in self.left:
+            for node in (n for n in self.decided.nodes if n in gone):
+                if node not in self.suspects and node not in self.left:
                     self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}", relayed=True)
                     if self.fenced or self.round != g:
                         return  # fenced, or the suspicion completed the round (decided)
@@ -520,11 +523,11 @@ class MembershipCore:
             return
         g, view = self.round, self.proposal
         got = self._proposals.get(g, {})
-        if all(n in got and got[n][0] == view for n in view):
-            store = view[0]
-            self._decide(Decision(g, view, tuple(n for n in self.decided.nodes if n not in view),
+        if len(got) >= len(view) and all(n in got and got[n][0] == view for n in view):
+            store, members = view[0], set(view)
+            self._decide(Decision(g, view, tuple(n for n in self.decided.nodes if n not in members),
                                   store, got[store][1],
-                                  tuple(n for n in view if n not in self.decided.nodes)),
+                                  tuple(n for n in view if n not in self._in)),
                          how="direct")
 
     def _on_decided(self, src: str, d: Decision) -> None:
@@ -554,8 +557,8 @@ class MembershipCore:
         if not self.joined:
             self.joined, self._since = True, d.gen
         self._removed.update(d.lost)
-        for node in d.nodes:
-            self.joiners.pop(node, None)
+        for node in [j for j in self.joiners if j in self._in]:
+            del self.joiners[node]
         self.notes.append(("decided", {**d.to_msg(), "how": how}))
         msg = {"type": "decided", **d.to_msg()}
         for node in dict.fromkeys(told) if how == "direct" else ():  # adopters: step 5
@@ -576,7 +579,7 @@ class MembershipCore:
     def _rebase(self, d: Decision) -> None:
         """Take `d` as the last decided generation (a spare follows the members' decisions
         without taking part; `_decide` for a member) and forget the rounds it closes."""
-        self.decided = d
+        self.decided, self._in = d, frozenset(d.nodes)
         self.proposal = None
         self._round_adds = self._round_told = ()
         self._opening_adds = None  # a proposal being absorbed was for the round just closed
@@ -608,9 +611,7 @@ class MembershipCore:
         """The coordinator's gathered values (step 8)."""
         gen = msg["xgen"]
         if gen == self.decided.gen:  # (it needed this node's value: no later generation)
-            for node, value in msg["values"].items():
-                if node != self.me:
-                    self._x.put(gen, msg["key"], node, value)
+            self._x.put_all(gen, msg["key"], msg["values"], but=self.me)
             self._check_exchange(gen, msg["key"])
 
     def _check_exchange(self, gen: int, key: str) -> None:

@@ -23,6 +23,9 @@ Suspicion (`Detector`)
   included. So one slow or partitioned observer cannot evict a healthy node, and a hung node,
   whose K observers all stop hearing it at the same moment, is suspected at lease_s as before.
   When observers themselves fail (a switch taking 32 nodes with it), the ones left decide.
+- A subject silent to an observer for two leases is suspected by that observer alone: the
+  observers that would confirm it are out of reach (a partition: the reports do not cross it
+  either), and a single observer that long out of touch is itself cut off from the subject.
 - A dropped connection, a failed send, FAILED, BYE and a worker's report naming a peer are
   direct evidence and still make a suspicion at once (control.py): the kernel closes a
   SIGKILLed agent's sockets in milliseconds, and that fast path stays.
@@ -33,9 +36,12 @@ Suspicion (`Detector`)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from oobleck_hpc.errors import EXIT_REQUEUE
 
 MONITORS = 4
 """K: rings in the monitoring topology (subjects and observers per agent, at most)."""
@@ -77,6 +83,13 @@ class Rings:
         return self._observers.get(node, ())
 
 
+@functools.lru_cache(maxsize=8)
+def rings_of(view: tuple[str, ...], k: int = MONITORS) -> Rings:
+    """The topology of `view`, computed once per view in this process (every agent of a
+    simulation shares it; an agent computes it once per generation)."""
+    return Rings(view, k)
+
+
 @dataclass
 class Detector:
     """One agent's leases on its subjects and the reports of lease expiries it has seen.
@@ -107,8 +120,8 @@ class Detector:
         from generation `gen` on; an edge new here gets a fresh lease (`grace_s` more for the
         start: until the subject was first heard from). Reports of an older generation are
         forgotten."""
-        if gen != self.gen or view != self.rings.view:
-            self.rings = Rings(view, self.k)
+        if gen != self.gen or view is not self.rings.view:  # (a view is one tuple per decision)
+            self.rings = rings_of(view, self.k)
         if gen != self.gen:
             self.gen, self._reported, self._reports = gen, {}, {}
         want = [n for n in self.rings.subjects(self.me) + extra if n != self.me]
@@ -121,9 +134,10 @@ class Detector:
     def heard(self, node: str, now: float) -> None:
         self.last_heard[node] = now
 
-    def expired(self, now: float, skip: set[str]) -> list[tuple[str, str]]:
-        """(subject, how) for each subject silent for more than lease_s since its edge began,
-        not reported in the last lease_s (`skip`: already suspected or gone)."""
+    def expired(self, now: float, skip: set[str]) -> list[tuple[str, str, bool]]:
+        """(subject, how, alone) for each subject silent for more than lease_s since its edge
+        began, not reported in the last lease_s (`skip`: already suspected or gone); `alone`:
+        silent for two leases, to be suspected without the other observers."""
         out = []
         for node, (since, grace) in self._since.items():
             if node in skip or now - self._reported.get(node, -1e18) <= self.lease_s:
@@ -133,7 +147,8 @@ class Detector:
             if now - last > self.lease_s:
                 self._reported[node] = now
                 out.append((node, "never_connected" if heard is None else
-                            f"lease_expired (silent {now - last:.2f} s)"))
+                            f"lease_expired (silent {now - last:.2f} s)",
+                            now - last > 2 * self.lease_s))
         return out
 
     def observers(self, subject: str, gone: set[str]) -> tuple[str, ...]:
@@ -167,14 +182,19 @@ class Monitor:
     every tick and every message (and the control plane's simulator, testing/netsim.py, too).
 
     `tick(now)` every heartbeat_s / 2: fences the node if it was not scheduled for more than
-    lease_s (stopped or starved: its peers have excluded it by now), sends the heartbeats that
-    are due, reports the subjects whose lease expired; returns whom it heartbeats. `message()`
+    lease_s (stopped or starved: its peers have excluded it by now) or if a round kept the same
+    proposal for agreement_timeout_s without a decision (it cannot prove it is in the majority:
+    exit 75, requeue), sends the heartbeats that are due, reports the subjects whose lease
+    expired; returns whom it heartbeats. `message()`
     for every message received; True when it was a REPORT (consumed here). What it sends goes to
     the core's outbox; the suspicions it makes, to the core."""
 
     def __init__(self, core: Any, heartbeat_s: float, lease_s: float, startup_s: float,
-                 k: int = MONITORS, emit: Callable[..., None] | None = None):
+                 k: int = MONITORS, agreement_timeout_s: float | None = None,
+                 emit: Callable[..., None] | None = None):
         self.core, self.heartbeat_s, self.lease_s, self.startup_s = core, heartbeat_s, lease_s, startup_s
+        self.agreement_timeout_s = agreement_timeout_s or 2 * lease_s
+        self._seen: tuple[Any, float] = (None, 0.0)  # the open round's proposal, since when
         self.detector = Detector(core.me, lease_s, k)
         self.emit = emit or (lambda kind, **fields: None)
         self.t0 = self._last_tick = self._last_hb = 0.0
@@ -194,13 +214,22 @@ class Monitor:
             core.fence(f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
                        "(stopped or starved): its peers have excluded it")
             return []
+        if core.proposal is not self._seen[0]:
+            self._seen = (core.proposal, now)
+        elif core.proposal is not None and now - self._seen[1] > self.agreement_timeout_s:
+            core.fence(f"no agreement on {list(core.proposal)} within agreement_timeout_s="
+                       f"{self.agreement_timeout_s}", code=EXIT_REQUEUE)
+            return []
         targets = self._watch(now)
         if now - self._last_hb >= self.heartbeat_s:
             self._last_hb = now
             for node in targets:
                 core.outbox.append((node, {"type": "heartbeat", "gen": core.decided.gen}))
-        for node, how in self.detector.expired(now, self.gone()):
-            self.report(node, core.me, how)
+        for node, how, alone in self.detector.expired(now, self.gone()):
+            if alone:
+                core.suspect(node, f"{how}: no other observer confirmed it in time")
+            else:
+                self.report(node, core.me, how)
         return targets
 
     def message(self, src: str, msg: dict[str, Any], now: float) -> bool:
