@@ -5,4 +5,7 @@ imports (tests/test_imports.py checks it):
   multi-process tests and bench/engine.py: importing torch once per process, not per case).
 - `echo_worker`: the smallest worker that follows the agent interface, without torch (the
   control plane's tests and benchmarks: `python -m oobleck_hpc.testing.echo_worker`).
+- `netsim`: the control plane's protocol (the agents' own MembershipCore and Monitor) on a
+  simulated network, thousands of agents in one process (tests/test_netsim.py,
+  bench/control_plane.py --scale).
 """
