@@ -29,7 +29,8 @@ def test_steady_load_per_agent_does_not_grow_with_the_job():
                     for n in (32, 512))
     ratio = large["msgs_per_agent_per_s_steady"] / small["msgs_per_agent_per_s_steady"]
     print(f"\n[figures] steady messages per agent per second: 32 nodes "
-          f"{small['msgs_per_agent_per_s_steady']}, 512 nodes {large['msgs_per_agent_per_s_steady']}")
+          f"{small['msgs_per_agent_per_s_steady']}, "
+          f"512 nodes {large['msgs_per_agent_per_s_steady']}")
     assert 0.9 <= ratio <= 1.1
     assert large["msgs_per_event_per_agent"] <= small["msgs_per_event_per_agent"] + 1
 

@@ -14,10 +14,10 @@ sockets, with stdlib only. Per agent:
   queued. A link that has been idle for `IDLE_CLOSE_S` to a node that is not one of this
   agent's observers is closed (after an UNLINK that tells the reader to end quietly), so that
   the links a membership round opened to every member do not stay: in steady state an agent
-  holds links only along its monitoring edges (topology.py). A failed send is retried on a fresh
-  connection (links.py: `SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart) before it becomes a suspicion, so
-  one flaky TCP connection does not exclude a healthy peer; a refused connection ends the
-  retries at once (nobody listens on the peer's port: its agent is gone).
+  holds links only along its monitoring edges (topology.py). A failed send is retried on a
+  fresh connection (links.py: `SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart) before it becomes
+  a suspicion, so one flaky TCP connection does not exclude a healthy peer; a refused
+  connection ends the retries at once (nobody listens on the peer's port: its agent is gone).
 - an inbound connection that ends is checked the same way before it counts: the peer's
   listening port is tried; if it accepts, the peer is alive and will reconnect.
 - one ticker thread, every heartbeat_s / 2: heartbeats, leases, probes, the agreement timeout,
@@ -31,9 +31,8 @@ round's joiners and the members watch each other directly while the round is ope
 What each timeout bounds
 ------------------------
 - heartbeat_s: how often an agent sends HEARTBEAT to its observers (and checks leases and its
-  own scheduling: a
-  ticker that was not scheduled for more than lease_s fences its node -- it was stopped, its
-  peers have excluded it by now, so it must not act on its old view).
+  own scheduling: a ticker that was not scheduled for more than lease_s fences its node -- it
+  was stopped, its peers have excluded it by now, so it must not act on its old view).
 - lease_s: longest silence of a subject before its observer reports it; bounds detection of
   hangs and partitions (crashes are seen at once through the dropped connection). Also bounds
   how long a round waits for an unresponsive member. Every edge starts with a fresh lease.
@@ -68,7 +67,7 @@ from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.links import Link, reach
 from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, Quorum
 from oobleck_hpc.elastic.topology import MONITORS, Monitor
-from oobleck_hpc.elastic.wire import (ConnectionClosed, NodeAddress, Roster, free_port, recv_msg)
+from oobleck_hpc.elastic.wire import ConnectionClosed, NodeAddress, Roster, free_port, recv_msg
 
 IDLE_CLOSE_S = 10.0
 """An outgoing link idle for this long to a node that is not an observer of this agent is
@@ -82,7 +81,8 @@ class ControlPlane:
                  probe_s: float | None = None, agreement_timeout_s: float | None = None,
                  startup_s: float = 60.0, quorum: Quorum = "majority",
                  open_to_joins: bool = True, monitors: int = MONITORS,
-                 events: EventLog | None = None, on_note: Callable[[str, dict[str, Any]], None] | None = None):
+                 events: EventLog | None = None,
+                 on_note: Callable[[str, dict[str, Any]], None] | None = None):
         if lease_s <= heartbeat_s:
             raise ValueError(f"lease_s={lease_s} must exceed heartbeat_s={heartbeat_s}")
         self.me = me
@@ -318,7 +318,7 @@ class ControlPlane:
         """An inbound connection from `peer` ended: a failure only if its agent no longer
         listens (a flaky connection is reopened by the peer's sender)."""
         error = reach(self.roster.address(peer).host, self.roster.address(peer).port,
-                       timeout=min(1.0, self.lease_s / 3), stop=self._stop)
+                      timeout=min(1.0, self.lease_s / 3), stop=self._stop)
         if error is None:
             self.events.emit("connection_reopened", node=peer)
             return

@@ -416,8 +416,8 @@ class MembershipCore:
         joiners (`join`: open it even without a local change, because a peer proposed; `adds`:
         the joiners of the peer's proposal that opens it -- by default, this node's own)."""
         g = self.round
-        out = (self.suspects.keys() | self.left) & self._in  # (C loops: thousands of nodes)
-        base = tuple(filterfalse(out.__contains__, self.decided.nodes)) if out else self.decided.nodes
+        x = (self.suspects.keys() | self.left) & self._in  # (C loops: thousands of nodes)
+        base = tuple(filterfalse(x.__contains__, self.decided.nodes)) if x else self.decided.nodes
         if self.proposal is None:
             if adds is None:
                 adds = self._opening_adds
