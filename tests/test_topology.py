@@ -118,6 +118,12 @@ def test_a_new_edge_gets_a_fresh_lease_and_a_silent_subject_is_reported_again():
     d.watch(1, smaller, now=20.0)
     fresh = [n for n in d.subjects if n not in rings.subjects(me)]
     assert all(n not in [x[0] for x in d.expired(20.9, skip=set())] for n in fresh)
+    # a subject never heard from during the start's grace is due at once in a new generation
+    # (seen: a node hung 0.6 s after the start was found only after two leases)
+    d2 = Detector(me, lease_s=1.0)
+    d2.watch(0, rings.view, now=0.0, grace_s=50.0)
+    d2.watch(1, rings.view, now=2.0)
+    assert [x[0] for x in d2.expired(3.1, skip=set())] == list(d2.subjects)
     joiner = "n99"
     d.watch(1, smaller, now=21.0, extra=(joiner,))
     assert joiner in d.subjects

@@ -105,7 +105,7 @@ class Detector:
     rings: Rings = field(init=False)
     gen: int = field(init=False, default=-1)
     _since: dict[str, tuple[float, float]] = field(init=False, default_factory=dict)
-    """subject -> (when its edge began, grace before a first message is due)."""
+    """subject -> (when its edge began, when a first message was due at the latest)."""
     last_heard: dict[str, float] = field(init=False, default_factory=dict)
     """When each peer was last heard from (any message), by the control plane's clock."""
     _reported: dict[str, float] = field(init=False, default_factory=dict)
@@ -125,7 +125,9 @@ class Detector:
         if gen != self.gen:
             self.gen, self._reported, self._reports = gen, {}, {}
         want = [n for n in self.rings.subjects(self.me) + extra if n != self.me]
-        self._since = {n: self._since.get(n, (now, grace_s)) for n in dict.fromkeys(want)}
+        # A new generation ends the start's grace: a subject never heard from is due from now.
+        self._since = {n: (self._since[n][0], min(self._since[n][1], now + grace_s))
+                       if n in self._since else (now, now + grace_s) for n in dict.fromkeys(want)}
 
     @property
     def subjects(self) -> tuple[str, ...]:
@@ -139,11 +141,11 @@ class Detector:
         began, not reported in the last lease_s (`skip`: already suspected or gone); `alone`:
         silent for two leases, to be suspected without the other observers."""
         out = []
-        for node, (since, grace) in self._since.items():
+        for node, (since, due) in self._since.items():
             if node in skip or now - self._reported.get(node, -1e18) <= self.lease_s:
                 continue
             heard = self.last_heard.get(node)
-            last = since + grace if heard is None else max(heard, since)
+            last = due if heard is None else max(heard, since)
             if now - last > self.lease_s:
                 self._reported[node] = now
                 out.append((node, "never_connected" if heard is None else
