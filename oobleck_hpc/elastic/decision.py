@@ -4,6 +4,7 @@ generation (`Decision`), the quorum rule, and the exceptions the workers see (`F
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -46,6 +47,19 @@ def has_quorum(prev: Sequence[str], view: Sequence[str], quorum: str) -> bool:
     return 2 * len(view) > len(prev) or (2 * len(view) == len(prev) and prev[0] in view)
 
 
+@functools.lru_cache(maxsize=16)
+def shared(nodes: tuple[str, ...]) -> tuple[str, ...]:
+    """One tuple object per distinct view in this process: the agents of a simulation (thousands
+    in one process, oobleck_hpc/testing/netsim.py) hold one copy of each view, not one each."""
+    return nodes
+
+
+@functools.lru_cache(maxsize=16)
+def member_set(nodes: tuple[str, ...]) -> frozenset[str]:
+    """The nodes of a view as a set, shared like `shared`."""
+    return frozenset(nodes)
+
+
 @dataclass(frozen=True)
 class Decision:
     """One agreed generation: the nodes in it (roster order) and where its store lives."""
@@ -67,5 +81,5 @@ class Decision:
 
     @classmethod
     def from_msg(cls, m: dict[str, Any]) -> Decision:
-        return cls(m["gen"], tuple(m["nodes"]), tuple(m["lost"]), m["store_node"], m["store_port"],
-                   tuple(m.get("joined", ())))
+        return cls(m["gen"], shared(tuple(m["nodes"])), tuple(m["lost"]), m["store_node"],
+                   m["store_port"], tuple(m.get("joined", ())))

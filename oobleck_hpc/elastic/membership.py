@@ -136,7 +136,7 @@ from itertools import filterfalse
 from typing import Any, Callable, Sequence
 
 from oobleck_hpc.elastic.decision import (Decision, Fenced, LeaveKind, Quorum, Superseded,
-                                          has_quorum)
+                                          has_quorum, member_set)
 from oobleck_hpc.elastic.exchange import Exchanges
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 
@@ -181,7 +181,7 @@ class MembershipCore:
         if not set(members0) <= set(self.roster):
             raise ValueError(f"generation 0 {list(members0)} is not part of the roster {list(self.roster)}")
         self.decided = Decision(0, members0, (), members0[0], self.store_port0)
-        self._in = frozenset(members0)  # decided.nodes, for lookups (thousands of nodes)
+        self._in = member_set(members0)  # decided.nodes, for lookups (thousands of nodes)
         self.size = self.size or len(members0)
         self.joined = self.me in members0
         """False until a decided generation holds this node (a spare, a replacement)."""
@@ -579,7 +579,7 @@ class MembershipCore:
     def _rebase(self, d: Decision) -> None:
         """Take `d` as the last decided generation (a spare follows the members' decisions
         without taking part; `_decide` for a member) and forget the rounds it closes."""
-        self.decided, self._in = d, frozenset(d.nodes)
+        self.decided, self._in = d, member_set(d.nodes)
         self.proposal = None
         self._round_adds = self._round_told = ()
         self._opening_adds = None  # a proposal being absorbed was for the round just closed
