@@ -136,7 +136,7 @@ from itertools import filterfalse
 from typing import Any, Callable, Sequence
 
 from oobleck_hpc.elastic.decision import (Decision, Fenced, LeaveKind, Quorum, Superseded,
-                                          has_quorum, member_set)
+                                          has_quorum, member_set, shared)
 from oobleck_hpc.elastic.exchange import Exchanges
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 
@@ -427,7 +427,7 @@ class MembershipCore:
                 want = max(0, self.size - len(base)) if self.open_to_joins else 0
                 adds = tuple(sorted(self.joiners))[:want]
             adds = tuple(sorted(adds))
-            new = base + adds
+            new = shared(base + adds)
             if not join and new == self.decided.nodes:
                 return  # nothing to change
             self._round_adds = self._round_told = adds
@@ -438,7 +438,7 @@ class MembershipCore:
         else:
             self._round_adds = tuple(a for a in self._round_adds
                                      if a not in self.suspects and a not in self.left)
-            new = base + self._round_adds
+            new = shared(base + self._round_adds)
             if new == self.proposal:
                 return
         if self.me not in new:
@@ -470,7 +470,7 @@ class MembershipCore:
             self._on_decided(src, carried)
             if self.fenced or src in self.suspects:
                 return
-        g, view = msg["round"], tuple(msg["view"])
+        g, view = msg["round"], shared(tuple(msg["view"]))
         if g <= self.decided.gen:  # an older round, already decided here
             if g == self.decided.gen and self.joined and src in self.decided.nodes:
                 self.outbox.append((src, {"type": "decided", **self.decided.to_msg()}))
@@ -583,8 +583,8 @@ class MembershipCore:
         self.proposal = None
         self._round_adds = self._round_told = ()
         self._opening_adds = None  # a proposal being absorbed was for the round just closed
-        for g in [g for g in self._proposals if g <= d.gen]:
-            del self._proposals[g]
+        for g in [g for g in {*self._proposals, *self._chain} if g <= d.gen]:
+            self._proposals.pop(g, None), self._chain.pop(g, None)  # (closed rounds)
         for key in [k for k in self._reasons if k[0] <= d.gen]:
             del self._reasons[key]
 
