@@ -7,7 +7,8 @@ sockets, with stdlib only. Per agent:
   thread. The first message on a connection is HELLO {src, host, port}; after that every message
   is handed to the core under one lock (the core is single-threaded by construction). A HELLO
   from a node outside the roster adds it (with a link to its address): a node grown into the
-  running job, which joins like a spare.
+  running job, which joins like a spare. What the core addressed to it before (a peer's round
+  that adds it reached this agent first) is sent then.
 - one outgoing link per peer it sends to, opened on the first message (lazily): a queue and a
   sender thread that connects (retrying until `startup_s` has passed for a peer never
   reached), sends HELLO, then the queued messages. Nothing ever blocks the core: sends are
@@ -69,6 +70,10 @@ from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, 
 from oobleck_hpc.elastic.topology import MONITORS, Monitor
 from oobleck_hpc.elastic.wire import ConnectionClosed, NodeAddress, Roster, free_port, recv_msg
 
+UNKNOWN_KEPT = 64
+"""Messages kept for one node whose address is not known yet: a node grown into the job that a
+peer's round adds before its own HELLO reaches this agent (the round's coordinator must still
+tell it: it is the only one that does)."""
 IDLE_CLOSE_S = 10.0
 """An outgoing link idle for this long to a node that is not an observer of this agent is
 closed (a round's messages to every member opened it)."""
@@ -102,6 +107,8 @@ class ControlPlane:
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._links: dict[str, Link] = {}
+        self._unknown: dict[str, list[dict[str, Any]]] = {}
+        """Messages to grown nodes whose HELLO has not arrived yet (a peer's PROPOSE added one)."""
         self.monitor = Monitor(self.core, heartbeat_s, lease_s, startup_s, monitors,
                                self.agreement_timeout_s, emit=self.events.emit)
         self.detector = self.monitor.detector
@@ -254,6 +261,8 @@ class ControlPlane:
             for dst, msg in self.core.outbox:
                 if dst in self.roster.names:
                     self._link(dst).put(msg)
+                elif len(self._unknown.setdefault(dst, [])) < UNKNOWN_KEPT:
+                    self._unknown[dst].append(msg)  # sent once its address is known (_known)
             self.core.outbox.clear()
             notes, self.core.notes = self.core.notes, []
             for kind, fields in notes:
@@ -370,6 +379,8 @@ class ControlPlane:
                 return False
             self.roster = self.roster.with_node(NodeAddress(src, host, port))
             self.core.add_node(src)
+            for msg in self._unknown.pop(src, []):
+                self._link(src).put(msg)
         self.events.emit("peer_added", node=src, addr=f"{host}:{port}")
         return True
 
