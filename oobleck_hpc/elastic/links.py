@@ -104,7 +104,7 @@ class Link:
         return error
 
     def _loop(self) -> None:
-        # Connect at once (not on the first message), so that peers start hearing from us.
+        # Connect as soon as the link exists (control.py opens it for its first message).
         try:
             self._connect()
         except OSError:

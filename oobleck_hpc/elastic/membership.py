@@ -466,13 +466,13 @@ class MembershipCore:
     def _on_propose(self, src: str, msg: dict[str, Any]) -> None:
         carried = Decision.from_msg(msg["decided"])
         # A joiner's carried decision is a copy of a member's; a spare learns from any.
-        if carried.gen >= self.decided.gen and (src in self.decided.nodes or not self.joined):
+        if carried.gen >= self.decided.gen and (src in self._in or not self.joined):
             self._on_decided(src, carried)
             if self.fenced or src in self.suspects:
                 return
         g, view = msg["round"], shared(tuple(msg["view"]))
         if g <= self.decided.gen:  # an older round, already decided here
-            if g == self.decided.gen and self.joined and src in self.decided.nodes:
+            if g == self.decided.gen and self.joined and src in self._in:
                 self.outbox.append((src, {"type": "decided", **self.decided.to_msg()}))
             return
         if not self.joined and self.me not in view and self.proposal is None:

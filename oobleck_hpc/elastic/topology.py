@@ -187,9 +187,9 @@ class Monitor:
     lease_s (stopped or starved: its peers have excluded it by now) or if a round kept the same
     proposal for agreement_timeout_s without a decision (it cannot prove it is in the majority:
     exit 75, requeue), sends the heartbeats that are due, reports the subjects whose lease
-    expired; returns whom it heartbeats. `message()`
-    for every message received; True when it was a REPORT (consumed here). What it sends goes to
-    the core's outbox; the suspicions it makes, to the core."""
+    expired; returns whom it heartbeats. `message()` for every message received; True when it
+    was a REPORT (consumed here). What it sends goes to the core's outbox; the suspicions it
+    makes, to the core."""
 
     def __init__(self, core: Any, heartbeat_s: float, lease_s: float, startup_s: float,
                  k: int = MONITORS, agreement_timeout_s: float | None = None,
@@ -258,9 +258,12 @@ class Monitor:
                     core.outbox.append((node, {"type": "report", "node": subject,
                                                "gen": self.detector.gen, "how": how}))
         if self.detector.report(subject, observer, gone):
-            reporters = sorted(self.detector.reporters(subject))
-            core.suspect(subject, how if reporters == [core.me] else
-                         f"{how} (reported by {', '.join(reporters)})")
+            self._suspect_reported(subject, how)
+
+    def _suspect_reported(self, subject: str, how: str) -> None:
+        reporters = sorted(self.detector.reporters(subject))
+        self.core.suspect(subject, how if reporters == [self.core.me] else
+                          f"{how} (reported by {', '.join(reporters)})")
 
     def _watch(self, now: float) -> list[str]:
         """The detector on the current generation's topology; whom to heartbeat. A member
@@ -273,8 +276,7 @@ class Monitor:
             if core.decided.gen == 0 else 0.0
         self.detector.watch(core.decided.gen, view if core.joined else (), now, extra, grace)
         for node in self.detector.recount(self.gone()):
-            core.suspect(node, "lease_expired (reported by "
-                         f"{', '.join(sorted(self.detector.reporters(node)))})")
+            self._suspect_reported(node, "lease_expired")
         gone = self.gone()
         targets = list(self.detector.observers(core.me, {core.me})) + list(extra)
         return [n for n in dict.fromkeys(targets) if n not in gone]

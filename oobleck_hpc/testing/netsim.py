@@ -76,8 +76,6 @@ class Sim:
         self._last: dict[tuple[str, str], float] = {}
         self.connected: dict[str, set[str]] = {m: set() for m in self.names}
         self.sent = 0
-        self.decisions: dict[str, dict[int, Decision]] = {m: {} for m in self.names}
-        self.decided_at: dict[tuple[str, int], float] = {}
         self.suspected_at: dict[str, float] = {}  # node -> first own (not relayed) suspicion
         self.unsafe: list[str] = []
         self._by_view: dict[tuple[str, ...], dict[str, float]] = {}  # view -> decider -> when
@@ -167,8 +165,6 @@ class Sim:
         core.notes.clear()
 
     def _decided(self, m: str, d: Decision) -> None:
-        self.decisions[m][d.gen] = d
-        self.decided_at[(m, d.gen)] = self.now
         deciders = self._by_view.setdefault(d.nodes, {})
         deciders[m] = self.now
         # The safety claim, against every other decision of this generation (there are few).
@@ -215,7 +211,7 @@ class Sim:
         done = None
         if view is None:
             self.run_until(t0 + bound_s)
-            calm = not any(self.decisions.values()) and all(
+            calm = not self._by_gen and all(
                 c.fenced is None for c in self.cores.values())
             failed = [x for x in failed if x in self.suspected_at]  # none, if calm
             done = t0 if calm else None
@@ -226,6 +222,7 @@ class Sim:
                      default=math.nan)
         agree = (done - t0) if done is not None else math.nan
         extra = (self.sent - sent0) - steady * self.n * (self.now - t0)
+
         def num(x: float, digits: int) -> float | None:  # JSON has no NaN
             return None if math.isnan(x) else round(x, digits)
 
