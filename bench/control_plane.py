@@ -53,6 +53,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -147,51 +148,112 @@ def stop(cps: list[ControlPlane]) -> None:
         cp.close()
 
 
-def real(n: int, heartbeat_s: float, lease_s: float) -> dict:
-    """Kill one of `n` control planes, then hang another: time until all survivors agreed."""
-    import threading
-
-    decided: dict[tuple[str, ...], dict[str, float]] = {}
+def serve(roster_path: str, first: int, last: int, heartbeat_s: float, lease_s: float) -> None:
+    """A host process of `real`: the control planes of roster nodes first..last-1. Prints one
+    JSON line when all of them heard their subjects, one per decision ({me, gen, out: the
+    roster nodes outside the view, t}), and on "peak" from stdin the most sockets and threads
+    one of them held; ends on end of input."""
+    sys.setswitchinterval(0.001)  # many agents share this process's GIL: hand it over sooner
+    roster = Roster.load(roster_path)
+    names = roster.names[first:last]
     lock = threading.Lock()
 
-    def on_decided(me: str, gen: int, nodes: tuple[str, ...]) -> None:
+    def say(**fields) -> None:
         with lock:
-            decided.setdefault(nodes, {})[me] = time.monotonic()
+            print(json.dumps(fields), flush=True)
 
-    def agreed(view: tuple[str, ...], t: float, timeout: float) -> float:
+    def note(me):
+        def on_note(kind, f):
+            if kind == "decided":
+                say(me=me, gen=f["gen"], out=sorted(set(roster.names) - set(f["nodes"])),
+                    t=time.monotonic())
+        return on_note
+
+    cps = [ControlPlane(m, roster, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120,
+                        on_note=note(m)) for m in names]
+    for cp in cps:
+        cp.start()
+    while not all(cp.detector.subjects and set(cp.detector.subjects) <= set(cp.detector.last_heard)
+                  for cp in cps):
+        time.sleep(0.1)
+    say(ready=len(cps))
+    for line in sys.stdin:
+        if line.strip() == "peak":
+            peaks = [cp.resources(peak=True) for cp in cps]
+            say(sockets=max(p["sockets"] for p in peaks), threads=max(p["threads"] for p in peaks))
+    stop(cps)
+
+
+def real(n: int, heartbeat_s: float, lease_s: float, procs: int) -> dict:
+    """`n` control planes in `procs` host processes, and two more in a process of their own
+    each: SIGKILL of one, then (once every survivor agreed) SIGSTOP of the other. Times from the
+    signal to the last survivor's decision of the view without the node."""
+    import queue
+    import subprocess
+
+    base = Path(tempfile.mkdtemp(prefix="bench-control-plane-"))
+    *ports, store = free_ports(n + 1)
+    roster = Roster(tuple(NodeAddress(f"n{i}", "127.0.0.1", p) for i, p in enumerate(ports)), store)
+    roster.write(base / "roster.json")
+    victims = [n // 2, n // 3]
+    cuts = sorted({0, n, *victims, *(v + 1 for v in victims),
+                   *(i * n // procs for i in range(1, procs))})
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+    hosts: dict[int, subprocess.Popen] = {}
+    for first, last in zip(cuts, cuts[1:]):
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(base / "roster.json"), f"{first}:{last}",
+             "--heartbeat-s", str(heartbeat_s), "--lease-s", str(lease_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        hosts[first] = proc
+        threading.Thread(target=lambda p=proc: [lines.put(json.loads(x)) for x in p.stdout],
+                         daemon=True).start()
+
+    def wait(until, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with lock:
-                got = decided.get(view, {})
-                if len(got) == len(view):
-                    return max(got.values()) - t
-            time.sleep(0.01)
-        raise TimeoutError(f"{len(view) - len(decided.get(view, {}))} of {len(view)} survivors "
-                           f"did not agree within {timeout} s")
+        while not until():
+            try:
+                msg = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{what}: not within {timeout} s") from None
+            got.append(msg)
 
-    cps = planes(n, heartbeat_s, lease_s, on_decided)
-    held = []
+    got: list[dict] = []
     try:
-        names = [cp.me for cp in cps]
-        killed, hung = cps[n // 2], cps[n // 3]
-        t = time.monotonic()
-        killed.close()
-        view = tuple(m for m in names if m != killed.me)
-        kill_s = agreed(view, t, 30)
-        held.append(max((cp.resources() for cp in cps if cp is not killed),
-                        key=lambda r: r["sockets"]))
-        hang = threading.Thread(target=lambda: hung._lock.acquire() and time.sleep(lease_s + 2)
-                                or hung._lock.release(), daemon=True)
-        t = time.monotonic()
-        hang.start()
-        view = tuple(m for m in view if m != hung.me)
-        hang_s = agreed(view, t, lease_s * 3 + 10)
-        held.append(max((cp.resources() for cp in cps if cp not in (killed, hung)),
-                        key=lambda r: r["sockets"]))
-        hang.join()
+        wait(lambda: sum(m.get("ready", 0) for m in got) == n, 300, f"{n} planes starting")
+        out: list[str] = []
+        figures = {}
+        for kind, sig, victim in (("kill", signal.SIGKILL, victims[0]),
+                                  ("hang", signal.SIGSTOP, victims[1])):
+            out = sorted([*out, f"n{victim}"])
+            survivors = n - len(out)
+            t = time.monotonic()
+            hosts[victim].send_signal(sig)
+
+            def agreed():
+                return len({m["me"] for m in got if m.get("out") == out}) == survivors
+            wait(agreed, 30 if kind == "kill" else lease_s * 3 + 10, f"{kind}: all survivors")
+            figures[f"{kind}_agree_s"] = round(max(m["t"] for m in got if m.get("out") == out) - t, 4)
+        held = []
+        for first, proc in hosts.items():
+            if first not in victims:
+                proc.stdin.write("peak\n")
+                proc.stdin.flush()
+        wait(lambda: len([m for m in got if "sockets" in m]) == len(hosts) - 2, 30, "peaks")
+        held = [m for m in got if "sockets" in m]
     finally:
-        stop(cps)
-    return {"agents": n, "kill_agree_s": round(kill_s, 4), "hang_agree_s": round(hang_s, 4),
+        for first, proc in hosts.items():
+            if first in victims:
+                proc.kill()
+            else:
+                proc.stdin.close()
+        for proc in hosts.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(base, ignore_errors=True)
+    return {"agents": n, "processes": len(hosts), **figures,
             "max_sockets_per_agent": max(h["sockets"] for h in held),
             "max_threads_per_agent": max(h["threads"] for h in held)}
 
@@ -207,20 +269,26 @@ def main() -> int:
     ap.add_argument("--steady", help="node counts, e.g. 8,32,128: steady load instead of failures")
     ap.add_argument("--seconds", type=float, default=10.0, help="--steady: measured seconds")
     ap.add_argument("--real", type=int, help="control planes: a kill and a hang among them")
+    ap.add_argument("--procs", type=int, default=8, help="--real: host processes")
+    ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)  # ROSTER FIRST:LAST (real())
     ap.add_argument("--scale", action="store_true", help="simulated sizes and --real planes")
     ap.add_argument("--sizes", default="1024,4096,16384", help="--scale: simulated node counts")
     ap.add_argument("--scenarios", default=",".join(scenarios()), help="--scale: which ones")
     a = ap.parse_args()
+    if a.serve:
+        first, last = map(int, a.serve[1].split(":"))
+        serve(a.serve[0], first, last, a.heartbeat_s, a.lease_s)
+        return 0
     if a.scale:
         sims = [Sim(n, seed=1, heartbeat_s=a.heartbeat_s, lease_s=a.lease_s).run_scenario(
                     name, scenarios()[name])
                 for n in map(int, a.sizes.split(",")) for name in a.scenarios.split(",")]
-        out = {"simulated": sims, "real": real(a.real or 256, a.heartbeat_s, a.lease_s),
+        out = {"simulated": sims, "real": real(a.real or 512, a.heartbeat_s, a.lease_s, a.procs),
                "host": platform.node(), "python": platform.python_version()}
         print(json.dumps(out) if a.json else json.dumps(out, indent=1))
         return 0
     if a.real:
-        out = {"real": real(a.real, a.heartbeat_s, a.lease_s), "heartbeat_s": a.heartbeat_s,
+        out = {"real": real(a.real, a.heartbeat_s, a.lease_s, a.procs), "heartbeat_s": a.heartbeat_s,
                "lease_s": a.lease_s, "host": platform.node(), "python": platform.python_version()}
         print(json.dumps(out) if a.json else out)
         return 0

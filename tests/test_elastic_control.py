@@ -584,3 +584,56 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
     finally:
         for cp in cps.values():
             cp.close()
+
+
+@pytest.mark.timeout(120)
+def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_path, monkeypatch):
+    """40 control planes in this process with the socket caps lowered to a few (links.py:
+    OUT_CAP, IN_CAP), so that a round's messages to and from every member must queue for
+    slots, close links after use, and ask senders to close (DROP): a kill is still agreed by
+    every survivor on the same view, then a second kill too, and no agent ever held more
+    sockets than its caps allow or more than its one loop thread (plus the short check of a
+    lost connection)."""
+    from oobleck_hpc.elastic import control, links
+    from oobleck_hpc.elastic.control import ControlPlane
+
+    monkeypatch.setattr(links, "OUT_CAP", 3)
+    monkeypatch.setattr(control, "OUT_CAP", 3)
+    monkeypatch.setattr(links, "IN_CAP", 4)
+    monkeypatch.setattr(links, "DROP_ASKED", 2)
+    ports = [free_port() for _ in range(41)]
+    roster = Roster(tuple(NodeAddress(f"n{i}", "127.0.0.1", p) for i, p in enumerate(ports[:-1])),
+                    ports[-1])
+    cps = [ControlPlane(m, roster, heartbeat_s=0.25, lease_s=3.0, startup_s=30)
+           for m in roster.names]
+    try:
+        for cp in cps:
+            cp.start()
+        deadline = time.monotonic() + 30
+        while not all(cp.detector.subjects and set(cp.detector.subjects) <= set(cp.detector.last_heard)
+                      for cp in cps):
+            assert time.monotonic() < deadline, "the planes never heard their subjects"
+            time.sleep(0.05)
+        alive = list(cps)
+        for victim in (cps[7], cps[0]):  # a member, then the coordinator of the next round
+            alive.remove(victim)
+            victim.close()
+            view = tuple(cp.me for cp in alive)
+            deadline = time.monotonic() + 30
+            while any(cp.decided.nodes != view for cp in alive):
+                assert time.monotonic() < deadline, (
+                    f"not agreed without {victim.me}: "
+                    f"{sorted({(cp.decided.gen, len(cp.decided.nodes)) for cp in alive})}")
+                time.sleep(0.02)
+            assert len({cp.decided.gen for cp in alive}) == 1
+        assert not any(cp.fenced for cp in alive)
+        peaks = [cp.resources(peak=True) for cp in alive]
+        helpers = 4  # lost-connection checks: one per observer of a killed node at most
+        assert max(p["sockets"] for p in peaks) <= 3 + 3 + 4 + helpers, peaks
+        assert max(p["threads"] for p in peaks) <= 1 + helpers, peaks
+        assert any(p["sockets"] >= 3 + 3 for p in peaks), "the caps were never reached"
+    finally:
+        for cp in cps:
+            cp._stop.set()
+        for cp in cps:
+            cp.close()

@@ -3,26 +3,27 @@
 `ControlPlane` runs the pure `MembershipCore` (membership.py, which documents the protocol) over
 sockets, with stdlib only. Per agent:
 
-- one listening socket on the agent's roster port; every accepted connection gets a reader
-  thread. The first message on a connection is HELLO {src, host, port}; after that every message
-  is handed to the core under one lock (the core is single-threaded by construction). A HELLO
-  from a node outside the roster adds it (with a link to its address): a node grown into the
-  running job, which joins like a spare. What the core addressed to it before (a peer's round
-  that adds it reached this agent first) is sent then.
-- one outgoing link per peer it sends to, opened on the first message (lazily): a queue and a
-  sender thread that connects (retrying until `startup_s` has passed for a peer never
-  reached), sends HELLO, then the queued messages. Nothing ever blocks the core: sends are
-  queued. A link that has been idle for `IDLE_CLOSE_S` to a node that is not one of this
-  agent's observers is closed (after an UNLINK that tells the reader to end quietly), so that
-  the links a membership round opened to every member do not stay: in steady state an agent
-  holds links only along its monitoring edges (topology.py). A failed send is retried on a
-  fresh connection (links.py: `SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart) before it becomes
-  a suspicion, so one flaky TCP connection does not exclude a healthy peer; a refused
-  connection ends the retries at once (nobody listens on the peer's port: its agent is gone).
-- an inbound connection that ends is checked the same way before it counts: the peer's
-  listening port is tried; if it accepts, the peer is alive and will reconnect.
-- one ticker thread, every heartbeat_s / 2: heartbeats, leases, probes, the agreement timeout,
-  and this agent's own scheduling (see below), and a spare's repeated JOIN.
+- one event loop thread (links.py) for all its sockets and timers: the listening socket on the
+  agent's roster port, the accepted connections, the outgoing links, and the ticker. What
+  arrives is handed to the core under one lock (the core is single-threaded by construction);
+  nothing ever blocks the core: sends are queued and written by the loop.
+- the first message on a connection is HELLO {src, host, port}. A HELLO from a node outside the
+  roster adds it (with a link to its address): a node grown into the running job, which joins
+  like a spare. What the core addressed to it before (a peer's round that adds it reached this
+  agent first) is sent then.
+- one outgoing link per peer it sends to, opened on the first message (lazily), retried until
+  `startup_s` has passed for a peer never reached. Links to nodes that are not this agent's
+  observers close after `IDLE_CLOSE_S` idle, or at once after use in a job larger than
+  links.OUT_CAP, so that in steady state an agent holds links only along its monitoring edges
+  (topology.py), and never more than links.OUT_CAP outgoing and links.IN_CAP accepted
+  connections. A failed send is retried on a fresh connection (links.py) before it becomes a
+  suspicion, so one flaky TCP connection does not exclude a healthy peer; a refused connection
+  ends the retries at once (nobody listens on the peer's port: its agent is gone).
+- an inbound connection that ends without UNLINK is checked the same way before it counts (in
+  a short helper thread): the peer's listening port is tried; if it accepts, the peer is alive
+  and will reconnect.
+- the ticker, every heartbeat_s / 2: heartbeats, leases, probes, the agreement timeout, this
+  agent's own scheduling (see below), and a spare's repeated JOIN.
 
 Who watches whom (topology.py): K rings over the decided view; an agent heartbeats its (at
 most K) observers and holds leases on its (at most K) subjects, and a lease expiry becomes a
@@ -32,7 +33,7 @@ round's joiners and the members watch each other directly while the round is ope
 What each timeout bounds
 ------------------------
 - heartbeat_s: how often an agent sends HEARTBEAT to its observers (and checks leases and its
-  own scheduling: a ticker that was not scheduled for more than lease_s fences its node -- it
+  own scheduling: a loop that was not scheduled for more than lease_s fences its node -- it
   was stopped, its peers have excluded it by now, so it must not act on its old view).
 - lease_s: longest silence of a subject before its observer reports it; bounds detection of
   hangs and partitions (crashes are seen at once through the dropped connection). Also bounds
@@ -65,10 +66,10 @@ import time
 from typing import Any, Callable
 
 from oobleck_hpc.elastic.events import EventLog
-from oobleck_hpc.elastic.links import Link, reach
+from oobleck_hpc.elastic.links import OUT_CAP, RETRY_PAUSE_S, SEND_ATTEMPTS, EventLoop, Link
 from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, Quorum
 from oobleck_hpc.elastic.topology import MONITORS, Monitor
-from oobleck_hpc.elastic.wire import ConnectionClosed, NodeAddress, Roster, free_port, recv_msg
+from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port
 
 UNKNOWN_KEPT = 64
 """Messages kept for one node whose address is not known yet: a node grown into the job that a
@@ -77,6 +78,10 @@ tell it: it is the only one that does)."""
 IDLE_CLOSE_S = 10.0
 """An outgoing link idle for this long to a node that is not an observer of this agent is
 closed (a round's messages to every member opened it)."""
+CONFIRM_S = 0.1
+"""How long a connection opened to check a peer must stay open (and silent) to prove the peer
+alive."""
+
 
 
 class ControlPlane:
@@ -105,7 +110,7 @@ class ControlPlane:
                                    members0=roster.members0, open_to_joins=open_to_joins)
         self._lock = threading.RLock()
         self._stop = threading.Event()
-        self._listener: socket.socket | None = None
+        self._loop: EventLoop | None = None
         self._links: dict[str, Link] = {}
         self._unknown: dict[str, list[dict[str, Any]]] = {}
         """Messages to grown nodes whose HELLO has not arrived yet (a peer's PROPOSE added one)."""
@@ -119,8 +124,6 @@ class ControlPlane:
         self._probe: tuple[float, float, int, str] | None = None  # started, deadline, gen, why
         self._join_how: str | None = None
         self._join_asked = 0.0
-        self._threads: list[threading.Thread] = []
-        self._inbound: list[socket.socket] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,41 +138,36 @@ class ControlPlane:
             sock.close()
             raise OSError(e.errno, f"agent {self.me}: cannot listen on port {self.addr.port} "
                           f"({e.strerror}); the roster gives this port, pick a free one") from e
-        sock.listen(128)
-        self._listener = sock
+        sock.listen(4096)  # a round's messages from every member wait here (links.py: IN_CAP)
+        self._loop = EventLoop(self, sock, IDLE_CLOSE_S)
+        self._links = self._loop.links
 
     def start(self) -> None:
-        if self._listener is None:
+        if self._loop is None:
             self.bind()
+        assert self._loop is not None
         self._t0 = time.monotonic()
         self.monitor.start(self._t0)
-        self._spawn(self._accept_loop, "accept")
-        self._spawn(self._tick_loop, "ticker")
+        self._loop.after(self.heartbeat_s / 2, self._tick)
+        self._loop.start()
 
     def close(self) -> None:
+        """Stop: every socket closes at once (what is queued is not sent: flush() first)."""
         self._stop.set()
-        if self._listener is not None:
-            try:  # shutdown wakes the accept() of the accept thread; close alone would not
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            try:
-                self._listener.close()
-            except OSError:
-                pass
-        for link in list(self._links.values()):
-            link.close()
-        for sock in self._inbound:
-            try:
-                sock.close()
-            except OSError:
-                pass
+        if self._loop is not None:
+            if self._loop.thread.is_alive():
+                self._loop.stop()
+            else:
+                self._loop._close_all()
 
     def flush(self, timeout: float = 1.0) -> None:
         """Wait (bounded) until queued messages have been handed to the kernel."""
         deadline = time.monotonic() + timeout
-        for link in list(self._links.values()):
-            link.drained.wait(max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(link.drained for link in self._links.values()):
+                    return
+            time.sleep(0.005)
 
     # ------------------------------------------------------------------ owner's API
 
@@ -234,32 +232,26 @@ class ControlPlane:
                 if node != self.me:
                     self._link(node).put({"type": "ping"})
 
-    def resources(self) -> dict[str, int]:
-        """What this agent's control plane holds open now: sockets (listener, links,
-        accepted connections) and threads."""
+    def resources(self, peak: bool = False) -> dict[str, int]:
+        """What this agent's control plane holds open now (`peak`: the most it held at once):
+        sockets (listener, the event loop's wake-up pair, links, accepted connections) and
+        threads (the event loop; helpers checking a lost connection)."""
         with self._lock:
-            links = [link for link in self._links.values() if link.thread.is_alive()]
-            inbound = [s for s in self._inbound if s.fileno() != -1]
-            threads = [t for t in self._threads if t.is_alive()]
-            return {"sockets": (self._listener is not None) + len(links) + len(inbound),
-                    "threads": len(threads) + len(links)}
+            if self._loop is None:
+                return {"sockets": 0, "threads": 0}
+            return dict(self._loop.peak) if peak else self._loop.resources()
 
     def store_host(self, node: str) -> str:
         return self.roster.address(node).host
 
     # ------------------------------------------------------------------ internals
 
-    def _spawn(self, fn: Callable[..., None], name: str, *args: Any) -> None:
-        t = threading.Thread(target=fn, args=args, name=f"cp-{self.me}-{name}", daemon=True)
-        t.start()
-        self._threads.append(t)
-
     def _run(self, fn: Callable[[], None]) -> None:
         """Call into the core and flush what it produced (messages, notes) under the lock."""
         with self._lock:
             fn()
             for dst, msg in self.core.outbox:
-                if dst in self.roster.names:
+                if dst in self.roster:
                     self._link(dst).put(msg)
                 elif len(self._unknown.setdefault(dst, [])) < UNKNOWN_KEPT:
                     self._unknown[dst].append(msg)  # sent once its address is known (_known)
@@ -302,12 +294,9 @@ class ControlPlane:
 
     def _link(self, peer: str) -> Link:
         """The outgoing link to `peer`, opened now if there is none (call with the lock held)."""
-        link = self._links.get(peer)
-        if link is None:
-            addr = self.roster.address(peer)
-            link = self._links[peer] = Link(self, peer, (addr.host, addr.port))
-            link.start()
-        return link
+        assert self._loop is not None, "bind() or start() first"
+        addr = self.roster.address(peer)
+        return self._loop.link(peer, (addr.host, addr.port))
 
     def _on_message(self, src: str, msg: dict[str, Any]) -> None:
         with self._lock:
@@ -333,47 +322,12 @@ class ControlPlane:
             return
         self._link_failed(peer, "connection_lost")
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._inbound = [s for s in self._inbound if s.fileno() != -1] + [sock]
-                self._threads = [t for t in self._threads if t.is_alive()]
-            self._spawn(self._read_loop, "reader", sock)
-
-    def _read_loop(self, sock: socket.socket) -> None:
-        src = None
-        try:
-            hello = recv_msg(sock)
-            src = hello.get("src")
-            if hello.get("type") != "hello" or src == self.me or not self._known(src, hello):
-                return
-            self._on_message(src, hello)
-            while not self._stop.is_set():
-                msg = recv_msg(sock)
-                if msg.get("type") == "unlink":
-                    return  # the sender closed an idle link; it opens a new one when needed
-                self._on_message(src, msg)
-        except (ConnectionClosed, OSError, ValueError):
-            if src is not None and not self._stop.is_set():
-                self._connection_lost(src)
-        finally:
-            try:
-                sock.close()
-            except OSError:
-                pass
-
     def _known(self, src: Any, hello: dict[str, Any]) -> bool:
         """Whether `src` is a roster node; a node outside it that gives its address is added
         (grown into the running job; module docstring)."""
         host, port = hello.get("host"), hello.get("port")
         with self._lock:
-            if src in self.roster.names:
+            if src in self.roster:
                 return True
             if not (isinstance(src, str) and isinstance(host, str) and isinstance(port, int)):
                 return False
@@ -384,39 +338,55 @@ class ControlPlane:
         self.events.emit("peer_added", node=src, addr=f"{host}:{port}")
         return True
 
-    def _tick_loop(self) -> None:
-        last_retire = time.monotonic()
-        while not self._stop.wait(self.heartbeat_s / 2):
-            now = time.monotonic()
-            with self._lock:
-                targets: list[str] = []
-                self._run(lambda: targets.extend(self.monitor.tick(now)))
-                if self.core.fenced:
-                    return
-                if now - last_retire >= self.heartbeat_s:
-                    last_retire = now
-                    self._retire_idle(now, targets)
-                if (self._join_how is not None and not self.core.joined
-                        and now - self._join_asked >= self.lease_s):
-                    self.request_join(self._join_how)
-                if self._probe is not None and now >= self._probe[1]:
-                    started, _, gen, why = self._probe
-                    self._probe = None
-                    probed = self.core.decided.nodes + self.core.round_joiners
-                    silent = [n for n in probed if n != self.me
-                              and n not in self.core.suspects and n not in self.core.left
-                              and self.detector.last_heard.get(n, 0.0) < started]
-                    for node in silent:
-                        self._run(lambda n=node: self.core.suspect(
-                            n, f"probe_unanswered (within probe_s={self.probe_s})"))
-                    if not silent and self.core.decided.gen == gen:
-                        self._run(lambda: self.core.retry(f"every peer answered the probe "
-                                                          f"after: {why}"))
+    def _tick(self) -> None:
+        """Every heartbeat_s / 2, on the event loop: heartbeats, leases, own scheduling (the
+        Monitor), links kept or closed, a spare's repeated JOIN, a probe's deadline."""
+        now = time.monotonic()
+        assert self._loop is not None
+        targets: list[str] = []
+        self._run(lambda: targets.extend(self.monitor.tick(now)))
+        if self.core.fenced:
+            return  # no more ticks: its peers stop hearing from it
+        self._loop.after(self.heartbeat_s / 2, self._tick)
+        self._loop.pin(targets, now, one_shot=len(self.core.decided.nodes) > OUT_CAP)
+        if (self._join_how is not None and not self.core.joined
+                and now - self._join_asked >= self.lease_s):
+            self.request_join(self._join_how)
+        if self._probe is not None and now >= self._probe[1]:
+            started, _, gen, why = self._probe
+            self._probe = None
+            probed = self.core.decided.nodes + self.core.round_joiners
+            silent = [n for n in probed if n != self.me
+                      and n not in self.core.suspects and n not in self.core.left
+                      and self.detector.last_heard.get(n, 0.0) < started]
+            for node in silent:
+                self._run(lambda n=node: self.core.suspect(
+                    n, f"probe_unanswered (within probe_s={self.probe_s})"))
+            if not silent and self.core.decided.gen == gen:
+                self._run(lambda: self.core.retry(f"every peer answered the probe "
+                                                  f"after: {why}"))
 
-    def _retire_idle(self, now: float, targets: list[str]) -> None:
-        """Close the links idle for IDLE_CLOSE_S that are not heartbeat targets."""
-        for peer, link in list(self._links.items()):
-            if peer not in targets and link.drained.is_set() and now - link.used > IDLE_CLOSE_S:
-                del self._links[peer]
-                link.put({"type": "unlink"})
-                link.close(after_queue=True)
+
+def reach(host: str, port: int, timeout: float, stop: threading.Event) -> OSError | None:
+    """Whether an agent still listens on host:port: None if a connection opens and stays open
+    for CONFIRM_S (then it is closed; the peer reads no HELLO and drops it), else the last error
+    of SEND_ATTEMPTS tries (a refusal or a reset at once: nobody listens)."""
+    error: OSError | None = None
+    for attempt in range(SEND_ATTEMPTS):
+        if attempt and stop.wait(RETRY_PAUSE_S):
+            break
+        try:
+            with socket.create_connection((host, port), timeout=timeout) as sock:
+                # A dying agent's listener may still accept for a moment; the kernel resets
+                # what it accepted once the listener closes. A live agent waits for a HELLO.
+                sock.settimeout(CONFIRM_S)
+                try:
+                    if sock.recv(1) == b"":
+                        return ConnectionResetError(f"{host}:{port} closed the connection")
+                except TimeoutError:
+                    return None
+        except ConnectionRefusedError as e:
+            return e
+        except OSError as e:
+            error = e
+    return error

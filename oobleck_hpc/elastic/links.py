@@ -1,16 +1,48 @@
-"""Outgoing links of the control plane (control.py): one queue and one sender thread per peer
-this agent talks to, with the retry rule that keeps one flaky TCP connection from excluding a
-healthy peer, and `reach`, the check that a peer still listens."""
+"""The control plane's sockets and timers: one event loop (selectors) in one thread per agent.
+
+`EventLoop` owns the listening socket, the accepted connections, the outgoing links and the
+ticker of one ControlPlane (control.py), and calls into it with its lock held: `_known` and
+`_on_message` for what arrives, `_link_failed` when a peer cannot be reached, `_connection_lost`
+(in a short helper thread: it waits on the network) when an inbound connection ends without an
+UNLINK, and `_tick` every heartbeat_s / 2. Owner threads queue messages (`Link.put`, with the lock
+held) and wake the loop; nothing blocks the core.
+
+Bounded sockets. An agent keeps at most `OUT_CAP` outgoing and `IN_CAP` accepted connections
+open, however large the job:
+- outgoing: a link opens its connection on its first message. A link that is not a heartbeat
+  edge (`pin`) is closed once it has been idle `idle_close_s`; in a job larger than OUT_CAP
+  (where an agent cannot keep a link to every peer it talks to) as soon as what it queued is
+  written, and, when another link waits for a free slot, least recently used first. A
+  coordinator's message to every member of a 1,000-node job goes out OUT_CAP connections at a
+  time. Closing sends UNLINK first, so that the reader knows the peer is not gone.
+- accepted: at `IN_CAP` the loop stops accepting (new connections wait in the kernel's listen
+  backlog, which holds no descriptor of this process) and asks the senders of the least
+  recently heard connections (`DROP_ASKED` at a time) to close theirs (DROP on that
+  connection). A sender finishes what it queued, sends UNLINK and closes; its later messages
+  open a new connection. No message is lost: the reader closes only after UNLINK (or, for a
+  sender that has not answered within lease_s, once its lease has judged it).
+
+Delivery. Messages to a peer go in order over one connection at a time. A failed connection is
+retried on a fresh one (`SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart; a refused connection ends
+them at once: nobody listens on the peer's port, its agent is gone) before the peer is suspected,
+so one flaky TCP connection does not exclude a healthy peer; the message being written is sent
+again whole. Before a peer was first reached, connecting is retried until `startup_s` has
+passed (agents start at different moments).
+"""
 
 from __future__ import annotations
 
-import queue
+import errno
+import heapq
+import itertools
+import selectors
 import socket
 import threading
 import time
-from typing import Any
+from collections import deque
+from typing import Any, Callable
 
-from oobleck_hpc.elastic.wire import send_msg
+from oobleck_hpc.elastic.wire import ConnectionClosed, decode_msgs, encode_msg
 
 SEND_ATTEMPTS = 3
 """Tries of one message (or one liveness check) on fresh connections before the peer is
@@ -18,133 +50,480 @@ suspected; a refused connection is not retried."""
 RETRY_PAUSE_S = 0.05
 """Pause before each retry: a reconnect costs milliseconds, so the retries stay far below a
 heartbeat."""
-CONFIRM_S = 0.1
-"""How long a connection opened to check a peer must stay open (and silent) to prove the peer
-alive."""
+OUT_CAP = 24
+"""Outgoing connections one agent holds open at most."""
+IN_CAP = 32
+"""Accepted connections one agent holds open at most."""
+DROP_ASKED = 32
+"""Accepted connections whose senders are asked to close at once when IN_CAP is reached."""
+
+_DROP = encode_msg({"type": "drop"})
 
 
 class Link:
-    """Outgoing messages to one peer: a queue drained by a sender thread."""
+    """Outgoing messages to one peer: frames queued for the current (or next) connection."""
 
-    def __init__(self, cp: Any, peer: str, addr: tuple[str, int]):
-        """`cp`: the owning ControlPlane (its clock, timeouts, stop event and failure callback)."""
-        self.cp, self.peer, self.addr = cp, peer, addr
-        self.q: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+    def __init__(self, loop: EventLoop, peer: str, addr: tuple[str, int]):
+        self.loop, self.peer, self.addr = loop, peer, addr
+        self.pending: deque[bytes] = deque()
+        """Frames not yet wholly written; `offset` bytes of the first one are."""
+        self.offset = 0
+        self.later: deque[bytes] = deque()
+        """Frames queued while the connection closes (after its UNLINK): for the next one."""
         self.sock: socket.socket | None = None
+        self.connecting = False
+        self.closing = False
         self.connected_once = False
         self.failed = False
-        self.drained = threading.Event()
-        self.drained.set()
+        self.attempts = 0
+        self.deadline = 0.0
         self.used = time.monotonic()
-        self.thread = threading.Thread(target=self._loop, name=f"cp-{cp.me}-to-{peer}", daemon=True)
+        self.rbuf = bytearray()
+        self.events = 0
+
+    def put(self, msg: dict[str, Any]) -> None:
+        """Queue `msg` (call with the control plane's lock held)."""
+        if self.failed:
+            return
+        self.loop.cp.sent += 1
+        self.used = time.monotonic()
+        (self.later if self.closing else self.pending).append(self.loop.frame(msg))
+        self.loop.kick(self)
+
+    @property
+    def drained(self) -> bool:
+        return self.failed or not (self.pending or self.later)
+
+
+class _Inbound:
+    """An accepted connection: its sender (after HELLO) and the bytes read so far."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.src: str | None = None
+        self.rbuf = bytearray()
+        self.heard = time.monotonic()
+        self.drop_asked = 0.0
+        """When its sender was asked to close it (0: not asked)."""
+
+
+class EventLoop:
+    """One agent's sockets and timers in one thread (module docstring)."""
+
+    def __init__(self, cp: Any, listener: socket.socket, idle_close_s: float):
+        """`cp`: the owning ControlPlane (its lock, clock, timeouts and callbacks)."""
+        self.cp = cp
+        self.listener = listener
+        self.idle_close_s = idle_close_s
+        self.sel = selectors.DefaultSelector()
+        self.links: dict[str, Link] = {}
+        self.inbound: dict[socket.socket, _Inbound] = {}
+        self.pinned: frozenset[str] = frozenset()
+        self.one_shot = False
+        self._dirty: set[Link] = set()
+        self._waiting: dict[Link, None] = {}  # ordered: links waiting for a free outgoing slot
+        self._open: dict[Link, None] = {}  # links with a connection (at most OUT_CAP)
+        self._framed: tuple[dict[str, Any] | None, bytes] = (None, b"")
+        self._listening = False
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w, listener):
+            s.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._listen(True)
+        self.helpers = 0
+        self.peak = {"sockets": 0, "threads": 0}
+        self.thread = threading.Thread(target=self._run, name=f"cp-{cp.me}-loop", daemon=True)
+
+    # ------------------------------------------------------------------ owner's side
 
     def start(self) -> None:
         self.thread.start()
 
-    def put(self, msg: dict[str, Any]) -> None:
-        if not self.failed:
-            self.cp.sent += 1
-            self.used = time.monotonic()
-            self.drained.clear()
-            self.q.put(msg)
+    def stop(self) -> None:
+        """End the loop (it closes every socket) and wait for it, unless called from it."""
+        self.wake()
+        if threading.current_thread() is not self.thread and self.thread.is_alive():
+            self.thread.join(timeout=5.0)
 
-    def close(self, after_queue: bool = False) -> None:
-        """Stop the sender; `after_queue`: once what is queued is sent (else at once)."""
-        self.q.put(None)
-        if not after_queue and self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-
-    def _connect(self) -> None:
-        """Open the connection and say HELLO. Until the first success, retries for startup_s
-        (agents start at different moments); after it, one try. Raises OSError."""
-        deadline = self.cp._t0 + self.cp.startup_s
-        while True:
-            try:
-                sock = socket.create_connection(self.addr, timeout=max(1.0, self.cp.lease_s))
-                break
-            except OSError:
-                if self.connected_once or time.monotonic() > deadline or self.cp._stop.is_set():
-                    raise
-                time.sleep(0.05)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
-        self.connected_once = True
-        send_msg(sock, {"type": "hello", "src": self.cp.me, "host": self.cp.addr.host,
-                        "port": self.cp.addr.port})
-
-    def _drop(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-        self.sock = None
-
-    def _deliver(self, msg: dict[str, Any]) -> OSError | None:
-        """Send `msg`, on a fresh connection if the current one fails (SEND_ATTEMPTS tries; a
-        refused connection ends them). Returns the last error, None once sent."""
-        error: OSError | None = None
-        for attempt in range(SEND_ATTEMPTS):
-            if attempt and self.cp._stop.wait(RETRY_PAUSE_S):
-                break
-            try:
-                if self.sock is None:
-                    self._connect()
-                assert self.sock is not None
-                send_msg(self.sock, {**msg, "src": self.cp.me})
-                return None
-            except OSError as e:
-                error = e
-                self._drop()
-                if isinstance(e, ConnectionRefusedError):
-                    break
-        return error
-
-    def _loop(self) -> None:
-        # Connect as soon as the link exists (control.py opens it for its first message).
+    def wake(self) -> None:
         try:
-            self._connect()
+            self._wake_w.send(b"\0")
         except OSError:
-            self._drop()
-        while True:
-            if self.q.empty():
-                self.drained.set()
-            msg = self.q.get()
-            if msg is None or self.cp._stop.is_set():
-                self._drop()
-                return
-            if self.failed:
+            pass  # full (the loop is already woken) or closed (the loop ended)
+
+    def kick(self, link: Link) -> None:
+        self._dirty.add(link)
+        if threading.current_thread() is not self.thread:
+            self.wake()
+
+    def link(self, peer: str, addr: tuple[str, int]) -> Link:
+        link = self.links.get(peer)
+        if link is None:
+            link = self.links[peer] = Link(self, peer, addr)
+        return link
+
+    def frame(self, msg: dict[str, Any]) -> bytes:
+        """`msg` framed, with this agent as its source; a message the core addressed to many
+        peers (one dict) is encoded once."""
+        if self._framed[0] is not msg:
+            self._framed = (msg, encode_msg({**msg, "src": self.cp.me}))
+        return self._framed[1]
+
+    def after(self, delay: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
+
+    def pin(self, peers: list[str], now: float, one_shot: bool) -> None:
+        """`peers` (this agent's observers: its heartbeat targets) keep their connections; the
+        other links close once idle for idle_close_s (failed ones are forgotten then: a later
+        message tries the peer afresh), or, if `one_shot` (a job larger than OUT_CAP, where
+        this agent cannot keep a link to every peer it talks to), as soon as what they queued
+        is written."""
+        self.pinned = frozenset(peers)
+        self.one_shot = one_shot
+        for conn in list(self.inbound.values()):
+            if conn.drop_asked and now - conn.drop_asked > self.cp.lease_s:
+                self._close_inbound(conn, lost=False)  # its sender is hung or gone: the lease
+        for peer, link in list(self.links.items()):
+            if peer in self.pinned or not link.drained or now - link.used <= self.idle_close_s:
                 continue
-            error = self._deliver(msg)
-            if error is not None:
-                self.failed = True
-                if not self.cp._stop.is_set():
-                    self.cp._link_failed(self.peer, f"send_failed ({error})")
+            if link.sock is None:
+                del self.links[peer]
+            else:
+                self._close_after_queue(link)
 
+    def resources(self) -> dict[str, int]:
+        """Sockets open now (listener, wake-up pair, outgoing, accepted, helpers' checks) and
+        threads (the loop, helpers)."""
+        return {"sockets": 3 + len(self._open) + len(self.inbound) + self.helpers,
+                "threads": 1 + self.helpers}
 
-def reach(host: str, port: int, timeout: float, stop: threading.Event) -> OSError | None:
-    """Whether an agent still listens on host:port: None if a connection opens and stays open
-    for CONFIRM_S (then it is closed; the peer reads no HELLO and drops it), else the last error
-    of SEND_ATTEMPTS tries (a refusal or a reset at once: nobody listens)."""
-    error: OSError | None = None
-    for attempt in range(SEND_ATTEMPTS):
-        if attempt and stop.wait(RETRY_PAUSE_S):
-            break
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        stop = self.cp._stop
         try:
-            with socket.create_connection((host, port), timeout=timeout) as sock:
-                # A dying agent's listener may still accept for a moment; the kernel resets
-                # what it accepted once the listener closes. A live agent waits for a HELLO.
-                sock.settimeout(CONFIRM_S)
-                try:
-                    if sock.recv(1) == b"":
-                        return ConnectionResetError(f"{host}:{port} closed the connection")
-                except TimeoutError:
-                    return None
-        except ConnectionRefusedError as e:
-            return e
+            while not stop.is_set():
+                timeout = 0.0 if self._dirty else self.cp.heartbeat_s / 2
+                if self._timers:
+                    timeout = min(timeout, max(0.0, self._timers[0][0] - time.monotonic()))
+                events = self.sel.select(timeout)
+                with self.cp._lock:
+                    if stop.is_set():
+                        break
+                    for key, mask in events:
+                        self._dispatch(key, mask)
+                    now = time.monotonic()
+                    while self._timers and self._timers[0][0] <= now:
+                        heapq.heappop(self._timers)[2]()
+                    self._service(now)
+                    res = self.resources()
+                    for k in self.peak:
+                        self.peak[k] = max(self.peak[k], res[k])
+        finally:
+            self._close_all()
+
+    def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
+        data = key.data
+        if data == "wake":
+            try:
+                self._wake_r.recv(4096)
+            except OSError:
+                pass
+        elif data == "listen":
+            self._accept()
+        elif isinstance(data, _Inbound):
+            if self.inbound.get(data.sock) is data:  # not closed earlier in this batch
+                self._read_inbound(data)
+        elif isinstance(data, Link) and data.sock is key.fileobj:
+            if data.connecting and mask & selectors.EVENT_WRITE:
+                self._connected(data)
+            elif mask & selectors.EVENT_READ:
+                self._read_link(data)
+            if data.sock is not None and not data.connecting and mask & selectors.EVENT_WRITE:
+                self._write(data)
+
+    def _service(self, now: float) -> None:
+        """Connect or write what was queued, within OUT_CAP; time out slow connects."""
+        for link in list(self._open):
+            if link.connecting and now > link.deadline:
+                self._attempt_failed(link, TimeoutError(f"connect to {link.addr} timed out"))
+        dirty, self._dirty = self._dirty, set()
+        for link in dirty:
+            if link.failed or not link.pending:
+                continue
+            if link.sock is None:
+                if link.peer in self.links and self.links[link.peer] is link:
+                    self._waiting[link] = None
+            elif not link.connecting:
+                self._write(link)  # the kernel takes it at once unless its buffer is full
+        while self._waiting and len(self._open) < OUT_CAP:
+            link = next(iter(self._waiting))
+            del self._waiting[link]
+            if link.sock is None and link.pending and not link.failed:
+                self._connect(link)
+        if self._waiting:
+            self._make_room()
+
+    def _make_room(self) -> None:
+        """Close idle links, least recently used first and pinned ones last (a heartbeat
+        reopens those): one for each link waiting for a slot beyond those already closing (a
+        slot frees once the UNLINK is written)."""
+        want = len(self._waiting) - sum(1 for link in self._open if link.closing)
+        if want > 0:
+            idle = [link for link in self._open if not link.closing and not link.connecting
+                    and not link.pending]
+            idle.sort(key=lambda link: (link.peer in self.pinned, link.used))
+            for link in idle[:want]:
+                self._close_after_queue(link)
+
+    # ------------------------------------------------------------------ outgoing
+
+    def _connect(self, link: Link) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            err = sock.connect_ex(link.addr)
+        except OSError as e:  # the host name does not resolve
+            sock.close()
+            self._attempt_failed(link, e)
+            return
+        if err not in (0, errno.EINPROGRESS):
+            sock.close()
+            self._attempt_failed(link, _os_error(err))
+            return
+        link.sock, link.connecting, link.offset, link.events = sock, True, 0, 0
+        link.deadline = time.monotonic() + max(1.0, self.cp.lease_s)
+        self._open[link] = None
+        try:  # on loopback or a fast network the connection is often up at once: write now
+            sock.getpeername()
+        except OSError:
+            self._watch(link)
+            return
+        self._connected(link)
+        if link.sock is not None and not link.connecting:
+            self._write(link)
+
+    def _connected(self, link: Link) -> None:
+        assert link.sock is not None
+        err = link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            self._attempt_failed(link, _os_error(err))
+            return
+        link.connecting = False
+        link.connected_once = True
+        cp = self.cp
+        link.pending.appendleft(encode_msg({"type": "hello", "src": cp.me, "host": cp.addr.host,
+                                            "port": cp.addr.port}))
+        self._watch(link)
+
+    def _write(self, link: Link) -> None:
+        assert link.sock is not None
+        try:
+            while link.pending:
+                n = link.sock.send(memoryview(link.pending[0])[link.offset:])
+                link.offset += n
+                if link.offset < len(link.pending[0]):
+                    break  # the kernel's buffer is full: wait until writable
+                link.pending.popleft()
+                link.offset = 0
+                link.attempts = 0
+        except BlockingIOError:
+            pass
         except OSError as e:
-            error = e
-    return error
+            self._attempt_failed(link, e)
+            return
+        if not link.pending and not link.closing and self.one_shot and link.peer not in self.pinned:
+            self._close_after_queue(link)
+            return
+        if not link.pending and link.closing:
+            self._disconnect(link)
+            if link.later:
+                link.pending, link.later = link.later, deque()
+                self._dirty.add(link)
+            return
+        self._watch(link)
+
+    def _read_link(self, link: Link) -> None:
+        """The receiver wrote on our link: a DROP request, or the end of the connection."""
+        assert link.sock is not None
+        try:
+            data = link.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the peer closed: retry what is queued, else reconnect when needed
+            if link.pending:
+                self._attempt_failed(link, ConnectionResetError("connection closed by peer"))
+            else:
+                self._disconnect(link)
+            return
+        link.rbuf += data
+        try:
+            msgs = decode_msgs(link.rbuf)
+        except (ConnectionClosed, ValueError):
+            msgs = []
+        if any(m.get("type") == "drop" for m in msgs) and not link.closing:
+            self._close_after_queue(link)
+
+    def _close_after_queue(self, link: Link) -> None:
+        """Send UNLINK after what is queued, then close; later messages wait for a new
+        connection."""
+        link.closing = True
+        link.pending.append(encode_msg({"type": "unlink", "src": self.cp.me}))
+        if link.sock is not None and not link.connecting:
+            self._write(link)
+        else:
+            self._dirty.add(link)
+
+    def _watch(self, link: Link) -> None:
+        assert link.sock is not None
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if link.connecting or link.pending
+                                         else 0)
+        if events != link.events:
+            if link.events:
+                self.sel.modify(link.sock, events, link)
+            else:
+                self.sel.register(link.sock, events, link)
+            link.events = events
+
+    def _disconnect(self, link: Link) -> None:
+        if link.sock is not None:
+            if link.events:
+                self.sel.unregister(link.sock)
+            link.sock.close()
+            del self._open[link]
+        link.sock, link.connecting, link.closing, link.offset, link.events = None, False, False, 0, 0
+        link.rbuf.clear()
+
+    def _attempt_failed(self, link: Link, error: OSError) -> None:
+        """A connection to `link`'s peer failed: retry (module docstring) or suspect the peer."""
+        closing = link.closing
+        self._disconnect(link)
+        if closing and link.pending:
+            link.pending.pop()  # the UNLINK (always last while closing) was for this connection
+        link.pending.extend(link.later)
+        link.later.clear()
+        if not link.pending:
+            return
+        now = time.monotonic()
+        if not link.connected_once and now < self.cp._t0 + self.cp.startup_s:
+            self.after(RETRY_PAUSE_S, lambda: self._dirty.add(link))
+            return
+        link.attempts += 1
+        if isinstance(error, ConnectionRefusedError) or link.attempts >= SEND_ATTEMPTS:
+            link.failed = True
+            link.pending.clear()
+            self._waiting.pop(link, None)
+            self.cp._link_failed(link.peer, f"send_failed ({error})")
+        else:
+            self.after(RETRY_PAUSE_S, lambda: self._dirty.add(link))
+
+    # ------------------------------------------------------------------ inbound
+
+    def _listen(self, on: bool) -> None:
+        if on and not self._listening:
+            self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+        elif not on and self._listening:
+            self.sel.unregister(self.listener)
+        self._listening = on
+
+    def _accept(self) -> None:
+        while len(self.inbound) < IN_CAP:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = self.inbound[sock] = _Inbound(sock)
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+            self._read_inbound(conn)  # what was sent with the connection is often there
+        # Full: stop accepting until a connection closes, and ask the senders of the least
+        # recently heard ones to close theirs (DROP_ASKED at a time).
+        self._listen(False)
+        conns = self.inbound.values()
+        want = DROP_ASKED - sum(1 for c in conns if c.drop_asked)
+        if want > 0:
+            idle = [c for c in conns if c.src is not None and not c.drop_asked]
+            for conn in sorted(idle, key=lambda c: c.heard)[:want]:
+                conn.drop_asked = time.monotonic()
+                try:
+                    conn.sock.send(_DROP)
+                except OSError:
+                    pass
+
+    def _read_inbound(self, conn: _Inbound) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_inbound(conn, lost=True)
+            return
+        conn.rbuf += data
+        conn.heard = time.monotonic()
+        try:
+            msgs = decode_msgs(conn.rbuf)
+        except (ConnectionClosed, ValueError):
+            self._close_inbound(conn, lost=True)
+            return
+        for msg in msgs:
+            if conn.src is None:
+                src = msg.get("src")
+                if msg.get("type") != "hello" or src == self.cp.me or not self.cp._known(src, msg):
+                    self._close_inbound(conn, lost=False)
+                    return
+                conn.src = src
+            elif msg.get("type") == "unlink":
+                self._close_inbound(conn, lost=False)  # the sender closed an idle link
+                return
+            self.cp._on_message(conn.src, msg)
+
+    def _close_inbound(self, conn: _Inbound, lost: bool) -> None:
+        """Close an accepted connection; one that ended without UNLINK is checked (a helper
+        thread: ControlPlane._connection_lost)."""
+        self.sel.unregister(conn.sock)
+        conn.sock.close()
+        del self.inbound[conn.sock]
+        self._listen(True)
+        if lost and conn.src is not None and not self.cp._stop.is_set():
+            self.helpers += 1
+            threading.Thread(target=self._check, args=(conn.src,), daemon=True,
+                             name=f"cp-{self.cp.me}-check-{conn.src}").start()
+
+    def _check(self, peer: str) -> None:
+        try:
+            self.cp._connection_lost(peer)
+        finally:
+            with self.cp._lock:
+                self.helpers -= 1
+
+    def _close_all(self) -> None:
+        for link in self._open:
+            if link.sock is not None:
+                link.sock.close()
+                link.sock = None
+        self._open.clear()
+        for conn in self.inbound.values():
+            conn.sock.close()
+        self.inbound.clear()
+        for s in (self.listener, self._wake_r, self._wake_w):
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.sel.close()
+
+
+def _os_error(err: int) -> OSError:
+    cls = {errno.ECONNREFUSED: ConnectionRefusedError, errno.ECONNRESET: ConnectionResetError,
+           errno.ETIMEDOUT: TimeoutError}.get(err, OSError)
+    return cls(err, errno.errorcode.get(err, str(err)))

@@ -47,6 +47,7 @@ MONITORS = 4
 """K: rings in the monitoring topology (subjects and observers per agent, at most)."""
 
 
+@functools.lru_cache(maxsize=1 << 17)
 def _ring_key(ring: int, node: str) -> bytes:
     return hashlib.blake2b(f"{ring}\0{node}".encode(), digest_size=8).digest()
 

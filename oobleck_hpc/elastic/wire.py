@@ -18,6 +18,7 @@ rendezvous store, hosted by the first node (default: the first node's port + 1).
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import socket
@@ -37,9 +38,29 @@ class ConnectionClosed(ConnectionError):
     """The peer closed the connection (or died): no more messages will come."""
 
 
-def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+def encode_msg(msg: dict[str, Any]) -> bytes:
+    """`msg` framed: its length, then its JSON."""
     data = json.dumps(msg, separators=(",", ":"), default=str).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    return _HEADER.pack(len(data)) + data
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(encode_msg(msg))
+
+
+def decode_msgs(buf: bytearray) -> list[dict[str, Any]]:
+    """The whole messages at the start of `buf` (a non-blocking reader's bytes so far), removed
+    from it; a partial message stays. Raises ConnectionClosed on a corrupt length."""
+    msgs = []
+    while len(buf) >= _HEADER.size:
+        (size,) = _HEADER.unpack_from(buf)
+        if size > MAX_MESSAGE:
+            raise ConnectionClosed(f"message of {size} bytes exceeds {MAX_MESSAGE}: corrupt stream")
+        if len(buf) < _HEADER.size + size:
+            break
+        msgs.append(json.loads(bytes(buf[_HEADER.size:_HEADER.size + size])))
+        del buf[:_HEADER.size + size]
+    return msgs
 
 
 def recv_msg(sock: socket.socket) -> dict[str, Any]:
@@ -77,9 +98,16 @@ class Roster:
     store_port: int
     spares: int = 0
 
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(n.name for n in self.nodes)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, NodeAddress]:
+        return {n.name: n for n in self.nodes}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
 
     @property
     def members0(self) -> tuple[str, ...]:
@@ -89,15 +117,12 @@ class Roster:
     def with_node(self, node: NodeAddress) -> Roster:
         """This roster and `node` after it, outside generation 0 (a node grown into a running
         job joins like a spare: membership.py, step 7)."""
-        if node.name in self.names:
+        if node.name in self:
             raise ValueError(f"node {node.name!r} is already in the roster")
         return Roster(self.nodes + (node,), self.store_port, self.spares + 1)
 
     def address(self, name: str) -> NodeAddress:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
+        return self._by_name[name]
 
     def order(self, names: Any) -> tuple[str, ...]:
         """`names` sorted in roster order (the canonical order of every view)."""
