@@ -35,6 +35,7 @@ from __future__ import annotations
 import errno
 import heapq
 import itertools
+import os
 import selectors
 import socket
 import threading
@@ -132,7 +133,8 @@ class EventLoop:
             s.setblocking(False)
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._listen(True)
-        self.helpers = 0
+        self.helpers = 0  # the thread checking lost connections (`_checks`), while it runs
+        self._checks: deque[str] = deque()
         self.peak = {"sockets": 0, "threads": 0}
         self.thread = threading.Thread(target=self._run, name=f"cp-{cp.me}-loop", daemon=True)
 
@@ -173,6 +175,8 @@ class EventLoop:
 
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
+        if threading.current_thread() is not self.thread:
+            self.wake()  # its select() may be waiting longer than `delay`
 
     def pin(self, peers: list[str], now: float, one_shot: bool) -> None:
         """`peers` (this agent's observers: its heartbeat targets) keep their connections; the
@@ -292,7 +296,7 @@ class EventLoop:
             return
         if err not in (0, errno.EINPROGRESS):
             sock.close()
-            self._attempt_failed(link, _os_error(err))
+            self._attempt_failed(link, OSError(err, os.strerror(err)))
             return
         link.sock, link.connecting, link.offset, link.events = sock, True, 0, 0
         link.deadline = time.monotonic() + max(1.0, self.cp.lease_s)
@@ -310,7 +314,7 @@ class EventLoop:
         assert link.sock is not None
         err = link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if err:
-            self._attempt_failed(link, _os_error(err))
+            self._attempt_failed(link, OSError(err, os.strerror(err)))
             return
         link.connecting = False
         link.connected_once = True
@@ -495,16 +499,20 @@ class EventLoop:
         del self.inbound[conn.sock]
         self._listen(True)
         if lost and conn.src is not None and not self.cp._stop.is_set():
-            self.helpers += 1
-            threading.Thread(target=self._check, args=(conn.src,), daemon=True,
-                             name=f"cp-{self.cp.me}-check-{conn.src}").start()
+            self._checks.append(conn.src)
+            if not self.helpers:  # one helper checks them in turn (it waits on the network)
+                self.helpers = 1
+                threading.Thread(target=self._check, daemon=True,
+                                 name=f"cp-{self.cp.me}-check").start()
 
-    def _check(self, peer: str) -> None:
-        try:
-            self.cp._connection_lost(peer)
-        finally:
+    def _check(self) -> None:
+        while True:
             with self.cp._lock:
-                self.helpers -= 1
+                if not self._checks or self.cp._stop.is_set():
+                    self.helpers = 0
+                    return
+                peer = self._checks.popleft()
+            self.cp._connection_lost(peer)
 
     def _close_all(self) -> None:
         for link in self._open:
@@ -521,9 +529,3 @@ class EventLoop:
             except OSError:
                 pass
         self.sel.close()
-
-
-def _os_error(err: int) -> OSError:
-    cls = {errno.ECONNREFUSED: ConnectionRefusedError, errno.ECONNRESET: ConnectionResetError,
-           errno.ETIMEDOUT: TimeoutError}.get(err, OSError)
-    return cls(err, errno.errorcode.get(err, str(err)))
