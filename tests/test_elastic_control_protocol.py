@@ -36,8 +36,10 @@ class SimNet:
         self.rng = random.Random(seed)
         self.names = tuple(f"n{i}" for i in range(n + spares))
         ports = itertools.count(1000)
+        hold = seed % 2 == 1  # half the schedules: coordinators hold re-broadcasts (flush)
         self.cores = {m: MembershipCore(m, self.names, 999, lambda: next(ports), quorum,
-                                        members0=self.names[:n]) for m in self.names}
+                                        members0=self.names[:n], hold_rebroadcasts=hold)
+                      for m in self.names}
         self.spares = self.names[n:]
         self.asked: set[str] = set()  # spares that asked to join
         self.links: dict[tuple[str, str], deque] = {(a, b): deque() for a in self.names for b in self.names if a != b}
@@ -82,6 +84,8 @@ class SimNet:
             if self.down(obs):
                 continue
             core = self.cores[obs]
+            if core.held:
+                options.append(("flush", obs, ""))
             watched = {*core.decided.nodes, *core.joiners, *core._round_adds}  # grows with joins
             if not core.joined and core.proposal is None:
                 watched = set()  # a spare watches nobody until a round adds it
@@ -112,6 +116,9 @@ class SimNet:
                 for (x, _y), q in self.links.items():
                     if x == a and q and self.rng.random() < 0.5:
                         q.pop()
+        elif kind == "flush":
+            self.cores[a].flush()
+            self.drain(a)
         elif kind == "join":
             self.asked.add(a)
             self.cores[a].request_join()

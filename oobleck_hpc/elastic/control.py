@@ -78,6 +78,11 @@ tell it: it is the only one that does)."""
 IDLE_CLOSE_S = 10.0
 """An outgoing link idle for this long to a node that is not an observer of this agent is
 closed (a round's messages to every member opened it)."""
+HOLD_S = 0.01
+"""How long a coordinator holds the first re-broadcast of its changed proposal in a round (then
+twice as long each time, at most lease_s / 2), so that suspicions arriving together or in a
+stream (a switch, a partition) cost a few broadcasts to every member, not one each
+(membership.py: hold_rebroadcasts). A round's first broadcast is not held."""
 CONFIRM_S = 0.1
 """How long a connection opened to check a peer must stay open (and silent) to prove the peer
 alive."""
@@ -107,7 +112,8 @@ class ControlPlane:
         self.on_note = on_note or (lambda kind, fields: None)
         self.core = MembershipCore(me, roster.names, roster.store_port,
                                    lambda: free_port(self.addr.host), quorum,
-                                   members0=roster.members0, open_to_joins=open_to_joins)
+                                   members0=roster.members0, open_to_joins=open_to_joins,
+                                   hold_rebroadcasts=True)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._loop: EventLoop | None = None
@@ -124,6 +130,7 @@ class ControlPlane:
         self._probe: tuple[float, float, int, str] | None = None  # started, deadline, gen, why
         self._join_how: str | None = None
         self._join_asked = 0.0
+        self._flush_due = False  # a held re-broadcast of the core is to be sent (HOLD_S)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -256,9 +263,17 @@ class ControlPlane:
                 elif len(self._unknown.setdefault(dst, [])) < UNKNOWN_KEPT:
                     self._unknown[dst].append(msg)  # sent once its address is known (_known)
             self.core.outbox.clear()
+            if self.core.held and not self._flush_due and self._loop is not None:
+                self._flush_due = True
+                self._loop.after(min(HOLD_S * 2 ** self.core.rebroadcasts, self.lease_s / 2),
+                                 self._flush)
             notes, self.core.notes = self.core.notes, []
             for kind, fields in notes:
                 self._note(kind, fields)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        self._run(self.core.flush)
 
     def _note(self, kind: str, fields: dict[str, Any]) -> None:
         now = time.monotonic()

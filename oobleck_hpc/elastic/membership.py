@@ -137,14 +137,14 @@ from typing import Any, Callable, Sequence
 
 from oobleck_hpc.elastic.decision import (Decision, Fenced, LeaveKind, Quorum, Superseded,
                                           has_quorum, member_set, shared)
-from oobleck_hpc.elastic.exchange import Exchanges
+from oobleck_hpc.elastic.exchange import Exchanges, ExchangeSteps
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 
 __all__ = ["Decision", "Fenced", "LeaveKind", "MembershipCore", "Quorum", "Superseded",
            "has_quorum"]
 
 @dataclass
-class MembershipCore:
+class MembershipCore(ExchangeSteps):
     """The protocol of the module docstring for node `me`. Feed it `suspect()`, `handle()` and
     `exchange()`; after each call drain `outbox` (destination, message) and `notes` (kind, fields).
     """
@@ -163,6 +163,13 @@ class MembershipCore:
     open_to_joins: bool = True
     """Whether this member picks joiners for the rounds it opens (step 7; False until the job
     trains, then `open_joins`). It always takes the joiners a peer's proposal adds."""
+    hold_rebroadcasts: bool = False
+    """Whether a coordinator holds the re-broadcast of its changed proposal (step 2) until
+    `flush()`, which its driver calls once `held` is True, after a delay that doubles with each
+    re-broadcast of the round (`rebroadcasts`): correlated failures (a switch, a partition)
+    then cost a few broadcasts to every member, not one per suspicion."""
+    held: bool = field(init=False, default=False)
+    rebroadcasts: int = field(init=False, default=0)
     decided: Decision = field(init=False)
     proposal: tuple[str, ...] | None = field(init=False, default=None)
     suspects: dict[str, str] = field(init=False, default_factory=dict)
@@ -193,8 +200,9 @@ class MembershipCore:
         """Nodes that were members and left a decided view: they never come back (FENCE)."""
         self._round_adds: tuple[str, ...] = ()  # the open round's joiners (shrinks like the view)
         self._round_told: tuple[str, ...] = ()  # its joiners when it opened: they hear about it
-        self._opening_adds: tuple[str, ...] | None = None  # a peer's, while its proposal is absorbed
+        self._absorbing = False  # taking over a peer's suspicions (one proposal for all of them)
         self._my_port = 0
+        self._told = -1  # the last round this node broadcast as its coordinator
         self._proposals: dict[int, dict[str, tuple[tuple[str, ...], int]]] = {}
         self._chain: dict[int, list[tuple[str, ...]]] = {}
         self._fence_sent: set[str] = set()
@@ -219,7 +227,8 @@ class MembershipCore:
         self.joiners.pop(node, None)  # a joiner that failed never joins (its incarnation is over)
         self.suspects[node] = how
         self.notes.append(("suspect", {"node": node, "how": how, "gen": self.decided.gen}))
-        self._update_round()
+        if not self._absorbing:  # (_absorb proposes once, with all it took over)
+            self._update_round()
 
     def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
         """This node leaves the job on purpose (BYE). `how`:
@@ -286,25 +295,6 @@ class MembershipCore:
             if node != self.me:
                 self.outbox.append((node, {"type": "failed", "how": how}))
         self.fence(f"own node failed: {how}")
-
-    def exchange(self, key: str, value: Any, gen: int | None = None) -> None:
-        """Contribute `value` to the all-gather `key` among the nodes of generation `gen` (by
-        default the current one). Completes with note ('exchange_done', {gen, key, values:
-        {node: value}}) or ('exchange_failed', {gen, key, reason}) if a round starts first --
-        at once when `gen` is not the current generation (the caller's view is out of date)."""
-        gen = self.decided.gen if gen is None else gen
-        if self.fenced or self.proposal is not None or not self.joined or gen != self.decided.gen:
-            reason = self.fenced or ("not a member yet" if not self.joined else
-                                     "membership round open" if self.proposal is not None else
-                                     f"membership moved on (generation {self.decided.gen})")
-            self.notes.append(("exchange_failed", {"gen": gen, "key": key, "reason": reason}))
-            return
-        self._x.put(gen, key, self.me, value, mine=True)
-        coordinator = self.decided.nodes[0]  # it gathers and tells everyone (step 8)
-        if coordinator != self.me:
-            self.outbox.append((coordinator, {"type": "exchange", "xgen": gen, "key": key,
-                                              "value": value}))
-        self._check_exchange(gen, key)
 
     def handle(self, src: str, msg: dict[str, Any]) -> None:
         """A message `msg` from node `src` arrived."""
@@ -420,8 +410,6 @@ class MembershipCore:
         base = tuple(filterfalse(x.__contains__, self.decided.nodes)) if x else self.decided.nodes
         if self.proposal is None:
             if adds is None:
-                adds = self._opening_adds
-            if adds is None:
                 if not self.joined:
                     return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
                 want = max(0, self.size - len(base)) if self.open_to_joins else 0
@@ -453,15 +441,34 @@ class MembershipCore:
         self._chain.setdefault(g, []).append(new)
         self._proposals.setdefault(g, {})[self.me] = (new, self._my_port)
         self.notes.append(("proposed", {"gen": g, "nodes": list(new)}))
-        msg = {"type": "propose", "round": g, "view": list(new), "port": self._my_port,
-               # the suspected members, and joiners (never members): their suspicion spreads
-               "reasons": {n: why for n, why in self.suspects.items() if n not in self._removed},
-               "decided": self.decided.to_msg()}
-        # To the coordinator (step 2); the coordinator to everyone.
-        for node in self.decided.nodes + self._round_told if new[0] == self.me else new[:1]:
+        if new[0] != self.me:  # to the coordinator (step 2), which tells everyone
+            self.outbox.append((new[0], self._propose_msg()))
+        elif self.hold_rebroadcasts and self._told == g:
+            self.held = True
+        else:
+            self._broadcast()
+        self._check_decide()
+
+    def flush(self) -> None:
+        """Send the coordinator's held re-broadcast (`hold_rebroadcasts`), if still current."""
+        if self.held and self.proposal is not None and self.proposal[0] == self.me:
+            self._broadcast()
+        self.held = False
+
+    def _broadcast(self) -> None:
+        self.rebroadcasts = self.rebroadcasts + 1 if self._told == self.round else 0
+        self._told, self.held = self.round, False
+        msg = self._propose_msg()
+        for node in self.decided.nodes + self._round_told:
             if node != self.me:
                 self.outbox.append((node, msg))
-        self._check_decide()
+
+    def _propose_msg(self) -> dict[str, Any]:
+        assert self.proposal is not None
+        return {"type": "propose", "round": self.round, "view": list(self.proposal),
+                "port": self._my_port, "decided": self.decided.to_msg(),
+                # the suspected members, and joiners (never members): their suspicion spreads
+                "reasons": {n: why for n, why in self.suspects.items() if n not in self._removed}}
 
     def _on_propose(self, src: str, msg: dict[str, Any]) -> None:
         carried = Decision.from_msg(msg["decided"])
@@ -497,20 +504,18 @@ class MembershipCore:
             for a in adds:
                 if a not in self._round_adds:  # recorded only: the round opens with src's adds
                     self._on_join(a, f"proposed by {src}", open_round=False)
-        self._opening_adds = adds if self.proposal is None else None
+        self._absorbing = True
         try:
             for node in (n for n in self.decided.nodes if n in gone):
                 if node not in self.suspects and node not in self.left:
                     self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}", relayed=True)
-                    if self.fenced or self.round != g:
-                        return  # fenced, or the suspicion completed the round (decided)
             for node, why in reasons.items():  # a joiner the peer suspects never joins
                 if node not in view and (node in self.joiners or node in self._round_adds):
                     self.suspect(node, f"via {src}: {why}", relayed=True)
-                    if self.fenced or self.round != g:
-                        return
         finally:
-            self._opening_adds = None
+            self._absorbing = False
+        if self.fenced:
+            return
         if self.proposal is None:
             self._update_round(join=True, adds=adds)
         else:
@@ -582,7 +587,6 @@ class MembershipCore:
         self.decided, self._in = d, member_set(d.nodes)
         self.proposal = None
         self._round_adds = self._round_told = ()
-        self._opening_adds = None  # a proposal being absorbed was for the round just closed
         for g in [g for g in {*self._proposals, *self._chain} if g <= d.gen]:
             self._proposals.pop(g, None), self._chain.pop(g, None)  # (closed rounds)
         for key in [k for k in self._reasons if k[0] <= d.gen]:
@@ -599,32 +603,3 @@ class MembershipCore:
         self.proposal = None
         self.notes.append(("fenced", {"reason": reason, "gen": self.decided.gen, "code": code}))
         self._fail_exchanges(reason)
-
-    # ------------------------------------------------------------------ exchange
-
-    def _on_exchange(self, src: str, msg: dict[str, Any]) -> None:
-        if msg["xgen"] >= self.decided.gen:
-            self._x.put(msg["xgen"], msg["key"], src, msg["value"])
-            self._check_exchange(msg["xgen"], msg["key"])
-
-    def _on_exchange_done(self, src: str, msg: dict[str, Any]) -> None:
-        """The coordinator's gathered values (step 8)."""
-        gen = msg["xgen"]
-        if gen == self.decided.gen:  # (it needed this node's value: no later generation)
-            self._x.put_all(gen, msg["key"], msg["values"], but=self.me)
-            self._check_exchange(gen, msg["key"])
-
-    def _check_exchange(self, gen: int, key: str) -> None:
-        if gen != self.decided.gen or self.proposal is not None:
-            return
-        values = self._x.take(gen, key, self.decided.nodes)
-        if values is not None:
-            if self.decided.nodes[0] == self.me:
-                done = {"type": "exchange_done", "xgen": gen, "key": key, "values": values}
-                for node in self.decided.nodes[1:]:
-                    self.outbox.append((node, done))
-            self.notes.append(("exchange_done", {"gen": gen, "key": key, "values": values}))
-
-    def _fail_exchanges(self, reason: str) -> None:
-        for gen, key in self._x.abandon():
-            self.notes.append(("exchange_failed", {"gen": gen, "key": key, "reason": reason}))

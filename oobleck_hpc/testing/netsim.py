@@ -57,18 +57,22 @@ class Sim:
     heartbeat_s: float = 0.5
     lease_s: float = 3.0
     k: int = MONITORS
+    hold_s: float = 1e-3
+    """How long a coordinator holds the first re-broadcast of a changed proposal in a round,
+    doubled for each further one (control.py: HOLD_S; membership.py: hold_rebroadcasts)."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.names = tuple(f"n{i}" for i in range(self.n))
         ports = itertools.count(20000)
-        self.cores = {m: MembershipCore(m, self.names, 1, lambda: next(ports))
-                      for m in self.names}
+        self.cores = {m: MembershipCore(m, self.names, 1, lambda: next(ports),
+                                        hold_rebroadcasts=True) for m in self.names}
         self.monitors = {m: Monitor(c, self.heartbeat_s, self.lease_s, startup_s=self.lease_s,
                                     k=self.k) for m, c in self.cores.items()}  # control.py's
         self.now = 0.0
         self._q: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
+        self._held: set[str] = set()  # coordinators whose re-broadcast is held (a flush due)
         self.crashed: set[str] = set()
         self.stopped: dict[str, float] = {}  # agent -> when it resumes
         self.cut: Callable[[str, str], bool] = lambda a, b: False
@@ -97,6 +101,16 @@ class Sim:
                 self._tick(payload)
             elif kind == "deliver":
                 self._deliver(*payload)
+            elif kind == "flush":
+                self._held.discard(payload)
+                if self._running(payload):
+                    resume = self.stopped.get(payload)
+                    if resume is not None and resume > self.now:
+                        self._held.add(payload)
+                        self._push(resume, "flush", payload)
+                    else:
+                        self.cores[payload].flush()
+                        self._flush(payload)
             elif kind == "stop":
                 self.stop(*payload)
             elif kind == "detect":
@@ -157,6 +171,10 @@ class Sim:
         for dst, msg in core.outbox:
             self._send(m, dst, msg)
         core.outbox.clear()
+        if core.held and m not in self._held:  # control.py's HOLD_S, in simulated time
+            self._held.add(m)
+            hold = min(self.hold_s * 2 ** core.rebroadcasts, self.lease_s / 2)
+            self._push(self.now + hold, "flush", m)
         for kind, fields in core.notes:
             if kind == "suspect" and "via " not in fields["how"]:
                 self.suspected_at.setdefault(fields["node"], self.now)
