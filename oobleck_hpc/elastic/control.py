@@ -88,7 +88,6 @@ CONFIRM_S = 0.1
 alive."""
 
 
-
 class ControlPlane:
     """One agent's end of the control plane (see module docstring)."""
 
