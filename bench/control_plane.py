@@ -280,10 +280,17 @@ def main() -> int:
         serve(a.serve[0], first, last, a.heartbeat_s, a.lease_s)
         return 0
     if a.scale:
-        sims = [Sim(n, seed=1, heartbeat_s=a.heartbeat_s, lease_s=a.lease_s).run_scenario(
-                    name, scenarios()[name])
-                for n in map(int, a.sizes.split(",")) for name in a.scenarios.split(",")]
-        out = {"simulated": sims, "real": real(a.real or 512, a.heartbeat_s, a.lease_s, a.procs),
+        sims = []
+        for n in map(int, a.sizes.split(",")):
+            for name in a.scenarios.split(","):
+                t = time.perf_counter()
+                sims.append(Sim(n, seed=1, heartbeat_s=a.heartbeat_s, lease_s=a.lease_s)
+                            .run_scenario(name, scenarios()[name]))
+                # Progress: a large size runs for minutes per scenario.
+                print(json.dumps({**sims[-1], "wall_s": round(time.perf_counter() - t, 1)}),
+                      file=sys.stderr, flush=True)
+        out = {"simulated": sims, "real": (None if a.real == 0 else  # --real 0: simulated only
+                                           real(a.real or 512, a.heartbeat_s, a.lease_s, a.procs)),
                "host": platform.node(), "python": platform.python_version()}
         print(json.dumps(out) if a.json else json.dumps(out, indent=1))
         return 0
