@@ -264,8 +264,7 @@ class ControlPlane:
             self.core.outbox.clear()
             if self.core.held and not self._flush_due and self._loop is not None:
                 self._flush_due = True
-                self._loop.after(min(HOLD_S * 2 ** self.core.rebroadcasts, self.lease_s / 2),
-                                 self._flush)
+                self._loop.after(self.core.hold_delay(HOLD_S, self.lease_s / 2), self._flush)
             notes, self.core.notes = self.core.notes, []
             for kind, fields in notes:
                 self._note(kind, fields)

@@ -449,6 +449,11 @@ class MembershipCore(ExchangeSteps):
             self._broadcast()
         self._check_decide()
 
+    def hold_delay(self, first_s: float, cap_s: float) -> float:
+        """How long a driver holds the pending re-broadcast before `flush()`: `first_s`,
+        doubled with each re-broadcast already sent in this round, at most `cap_s`."""
+        return min(first_s * 2 ** self.rebroadcasts, cap_s)
+
     def flush(self) -> None:
         """Send the coordinator's held re-broadcast (`hold_rebroadcasts`), if still current."""
         if self.held and self.proposal is not None and self.proposal[0] == self.me:

@@ -173,8 +173,7 @@ class Sim:
         core.outbox.clear()
         if core.held and m not in self._held:  # control.py's HOLD_S, in simulated time
             self._held.add(m)
-            hold = min(self.hold_s * 2 ** core.rebroadcasts, self.lease_s / 2)
-            self._push(self.now + hold, "flush", m)
+            self._push(self.now + core.hold_delay(self.hold_s, self.lease_s / 2), "flush", m)
         for kind, fields in core.notes:
             if kind == "suspect" and "via " not in fields["how"]:
                 self.suspected_at.setdefault(fields["node"], self.now)
