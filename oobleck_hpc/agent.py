@@ -20,6 +20,10 @@ srun step per node). It
      now -- BYE "early", so that its peers recover without it at once -- the other workers
      are told to stop (`fenced`) and killed after `--kill-grace-s`; exit 3 (this node is lost
      to the job: it did not finish);
+   - every worker said "leave" after its node's drain was accepted (elastic/drain.py: a request
+     file in RUN_DIR/drain/, which this agent watches, or under Slurm the node's DRAIN state,
+     asked every --drain-poll-s): BYE "early" at once, so the peers reconfigure without waiting
+     for the workers' exit; exit 0 once they exited;
    - a worker rejected the job's input ("done" 2, or any exit with code 2): BYE "abort" -- every
      peer stops too, with 2 -- stop the other workers, exit 2;
    - a worker crashed (exit without "done"): the NODE is failed -- tell the peers (FAILED, so
@@ -63,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_hpc.elastic.control import ControlPlane
+from oobleck_hpc.elastic.drain import POLL_S, SHARED_POLL_S, DrainWatch
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Decision
 from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, join_roster_file, recv_msg, send_msg
@@ -87,6 +92,8 @@ class AgentOptions:
     startup_s: float = 60.0
     quorum: str = "majority"
     kill_grace_s: float = 2.0
+    drain_poll_s: float = 0.0
+    """How often to ask slurmctld whether this node is set to DRAIN (0: never; elastic/drain.py)."""
     job: Path | None = None
     """The job file, passed to the workers as OOBLECK_JOB."""
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -103,6 +110,8 @@ class _Worker:
     reason: str = ""
     leaving: bool = False
     """It said "leave": it leaves the job early, the others go on."""
+    drained: bool = False
+    """It said "leave" after its node's drain was accepted (elastic/drain.py)."""
     waiting: bool = False
     """It waits for a membership (ready to train): a spare asks to join once all are."""
     exit_code: int | None = None
@@ -139,9 +148,15 @@ class Agent:
             self._tell_membership(self.cp.decided)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward_signal)
+        watch = DrainWatch(self.opts.run_dir, self.opts.node,
+                           lambda force, by: self.inbox.put(("drain", force, by)),
+                           slurm_poll_s=self.opts.drain_poll_s,
+                           file_poll_s=SHARED_POLL_S if os.environ.get("SLURM_JOB_ID")
+                           else POLL_S).start()
         try:
             return self._loop()
         finally:
+            watch.stop()
             self._kill_workers(grace=0.0)
             self.cp.flush(timeout=1.0)
             self.cp.close()
@@ -158,6 +173,9 @@ class Agent:
                     return code
             elif what == "signal":
                 self._on_signal(a)
+            elif what == "drain":
+                self.events.emit("drain_requested", node=self.opts.node, force=a, by=b)
+                self._broadcast({"type": "drain", "force": a})
             elif what == "note":
                 code = self._on_note(a, b)
                 if code is not None:
@@ -252,6 +270,11 @@ class Agent:
             self.cp.open_joins()
         elif kind == "done":
             w.done_code, w.reason = int(msg.get("code", 0)), str(msg.get("reason", ""))
+        elif kind == "leave" and msg.get("drained"):
+            w.done_code, w.drained = EXIT_OK, True
+            if all(x.drained for x in self.workers):  # BYE now: the peers reconfigure at once
+                self.cp.leave("early", EXIT_OK, "drained")
+                self.events.emit("node_drained", node=self.opts.node)
         elif kind == "leave":
             w.done_code, w.leaving = EXIT_OK, True
         elif kind == "exchange":
@@ -271,6 +294,12 @@ class Agent:
 
     def _on_worker_exit(self, w: _Worker, code: int) -> int | None:
         w.exit_code = code
+        if w.drained:
+            self.events.emit("worker_exited", local_rank=w.local_rank, code=code, drained=True)
+            if all(x.exit_code is not None for x in self.workers):
+                self.events.emit("agent_exit", code=EXIT_OK, reason="drained", how="early")
+                return EXIT_OK
+            return None
         if self.cp.fenced:
             return None  # already going down
         if w.done_code is None and code == EXIT_BAD_INPUT:  # exit 2 is bad input, "done" or not
@@ -409,6 +438,9 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
     p.add_argument("--quorum", choices=["majority", "none"], default="majority")
     p.add_argument("--kill-grace-s", type=float, default=2.0,
                    help="time fenced workers get to exit before they are killed")
+    p.add_argument("--drain-poll-s", type=float, default=None,
+                   help="ask slurmctld this often whether this node is set to DRAIN (default: "
+                   "fault_tolerance.drain_poll_s of --job under Slurm, else never)")
     p.add_argument("--join", action="store_true",
                    help="this node is not in the roster: add it (this host's address, a free "
                    "port) and join the running job like a spare (a replacement job's agents)")
@@ -420,12 +452,15 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
             p.error("give the worker command after --, or --job (worker: python -m oobleck_hpc.train)")
         command = [sys.executable, "-m", "oobleck_hpc.train"]
     heartbeat_s, lease_s, workers, run_dir = 0.5, 3.0, 1, Path("runs/job")
+    drain_poll_s = 0.0
     if a.job:
         from oobleck_hpc.config import load_job
 
         job = load_job(a.job)
         heartbeat_s, lease_s = job.fault_tolerance.heartbeat_s, job.fault_tolerance.lease_s
         workers, run_dir = job.cluster.gpus_per_node, job.resolved_run_dir
+        if os.environ.get("SLURM_JOB_ID"):
+            drain_poll_s = job.fault_tolerance.drain_poll_s
     heartbeat_s = a.heartbeat_s if a.heartbeat_s is not None else heartbeat_s
     lease_s = a.lease_s if a.lease_s is not None else lease_s
     if not 0 < heartbeat_s < lease_s:
@@ -447,7 +482,9 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
         workers=a.workers if a.workers is not None else workers, run_dir=run_dir,
         heartbeat_s=heartbeat_s, lease_s=lease_s, probe_s=a.probe_s,
         agreement_timeout_s=a.agreement_timeout_s, startup_s=a.startup_s, quorum=a.quorum,
-        kill_grace_s=a.kill_grace_s, job=Path(a.job) if a.job else None)
+        kill_grace_s=a.kill_grace_s,
+        drain_poll_s=a.drain_poll_s if a.drain_poll_s is not None else drain_poll_s,
+        job=Path(a.job) if a.job else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,14 +124,20 @@ def draw_campaign(seed: int, trials: int, nodes: int, steps: int, f: int,
             for i in range(trials)]
 
 
-def positions(x: FaultConfig) -> tuple[float, ...]:
+def positions(x: FaultConfig, steps: int = 0) -> tuple[float, ...]:
     """Where the survivors may notice the loss of a fired fault's node, in step units (module
     docstring, "Expected outcome"). Step s (numbered from 1) fails at s; its recovery rounds are
     at s + 0.1 (reconfiguration) and s + 0.2 (transfer); it commits at s + 0.3; a node lost
     after that commit (optimizer, commit, a vote that completed elsewhere, the checkpoint after
     step s) is noticed at s + 0.5, while step s + 1 runs or, after the last step, when the
-    survivors agree they reached the end (`ElasticDriver.finish`)."""
+    survivors agree they reached the end (`ElasticDriver.finish`).
+
+    A drain (`steps`: the run's last step) leaves right after the commit of whichever step's
+    vote first carries its request -- step s or any later one, at s + 0.45 -- if the verdict
+    then accepts it (`judge`); or never (inf): the run ended first."""
     s = x.step
+    if x.kind == "drain":
+        return tuple(c + 0.45 for c in range(max(1, s), steps + 1)) + (math.inf,)
     if x.phase in START_PHASES:
         return (-1.0,)
     if x.phase == "vote":
@@ -143,7 +149,8 @@ def positions(x: FaultConfig) -> tuple[float, ...]:
     return (float(s),)
 
 
-def round_orders(faults: Sequence[FaultConfig]) -> list[list[tuple[float, list[FaultConfig]]]]:
+def round_orders(faults: Sequence[FaultConfig],
+                 steps: int = 0) -> list[list[tuple[float, list[FaultConfig]]]]:
     """Every order the fired `faults` can be lost in: [(position, faults)] by position
     (`positions`), one entry per way a vote fault can go (did its vote complete elsewhere?).
     Faults at one position fire on each node when it gets there (the rendezvous seconds apart on
@@ -151,7 +158,7 @@ def round_orders(faults: Sequence[FaultConfig]) -> list[list[tuple[float, list[F
     may be agreed away in one round or several, in any order (`judge` counts every way). A node
     lost after step s's commit is noticed while step s + 1 runs: it joins step s + 1's losses."""
     orders = []
-    for pick in itertools.product(*(positions(x) for x in faults)):
+    for pick in itertools.product(*(positions(x, steps) for x in faults)):
         at: dict[float, list[FaultConfig]] = {}
         for x, p in zip(faults, pick):
             at.setdefault(p, []).append(x)
@@ -189,7 +196,9 @@ def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile
     from the plan of the last commit (its base: the driver reconfigures the base without every
     node lost since, and moves layers only from the base's holders): every layer must keep a
     holder on the base's surviving nodes, at least n0 of them, and the planner must have a plan
-    for them."""
+    for them. A drain (only drains share its positions) happens only where the driver's
+    verdict accepts it (elastic/drain.py: the quorum kept at once and a plan without the nodes,
+    from the plan just committed); refused, nothing changes."""
     from oobleck_hpc.errors import GuaranteeExceeded
     from oobleck_hpc.planning.reconfigure import reconfigure
 
@@ -198,8 +207,13 @@ def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile
     view, base, current, lost, last = list(plan.nodes), plan, plan, set(), None
     for p, group in order:
         gone = {f"node{x.node}" for x in group} & set(view)
-        if not gone:
+        if not gone or p == math.inf:
             continue
+        if group[0].kind == "drain":
+            from oobleck_hpc.elastic.drain import verdict
+
+            if not verdict(current, sorted(gone), False, templates, profile, f, view).accepted:
+                continue
         if last is not None and math.floor(p - 0.3) > math.floor(last - 0.3):
             base, lost = current, set()  # a step committed on `current` in between
         last = p
@@ -221,10 +235,11 @@ def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile
 
 
 def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
-                      quorum: str = "majority") -> list[str]:
-    """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`."""
+                      quorum: str = "majority", steps: int = 0) -> list[str]:
+    """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`
+    (`steps`: the run's last step, for drains)."""
     return sorted(set().union(*(judge(order, plan, templates, profile, f, quorum)
-                                for order in round_orders(faults))))
+                                for order in round_orders(faults, steps))))
 
 
 # ----------------------------------------------------------------------------- one trial
@@ -357,7 +372,8 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
              for e in events if e.get("kind") == "fault_injected"}
     trial.fired = [x for x in trial.faults if (f"node{x.node}", x.step, x.phase, x.kind) in fired]
     trial.expected = expected_outcomes(trial.fired, plan, templates, profile,
-                                       base.fault_tolerance.f)  # the agents' default quorum
+                                       base.fault_tolerance.f,  # the agents' default quorum
+                                       steps=steps)
     trial.requeues = sum(e.get("kind") == "requeued" for e in events)  # the launcher's record
     if trial.exit is None:
         trial.outcome = "hung"

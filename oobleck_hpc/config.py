@@ -151,8 +151,15 @@ class FaultToleranceConfig:
     """Under Slurm: after a loss the job submits a replacement job (its partition, account, QOS
     and constraints, the time it has left) whose agents join the running job; replacements end
     with the job (launch/slurm.py). Locally, `oobleck-hpc grow` adds nodes by hand."""
+    drain_poll_s: float = 30.0
+    """Under Slurm: how often each node's agent asks slurmctld whether an administrator set its
+    node to DRAIN (`scontrol update nodename=... state=drain`); the node then leaves the job at
+    a step boundary, nothing replayed (elastic/drain.py). 0: never ask."""
 
     def check(self, where: _Where) -> None:
+        if self.drain_poll_s < 0:
+            where.fail("drain_poll_s", self.drain_poll_s, "must be >= 0",
+                       "use a few tens of seconds, or 0 not to watch the node's Slurm state")
         if self.f < 0:
             where.fail("f", self.f, "must be >= 0", "use 0 to disable in-place recovery")
         for key in ("collective_timeout_s", "heartbeat_s", "lease_s"):
@@ -266,9 +273,10 @@ class FaultConfig:
     agreed, before the groups are rebuilt); transfer (during the layer-state transfer);
     rendezvous (the generation-0 rendezvous, `step` = the step the run starts at); restore
     (loading the checkpoint, same `step`)."""
-    kind: Literal["kill", "hang", "exit", "crash"] = "kill"
+    kind: Literal["kill", "hang", "exit", "crash", "drain"] = "kill"
     """kill: SIGKILL of the node (agent + workers); hang: SIGSTOP of the node; exit: the node
-    leaves cleanly; crash: one worker process of a live node dies."""
+    leaves cleanly; crash: one worker process of a live node dies; drain: the node is asked to
+    drain (as by `oobleck-hpc drain`: it leaves at the next step boundary, nothing replayed)."""
 
 
 @dataclass

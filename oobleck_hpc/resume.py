@@ -229,7 +229,7 @@ class Resume:
             clock_due, stop = bool(agreed[0]), bool(agreed[1])
         if stop:
             reason = self.stop.reason or "a peer received a stop signal"
-            return self._leave_with_checkpoint(reason, engine)
+            return self.leave(reason, engine)
         if cp is not None and (due or clock_due) and step < self.job.train.steps:
             self._save(engine, sync=False)
         return None
@@ -295,9 +295,10 @@ class Resume:
 
     # ------------------------------------------------------------------ leaving
 
-    def _leave_with_checkpoint(self, reason: str, engine: Engine) -> int:
+    def leave(self, reason: str, engine: Engine, nodes: list[str] | None = None) -> int:
         """Every rank: save the current (committed) step synchronously; rank 0 waits for the
-        publish. Returns EXIT_REQUEUE."""
+        publish and records `nodes` (default: the plan's) for the local requeue. Returns
+        EXIT_REQUEUE. Every rank must call it after the same step (a decision of the vote)."""
         from oobleck_hpc.checkpoint import wait_published
 
         self.log(f"rank {self.rank}: stopping at step {engine.state.step} for a requeue: {reason}")
@@ -311,7 +312,8 @@ class Resume:
                 self.log(f"the checkpoint of step {engine.state.step} was not published within "
                          f"120 s; the job resumes from the latest published one")
         if self.rank == 0:
-            self._write_requeue_record(reason, engine.state.step, list(engine.plan.nodes))
+            self._write_requeue_record(reason, engine.state.step,
+                                       list(engine.plan.nodes) if nodes is None else nodes)
         self.stop.uninstall()
         return EXIT_REQUEUE
 

@@ -16,6 +16,7 @@ run directory only ever holds ONE run's records: when a new run starts, the laun
       logs/                      this attempt's per-node agent logs (logs-attempt<k>/: earlier ones)
       final/                     final parameters (train.save_final_params)
       exit.json  requeue.json  agents.json  roster.json  exit/  launch-*.json   (launchers)
+      drain/                     drain requests (elastic/drain.py: oobleck-hpc drain)
       run.json  heartbeat  job.lock  job.yaml  submitit/   (kept across runs: watch, submit)
       history/<run id>/          an earlier run's records, same names (the last KEEP_RUNS runs)
 
@@ -38,7 +39,7 @@ KEEP_RUNS = 20
 """Earlier runs kept under RUN_DIR/history (the oldest go first)."""
 PER_RUN = ("events.jsonl", "metrics.jsonl", "logs", "logs-attempt*", "final", "exit.json",
            "requeue.json", "agents.json", "roster.json", "discovery.json", "exit",
-           "launch-*.json", "job-*.yaml", "report.json")
+           "launch-*.json", "job-*.yaml", "report.json", "drain")
 """What belongs to one run (glob patterns in RUN_DIR); everything else stays across runs."""
 
 

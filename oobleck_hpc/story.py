@@ -129,8 +129,26 @@ class Story:
         return (f"gave back {', '.join(e['nodes'])}: agreed away but still allocated, now "
                 "released from the job")
 
+    def _drain_requested(self, e: dict) -> str:
+        return (f"drain asked: {e['node']} (by {e.get('by') or '?'}"
+                + (", forced" if e.get("force") else "") + "); it leaves at a step boundary")
+
+    def _drain_agreed(self, e: dict) -> str:
+        self.first_sign = e["t"]  # the job trained with the node until here
+        verb = "leaves" if len(e["nodes"]) == 1 else "leave"
+        return f"drain: {', '.join(e['nodes'])} {verb} after step {e['step']}"
+
+    def _drain_refused(self, e: dict) -> str:
+        return (f"drain of {', '.join(e['nodes'])} refused after step {e['step']}: "
+                f"{e.get('reason', '')}" + ("; forced: the job stops with a checkpoint and is "
+                                            "requeued without them" if e.get("force") else
+                                            "; they stay (--force: stop with a checkpoint and "
+                                            "requeue without them)"))
+
     def _failure_detected(self, e: dict) -> str:
         how = str(e.get("how", "")).replace("_", " ")
+        if how.endswith("drained)"):
+            return ""  # told by the drain's lines
         return f"fault seen: {e['node']} lost ({how}, seen by {e.get('source', '?')})"
 
     def _agreement_reached(self, e: dict) -> str:
@@ -154,7 +172,11 @@ class Story:
         self.first_sign = self.grown = None
         plan = self.plans.get((e.get("attempt", 0), e.get("generation", 0)), {})
         shape = f" (pipelines of {plan['pipelines']} nodes)" if plan.get("pipelines") else ""
-        if self.steps and e["step"] > self.steps:  # lost after the last step's commit
+        if e.get("drained"):
+            since = "the step boundary"
+            what = (f"{', '.join(e['drained'])} drained; step {e['step']} is the first without "
+                    "(nothing replayed)")
+        elif self.steps and e["step"] > self.steps:  # lost after the last step's commit
             what = f"lost {', '.join(lost) or 'no node'} after the last step; the end agreed"
         elif lost or e.get("joined"):
             what = ", ".join(([f"lost {', '.join(lost)}"] if lost else []) +
@@ -226,6 +248,8 @@ def _once_key(e: dict) -> Any:
         return e.get("gen")
     if kind in ("plan_chosen", "recovered"):
         return e.get("generation")
+    if kind in ("drain_agreed", "drain_refused"):
+        return e.get("step"), tuple(e.get("nodes", ()))
     if kind == "checkpoint_saved":
         return e.get("step")
     if kind == "fenced":

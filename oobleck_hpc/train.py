@@ -63,7 +63,7 @@ def main() -> int:
     from oobleck_hpc.config import load_job
     from oobleck_hpc.data import dataset_for
     from oobleck_hpc.elastic.client import AgentClient
-    from oobleck_hpc.elastic.driver import ElasticDriver, RecoveryError
+    from oobleck_hpc.elastic.driver import Drained, ElasticDriver, RecoveryError
     from oobleck_hpc.elastic.events import EventLog
     from oobleck_hpc.elastic.faults import FaultInjector
     from oobleck_hpc.elastic.membership import Fenced
@@ -126,8 +126,21 @@ def main() -> int:
                             attempt=events.attempt)
         t0 = time.perf_counter()
         while driver.engine.state.step < job.train.steps:
-            results = driver.step(ckpt.ballot(driver.engine))
+            try:
+                results = driver.step(ckpt.ballot(driver.engine))
+            except Drained:
+                # This node leaves on notice at a step boundary (elastic/drain.py): its
+                # in-flight checkpoint shards first, then the agent lets it go.
+                ckpt.finish()
+                client.leave(drained=True)
+                code = None
+                return EXIT_OK
             progress.record(results, driver.plan.digest(), driver.gen, active=driver.rank == 0)
+            if driver.stop_for is not None:  # a forced drain the survivors cannot absorb
+                v = driver.stop_for
+                return ckpt.leave(f"drain of {', '.join(v.leaving)} forced: {v.reason}",
+                                  driver.engine, [n for n in driver.plan.nodes
+                                                  if n not in v.leaving])
             # Periodic checkpoint, heartbeat; a stop signal saves and leaves for a requeue (75).
             code = ckpt.after_step(driver.engine, driver.agreed)
             if code is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -216,6 +217,34 @@ def test_expected_outcome_follows_the_plan_across_recoveries():
             expected = "fallback"
             break
     assert expected_outcomes(one_by_one, plan, templates, profile, 1, quorum="none") == [expected]
+
+
+def test_a_drain_is_taken_only_where_the_verdict_accepts_it():
+    """A drain leaves after the commit of any step from its own on, or never; it is refused
+    (nothing changes) where the others could not go on without it, so drains alone never fall
+    back. Beside kills it takes part in the guarantee: draining a node, then losing the rest of
+    what the drain left, is judged on the plan without the drained node."""
+    profile, templates, plan = _plan(0, 10**9, 1, 3)
+    nodes = list(plan.nodes)
+    d = FaultConfig(1, 4, "forward", "drain")
+    assert round_orders([d], steps=5) == [[(4.45, [d])], [(5.45, [d])], [(math.inf, [d])]]
+    every = [FaultConfig(i, 2, "forward", "drain") for i in range(len(nodes))]
+    assert expected_outcomes(every, plan, templates, profile, 1, steps=3) == ["in_place"]
+    # a drain, then a kill: in place exactly when the planner goes on without both, from the
+    # plan without the drained node (where the drain was accepted)
+    for i, j in itertools.permutations(range(len(nodes)), 2):
+        faults = [FaultConfig(i, 2, "forward", "drain"), FaultConfig(j, 3, "backward", "kill")]
+        got = expected_outcomes(faults, plan, templates, profile, 1, steps=3)
+        try:
+            after_drain = reconfigure(plan, {f"node{i}"}, templates, profile, 1)
+        except GuaranteeExceeded:
+            after_drain = None  # refused: only the kill counts
+        try:
+            reconfigure(after_drain or plan, {f"node{j}"}, templates, profile, 1)
+            both = "in_place"
+        except GuaranteeExceeded:
+            both = "fallback"
+        assert both in got, (i, j, got)
 
 
 def test_trial_job_is_fp64_with_its_own_dirs_and_faults(tmp_path):

@@ -258,6 +258,28 @@ def test_kill_during_reconfiguration(tmp_path, reference):
 
 
 @pytest.mark.timeout(150)
+def test_a_drained_node_leaves_at_a_step_boundary_with_nothing_replayed(tmp_path, reference):
+    """Issue 15: node3 is asked to drain during step 2's forward (the `drain` fault writes the
+    request `oobleck-hpc drain` writes). It finishes the step, every rank learns the drain from
+    a commit vote, node3 leaves right after that commit and its agent exits 0; the others
+    reconfigure from the committed step: no step fails, none is rolled forward or replayed."""
+    code, rows, run_dir = run_job(tmp_path, faults=[
+        {"node": 3, "step": 2, "phase": "forward", "kind": "drain"}])
+    events = check_equal_to_reference(code, rows, run_dir, reference, {"node3"})
+    kinds = [e["kind"] for e in events]
+    assert "step_failed" not in kinds and "rolled_forward" not in kinds, kinds
+    agreed = [e for e in events if e["kind"] == "drain_agreed"]
+    assert len({(e["step"], tuple(e["nodes"])) for e in agreed}) == 1, agreed  # every teller
+    assert agreed[0]["nodes"] == ["node3"], agreed
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert recovered[-1]["drained"] == ["node3"]
+    assert recovered[-1]["step"] == agreed[0]["step"] + 1  # the next step: nothing replayed
+    exits = [e for e in events if e["kind"] == "agent_exit" and e["source"] == "node3"]
+    assert exits and exits[-1]["code"] == 0, exits
+    assert len({r["step"] for r in rows}) == len(rows)
+
+
+@pytest.mark.timeout(150)
 def test_hang_node(tmp_path, reference):
     code, rows, run_dir = run_job(tmp_path, faults=[
         {"node": 2, "step": 3, "phase": "forward", "kind": "hang"}])

@@ -316,6 +316,34 @@ def test_grow_by_job_id_adds_a_node_from_a_new_job(slurm_cluster, tmp_path, long
 
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
+def test_a_node_the_administrator_drains_leaves_at_a_step_boundary(slurm_cluster, tmp_path,
+                                                                   reference):
+    """Issue 15: `scontrol update nodename=n3 state=drain` while the job trains. n3's agent sees
+    the state (fault_tolerance.drain_poll_s), n3 leaves right after a commit; the others go on
+    from that step (no step fails, none is replayed), the batch script gives n3 back to Slurm,
+    the job ends exact, COMPLETED, never requeued."""
+    def drain(job_id: str, run_dir: Path) -> None:
+        subprocess.run(["scontrol", "update", "nodename=n3", "state=drain",
+                        "reason=oobleck test: maintenance"], check=True, capture_output=True)
+
+    try:
+        figures = run_with_fault(slurm_cluster, tmp_path, reference, "drain", None, "n3",
+                                 then=drain, fault_tolerance={"drain_poll_s": 0.5})
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n3", "state=resume"],
+                       capture_output=True)
+    events = read_events(tmp_path / "drain" / "events.jsonl")
+    assert not [e for e in events if e["kind"] in ("step_failed", "rolled_forward")], events
+    asked = [e for e in events if e["kind"] == "drain_requested"]
+    assert asked and asked[0]["node"] == "n3" and "slurm" in asked[0]["by"], asked
+    agreed = [e for e in events if e["kind"] == "drain_agreed"]
+    assert agreed and agreed[0]["nodes"] == ["n3"], agreed
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert recovered[-1]["drained"] == ["n3"] and recovered[-1]["step"] == agreed[0]["step"] + 1
+    print("drain n3:", figures)
+
+
+@pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
 def test_frozen_node_recovered_in_place(slurm_cluster, tmp_path, reference):
     """n2 freezes in the commit window: its processes stop right after its vote of step 5 was
     sent (the job's hang fault), then its slurmd and step daemon too (`freeze-node`): a whole

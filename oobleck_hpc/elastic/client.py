@@ -22,6 +22,8 @@ Agent -> worker:
         next "membership". A generation with empty `lost` has the same nodes on a fresh store:
         rebuild the groups on it and replay the step.
     {"type": "exchange_done", gen, key, values} / {"type": "exchange_failed", gen, key, reason}
+    {"type": "drain", force}
+        this node is asked to drain (elastic/drain.py): leave at a step boundary.
     {"type": "fenced", reason, exit_code}
         stop at once; the agent kills what is left after its grace period. `exit_code` (also
         `Fenced.exit_code`): 3 the peers excluded this node; 75 no quorum or no agreement --
@@ -46,9 +48,10 @@ Worker -> agent:
         75 checkpoint fallback / requeue, 2 bad input (`reason`: the error, shown on the
         launcher's console; the agent stops the whole job with 2). An exit WITHOUT a preceding
         "done" or "leave" is a crash -- except exit code 2, which always means bad input.
-    {"type": "leave"}
+    {"type": "leave", drained}
         this worker leaves the job early, on purpose, while the others go on (it then exits 0):
-        its node leaves and the other nodes recover without it, as from any loss.
+        its node leaves and the other nodes recover without it, as from any loss. `drained`:
+        its node's drain was accepted (the agent waits for all its workers, then BYE, exit 0).
 
 A crashed worker (exit without "done", or killed by a signal) fails its whole node: the agent
 tells its peers (FAILED), kills its other workers and exits; the survivors re-plan without the
@@ -148,6 +151,9 @@ class AgentClient:
         self._said_waiting = False
         self._said_training = False
         self._exchanges: dict[tuple[int, str], dict[str, Any]] = {}
+        self.drain_request: bool | None = None
+        """This node was asked to drain (elastic/drain.py): None no, else whether forced. The
+        driver puts it on its commit-vote ballot."""
         self._reader = threading.Thread(target=self._read_loop, name="agent-link", daemon=True)
         self._reader.start()
 
@@ -193,11 +199,12 @@ class AgentClient:
             self._said_training = True
             self._send({"type": "training"})
 
-    def leave(self) -> None:
+    def leave(self, drained: bool = False) -> None:
         """Announce that this worker leaves the job early and on purpose (call right before
         exiting 0): its node is then lost to the others, who recover without it. Not for the
-        job's end: that is `done(0)`."""
-        self._send({"type": "leave"})
+        job's end: that is `done(0)`. `drained`: its node's drain was accepted at a step
+        boundary (elastic/drain.py); the agent lets the node go once all its workers said so."""
+        self._send({"type": "leave", "drained": drained})
 
     def exchange(self, key: str, value: Any, timeout: float, gen: int | None = None,
                  on_sent: Callable[[], None] | None = None) -> dict[str, list[Any]]:
@@ -327,6 +334,8 @@ class AgentClient:
                     self._fenced_code = int(msg.get("exit_code", EXIT_UNRECOVERABLE))
                 elif kind in ("exchange_done", "exchange_failed"):
                     self._exchanges[(msg["gen"], msg["key"])] = msg
+                elif kind == "drain":
+                    self.drain_request = bool(msg.get("force"))
                 self._cond.notify_all()
             if self._on_notice is not None:
                 self._on_notice(kind, msg)

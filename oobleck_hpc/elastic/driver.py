@@ -81,13 +81,24 @@ from oobleck_hpc.elastic.membership import Superseded
 from oobleck_hpc.elastic.recovery import (JOINER, Joining, Recovery, RecoveryError, RecoveryRounds,
                                           Standing)
 from oobleck_hpc.elastic.rendezvous import open_store, release_connections, wait_arrivals, wait_port
-from oobleck_hpc.errors import OobleckError
+from oobleck_hpc.errors import EXIT_OK, OobleckError
 
 if TYPE_CHECKING:
     from oobleck_hpc.engine.state import StepResult
 
 class RoundOpened(Exception):
     """Raised from the engine's on_phase hook when the agents opened a membership round."""
+
+
+class Drained(OobleckError):
+    """This node's drain was accepted at a step boundary (`ElasticDriver._drain`): it leaves
+    the job now, on purpose, with nothing lost (train.py exits 0)."""
+
+    exit_code = EXIT_OK
+
+    def __init__(self, message: str, verdict):
+        super().__init__(message)
+        self.verdict = verdict
 
 
 class ElasticDriver(RecoveryRounds):
@@ -106,6 +117,8 @@ class ElasticDriver(RecoveryRounds):
         self.agree_s = 4 * ft.lease_s + 2 * ft.collective_timeout_s + 30.0
         self.store_timeout_s = store_timeout_s
         self.gen = -1
+        self.view: tuple[str, ...] = ()
+        """Generation `gen`'s decided nodes, in the agents' order (their quorum rule reads it)."""
         self.plan = None
         self.templates = None
         self.comm = None
@@ -122,6 +135,9 @@ class ElasticDriver(RecoveryRounds):
         """Steps committed by roll-forward during a recovery, not yet returned by step()."""
         self._retries = 0
         self.agreed: list[float] | None = None
+        self.stop_for = None
+        """A forced drain refused (elastic/drain.Verdict): train.py stops the job with a
+        checkpoint of the step just committed, for a requeue without the leaving nodes."""
 
     # ------------------------------------------------------------------ generation 0
 
@@ -140,7 +156,7 @@ class ElasticDriver(RecoveryRounds):
         else:
             m = self._restart(self.gen, RuntimeError(failed))
         while True:
-            self.gen = m.gen
+            self.gen, self.view = m.gen, m.nodes
             try:
                 _, self.templates, plan = plan_job(self.job, self.profile, list(m.nodes))
             except OobleckError as e:
@@ -180,7 +196,7 @@ class ElasticDriver(RecoveryRounds):
         m = self.client.wait_membership()
         t_told = time.time()
         while True:
-            self.gen = m.gen
+            self.gen, self.view = m.gen, m.nodes
             rec = Recovery(0, (), m.gen, "", t_told)
             try:
                 self.base = self._joining_base(m.gen)
@@ -274,7 +290,7 @@ class ElasticDriver(RecoveryRounds):
                 result, why, phase, peer = None, str(e), "round", None
             if result is not None and result.ok:
                 try:
-                    agreed = self._vote(step, list(ballot))
+                    agreed, drains = self._vote(step, list(ballot))
                 except (Superseded, TimeoutError) as e:
                     # The vote did not complete here: whether the step commits is settled
                     # among the survivors (recover -> _reconcile); this engine keeps it prepared.
@@ -284,6 +300,8 @@ class ElasticDriver(RecoveryRounds):
                 self._committed()
                 self.agreed = agreed
                 done, self._rolled = self._rolled + [result], []
+                if drains:
+                    self._drain(drains)
                 return done
             if result is not None:
                 why, phase = repr(result.error), result.phase
@@ -312,17 +330,55 @@ class ElasticDriver(RecoveryRounds):
             self._committed()  # the end on a new plan counts as its first commit
             return
 
-    def _vote(self, step: int, ballot: list[float]) -> list[float]:
+    def _vote(self, step: int, ballot: list[float]) -> tuple[list[float], dict[str, bool]]:
         """The commit vote: every rank of the generation says, over the control plane, that it
         holds step `step` prepared. Completes only when all did (then committing is safe
-        everywhere); Superseded when a round opened first."""
+        everywhere); Superseded when a round opened first. Returns the ballot's elementwise max
+        and the nodes asked to drain (node -> forced): each rank appends its node's drain
+        request (elastic/drain.py; 0 none, 1 asked, 2 forced)."""
         if self.faults is not None:
             self.faults("prepared", step + 1)
         sent = None if self.faults is None else (lambda: self.faults("vote", step + 1))
-        values = self.client.exchange(f"commit-{step}", ballot, timeout=self.agree_s,
+        request = self.client.drain_request
+        mine = 0.0 if request is None else 2.0 if request else 1.0
+        values = self.client.exchange(f"commit-{step}", ballot + [mine], timeout=self.agree_s,
                                       gen=self.gen, on_sent=sent)
         every = [v for per_node in values.values() for v in per_node]
-        return [max(v[i] for v in every) for i in range(len(ballot))]
+        drains = {node: max(v[-1] for v in per_node) for node, per_node in values.items()}
+        return ([max(v[i] for v in every) for i in range(len(ballot))],
+                {node: d == 2.0 for node, d in drains.items() if d})
+
+    def _drain(self, drains: dict[str, bool]) -> None:
+        """A committed step's vote carried drain requests (elastic/drain.py, step 3): every rank
+        reaches the same verdict. Accepted: the leaving nodes' ranks raise Drained (train.py
+        lets the node go), the others reconfigure without them from the step just committed
+        (the recovery rounds, nothing replayed). Refused: `drain_refused`, and the job goes on
+        with the node -- or, forced, `self.stop_for` tells train.py to stop with a checkpoint
+        of this step for a requeue without the node."""
+        from oobleck_hpc.elastic.drain import verdict
+        from oobleck_hpc.planning.cost import job_profile
+
+        v = verdict(self.plan, list(drains), any(drains.values()), self.templates,
+                    job_profile(self.job, self.profile), self.job.fault_tolerance.f,
+                    self.view)
+        step = self.engine.state.step
+        if self.rank == 0 or self.node in v.leaving:  # (the leaving nodes' ranks tell it first)
+            self.events.emit("drain_agreed" if v.accepted else "drain_refused",
+                             nodes=list(v.leaving), step=step, force=v.force, reason=v.reason,
+                             plan=v.plan.digest() if v.accepted else None)
+        if not v.accepted:
+            if self.node in v.leaving:
+                self.client.drain_request = None  # answered: not voted again
+            if v.force:
+                self.stop_for = v
+            return
+        if self.node in v.leaving:
+            raise Drained(f"node {self.node} drained after step {step}", v)
+        engine, self.engine = self.engine, None
+        self.base, self.base_plan = engine, self.plan
+        self._teardown()
+        self._pending = Recovery(step + 1, (), self.gen, "", time.time(), drained=v.leaving)
+        self.rounds(self._pending, None, "drain")
 
     def _committed(self) -> None:
         self._retries = 0
@@ -338,7 +394,7 @@ class ElasticDriver(RecoveryRounds):
             self.recoveries.append(r)
             if self.rank == 0:
                 self.events.emit("recovered", step=r.step, generation=r.generation, lost=r.lost,
-                                 joined=r.joined,
+                                 joined=r.joined, drained=r.drained,
                                  seconds=round(r.seconds, 4), rounds=r.rounds, plan=r.plan,
                                  phases={k: round(v, 4) for k, v in r.phases.items()},
                                  bytes_moved=r.bytes_moved)
@@ -461,5 +517,5 @@ def _peer_died(error: BaseException | None) -> bool:
                                    "Broken pipe"))
 
 
-__all__ = ["ElasticDriver", "Recovery", "RecoveryError", "RoundOpened",
+__all__ = ["Drained", "ElasticDriver", "Recovery", "RecoveryError", "RoundOpened",
            "release_connections"]

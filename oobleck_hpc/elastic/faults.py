@@ -28,6 +28,10 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
   "early") and its peers recover without the node, as from any other loss.
 - crash: SIGKILL to this worker process alone, on a live node: its agent sees a worker exit
   without "done" and fails the whole node (agent.py).
+- drain: the node is asked to drain, as `oobleck-hpc drain RUN_DIR NODE` asks (the request
+  file that its agent watches, elastic/drain.py): it finishes the step, and at a step boundary
+  soon after (the first commit vote its workers join once the agent told them) it leaves with
+  nothing replayed. Nothing is killed.
 
 Each firing is written to the run's events first (`fault_injected`, with the time), so recovery
 can be timed from the fault.
@@ -69,7 +73,8 @@ class FaultInjector:
 
     def __call__(self, phase: str, step: int) -> None:
         for i, f in enumerate(self.faults):
-            if i not in self.fired and f.phase == phase and f.step == step:
+            if i not in self.fired and f.phase == phase and f.step == step and (
+                    f.kind != "drain" or self.local_rank == 0):  # a request per node
                 self.fired.add(i)
                 self.fire(f)
 
@@ -98,5 +103,10 @@ class FaultInjector:
             if self.client is not None:
                 self.client.leave()
             os._exit(0)
-        else:  # config validation admits only the three kinds above
+        elif f.kind == "drain":
+            from oobleck_hpc.elastic.drain import request_drain
+
+            if self.events is not None and self.events.path is not None:
+                request_drain(self.events.path.parent, [self.node], by="fault")
+        else:  # config validation admits only the kinds above
             raise ValueError(f"unknown fault kind {f.kind!r}")

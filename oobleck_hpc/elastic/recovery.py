@@ -87,6 +87,8 @@ class Recovery:
     plan: str
     t_failed: float
     joined: tuple[str, ...] = ()
+    drained: tuple[str, ...] = ()
+    """Nodes that left on notice (elastic/drain.py): nothing failed, nothing is replayed."""
     t_recovered: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
     rounds: int = 1
@@ -106,6 +108,11 @@ class RecoveryRounds:
         starts the next from the same base); the new plan's first commit ends the recovery
         (`_committed`). Raises GuaranteeExceeded / RecoveryError for the checkpoint fallback."""
         rec, held = self._report(step, phase, why, peer)
+        self.rounds(rec, held, why)
+
+    def rounds(self, rec: Recovery, held, why: str) -> None:
+        """Rounds of agree -> replan -> regroup -> transfer from the base engine until one
+        completes (`recover`; a drain starts here, elastic/drain.py: nothing failed)."""
         while True:
             try:
                 m = self._agree(rec, held)
@@ -161,7 +168,7 @@ class RecoveryRounds:
         then settle with the survivors a step `held` prepared (`_reconcile`)."""
         t0 = time.time()
         m = self._wait_membership(self.gen)
-        self.gen = m.gen
+        self.gen, self.view = m.gen, m.nodes
         self._reconcile(m.gen, held)
         rec.phases["agree"] = rec.phases.get("agree", 0.0) + (time.time() - t0)
         return m

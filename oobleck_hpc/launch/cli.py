@@ -1,5 +1,6 @@
 """`oobleck-hpc run JOB.yaml [--metrics FILE]`: train a job with its launcher;
 `oobleck-hpc kill-node RUN_DIR NODE`: kill a node of a running local job from another shell;
+`oobleck-hpc drain RUN_DIR|JOB_ID NODE...`: a node leaves a running job at a step boundary;
 `oobleck-hpc grow RUN_DIR|JOB_ID --nodes K`: add K nodes to a running job (they join in place;
 under Slurm through a replacement job).
 
@@ -55,6 +56,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="KILL: a crash (default); STOP: a hang; TERM: ask the node to stop")
     k.set_defaults(func=_kill_node)
 
+    d = sub.add_parser("drain", help="let nodes leave a running job at a step boundary",
+                       description="Ask nodes of a running job to leave it gracefully (for "
+                       "maintenance, or ahead of a preemption): each finishes the step, leaves at "
+                       "the next step boundary with nothing replayed, and the others reconfigure "
+                       "without it (elastic/drain.py). Under Slurm an administrator's `scontrol "
+                       "update nodename=NODE state=drain` does the same. A drain the survivors "
+                       "cannot absorb (a layer would be left on no node) is refused; with --force "
+                       "the job then stops with a checkpoint of that step and is requeued without "
+                       "the nodes.")
+    d.add_argument("run_dir", metavar="RUN_DIR|JOB_ID",
+                   help="the job's run directory, or a Slurm job id")
+    d.add_argument("nodes", nargs="+", metavar="NODE", help="node names (as in its roster)")
+    d.add_argument("--force", action="store_true",
+                   help="if refused: stop the job with a checkpoint, requeue it without the nodes")
+    d.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds for the job's verdict (default: return at once)")
+    d.set_defaults(func=_drain)
+
     g = sub.add_parser("grow", help="add nodes to a running job (they join in place)",
                        description="Add K nodes to a running job: a local job's launcher starts "
                        "them; a Slurm job gets a replacement job of K nodes (the job's sbatch "
@@ -86,6 +105,56 @@ def _kill_node(args: argparse.Namespace) -> int:
         print(f"oobleck-hpc kill-node: error: {e}")
         return 2
     print(f"sent SIG{args.signal} to {args.node} of {args.run_dir}")
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from oobleck_hpc.elastic.drain import request_drain
+    from oobleck_hpc.elastic.wire import Roster
+    from oobleck_hpc.errors import OobleckError
+    from oobleck_hpc.story import Tail
+
+    t0 = time.time()
+    run_dir = Path(args.run_dir)
+    try:
+        if args.run_dir.isdigit() and not run_dir.exists():
+            from oobleck_hpc.launch.slurm import run_dir_of_job
+
+            run_dir = run_dir_of_job(args.run_dir)
+        roster = run_dir / "roster.json"
+        if not roster.exists():
+            raise ValueError(f"no job is running in {run_dir} ({roster} is missing); give the "
+                             "run directory of a running job, or its Slurm job id")
+        request_drain(run_dir, args.nodes, args.force, known=Roster.load(roster).names)
+    except (OobleckError, OSError, ValueError) as e:
+        print(f"oobleck-hpc drain: error: {e}")
+        return 2
+    print(f"asked {', '.join(args.nodes)} of the job in {run_dir} to drain: "
+          f"{'they leave' if len(args.nodes) > 1 else 'it leaves'} at the next step boundary "
+          "(events drain_agreed / drain_refused)")
+    deadline = time.monotonic() + args.wait
+    events = Tail(run_dir / "events.jsonl")
+    waiting = set(args.nodes)
+    while waiting and time.monotonic() < deadline:
+        for e in events.read():
+            if e["t"] >= t0 and e.get("kind") in ("drain_agreed", "drain_refused"):
+                mine = waiting & set(e.get("nodes", []))
+                if mine and e["kind"] == "drain_agreed":
+                    print(f"{', '.join(sorted(mine))} left after step {e['step']}")
+                elif mine:
+                    print(f"drain of {', '.join(sorted(mine))} refused: {e['reason']}"
+                          + (" -- the job stops with a checkpoint and is requeued without "
+                             "them" if e.get("force") else "; --force stops the job with a "
+                             "checkpoint and requeues it without them"))
+                waiting -= mine
+        time.sleep(0.2)
+    if waiting and args.wait > 0:
+        print(f"no verdict for {', '.join(sorted(waiting))} within {args.wait:.0f} s (see "
+              f"{run_dir / 'events.jsonl'})")
+        return 1
     return 0
 
 

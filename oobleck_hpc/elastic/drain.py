@@ -1,0 +1,172 @@
+"""Graceful drain: a node leaves the job at a step boundary, on notice, with nothing replayed.
+
+    oobleck-hpc drain RUN_DIR|JOB_ID NODE... [--force]     # request_drain()
+    scontrol update nodename=NODE state=drain reason=...  # under Slurm (slurm_draining())
+
+The path of a drain:
+
+1. The request. `oobleck-hpc drain` writes RUN_DIR/drain/NODE.json (atomically: who asked,
+   when, `force`); under Slurm the node's agent also asks slurmctld every
+   `fault_tolerance.drain_poll_s` whether its node's state reads DRAIN (an administrator's
+   `scontrol update ... state=drain`). The `drain` fault kind (elastic/faults.py) writes the same
+   file from inside a worker. Requests belong to one run (runs.py moves RUN_DIR/drain to the
+   run's history with its other records).
+2. The notice. The node's agent (`DrainWatch`, a thread of agent.py) sees the request once and
+   tells its workers (`{"type": "drain", "force": ...}`, elastic/client.py).
+3. The decision, at a step boundary, with no round trip of its own. Each worker of the node
+   puts the request on its ballot in the next commit vote (elastic/driver.py), which every rank
+   of the job takes part in anyway; once the vote completed, every rank knows the same set of
+   leaving nodes and computes the same verdict (`verdict()`, pure): the plan without them if
+   the others keep the agents' quorum and still hold a full copy of every layer
+   (`reconfigure`, the same call a loss makes), else a refusal that names what it would break.
+4. The leave. The leaving nodes' workers say "leave" (drained) and exit 0 right after the
+   commit; their agent sends BYE, so the other agents open a round at once (no lease, no
+   probe) and exit 0. The survivors run the usual recovery rounds (agree, replan, regroup,
+   transfer) from the step just committed: nothing is prepared, so nothing is replayed.
+5. A refused drain (the survivors could not hold every layer) is an event (`drain_refused`,
+   with the reason) and the node stays. With `--force` the job instead stops at that step
+   boundary with a checkpoint of it (every rank saves, exit 75, as on a stop signal): the
+   requeued job starts without the node (Slurm allocates no drained node; the local requeue
+   restarts on the nodes that did not ask to drain).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from oobleck_hpc.files import write_json
+
+DRAIN_DIR = "drain"
+POLL_S = 0.1
+"""How often a local job's agent looks for its request file (one stat of a missing file)."""
+SHARED_POLL_S = 1.0
+"""The same under Slurm, where RUN_DIR is on a shared file system: a thousand nodes then make
+a thousand metadata lookups a second, not ten thousand."""
+
+
+def request_path(run_dir: str | Path, node: str) -> Path:
+    return Path(run_dir) / DRAIN_DIR / f"{node}.json"
+
+
+def request_drain(run_dir: str | Path, nodes: Sequence[str], force: bool = False,
+                  by: str = "", known: Sequence[str] = ()) -> list[Path]:
+    """Ask `nodes` of the job in `run_dir` to drain (step 1). `known`: the job's node names
+    (the roster); a node outside them is a ValueError that lists them."""
+    unknown = [n for n in nodes if known and n not in known]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a node of the job in {run_dir} (its nodes: "
+                         f"{', '.join(known)})")
+    paths = []
+    for node in nodes:
+        path = request_path(run_dir, node)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"node": node, "force": force, "by": by or getpass.getuser(),
+                          "t": time.time()})
+        paths.append(path)
+    return paths
+
+
+def slurm_draining(node: str, timeout_s: float = 10.0) -> bool:
+    """Whether slurmctld shows `node` as draining or drained (`scontrol show node`; an error
+    counts as no)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True,
+                             text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    for field_ in out.split():
+        if field_.startswith("State="):
+            return "DRAIN" in field_.split("=", 1)[1].split("+")
+    return False
+
+
+@dataclass
+class DrainWatch:
+    """An agent's watch for a drain request of its node (step 2): `on_request(force, by)` is
+    called once, from this thread, when RUN_DIR/drain/NODE.json appears (or, with `slurm_poll_s`,
+    when slurmctld shows the node draining); a later request with --force is passed on too."""
+
+    run_dir: Path
+    node: str
+    on_request: Callable[[bool, str], None]
+    slurm_poll_s: float = 0.0
+    """0: do not ask slurmctld (a local job)."""
+    file_poll_s: float = POLL_S
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._told: bool | None = None
+        """The `force` of the request passed on (None: none yet)."""
+
+    def start(self) -> DrainWatch:
+        threading.Thread(target=self._run, name="agent-drain-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        path = request_path(self.run_dir, self.node)
+        next_slurm = time.monotonic() + self.slurm_poll_s
+        while not self._stop.wait(self.file_poll_s):
+            if path.exists():
+                try:
+                    req = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue  # replaced between the check and the read: read it next time
+                self._tell(bool(req.get("force")), str(req.get("by", "")))
+            if self.slurm_poll_s and time.monotonic() >= next_slurm:
+                next_slurm = time.monotonic() + self.slurm_poll_s
+                if slurm_draining(self.node):
+                    self._tell(False, "slurm (scontrol: state DRAIN)")
+
+    def _tell(self, force: bool, by: str) -> None:
+        if self._told is not None and (self._told or not force):
+            return  # told already (a forced request covers a plain one)
+        self._told = force
+        self.on_request(force, by)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank concludes from a commit vote that carried drain requests (step 3)."""
+
+    leaving: tuple[str, ...]
+    plan: object | None
+    """The plan without the leaving nodes (None: refused)."""
+    reason: str = ""
+    """Why refused: the guarantee the drain would break."""
+    force: bool = False
+
+    @property
+    def accepted(self) -> bool:
+        return self.plan is not None
+
+
+def verdict(plan, leaving: Sequence[str], force: bool, templates, profile, f: int,
+            view: Sequence[str]) -> Verdict:
+    """The plan without `leaving` (the same pure reconfiguration a loss of those nodes makes), or
+    the refusal when the rest of `view` (the decided membership) would not keep the agents'
+    majority quorum (elastic/decision.py: their round would fence them all), or would not hold
+    every layer, or would be too few for a plan."""
+    from oobleck_hpc.elastic.decision import has_quorum
+    from oobleck_hpc.errors import GuaranteeExceeded
+    from oobleck_hpc.planning.reconfigure import reconfigure
+
+    leaving = tuple(sorted(leaving))
+    rest = [n for n in view if n not in leaving]
+    if not has_quorum(view, rest, "majority"):
+        return Verdict(leaving, None, f"the {len(rest)} other nodes of {len(view)} would not "
+                       "keep the majority quorum", force)
+    try:
+        new_plan = reconfigure(plan, leaving, templates, profile, f)
+    except GuaranteeExceeded as e:
+        return Verdict(leaving, None, str(e), force)
+    return Verdict(leaving, new_plan, "", force)
