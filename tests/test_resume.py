@@ -259,6 +259,50 @@ def test_sigterm_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(
         assert_close(rows[s]["loss"], loss, f"step {s}")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_requeues(tmp_path):
+    """Issue 15: 2 nodes (f = 0), `oobleck-hpc drain RUN_DIR node0 --force` mid-run. node1 alone
+    would not keep the agents' quorum (exactly half of the view, without its first node), so
+    the drain is refused; forced, every rank stops after the same step with a checkpoint of it
+    (exit 75) and the local requeue starts the job again on node1 alone, from exactly that
+    step."""
+    steps = 150
+    job = write_job(tmp_path, "drain", every_steps=0, steps=steps)
+    data = yaml.safe_load(job.read_text())
+    data["cluster"]["nodes"], data["fault_tolerance"]["f"] = 2, 0
+    job.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "drain"
+    proc = start_run(job)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None and not (
+                (run_dir / "metrics.jsonl").exists()
+                and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3):
+            time.sleep(0.01)
+        asked = subprocess.run([sys.executable, "-m", "oobleck_hpc", "drain", str(run_dir),
+                                "node0", "--force", "--wait", "60"], capture_output=True,
+                               text=True, timeout=90, cwd=ROOT)
+    except BaseException:
+        kill_run(proc)
+        proc.communicate()
+        raise
+    code, out, err = finish(proc, 100)
+    assert asked.returncode == 0 and "drain of node0 refused" in asked.stdout, asked.stdout
+    assert code == 0, out + err
+    stopped = re.search(r"stopping for a requeue after step (\d+): drain of node0 forced", out)
+    assert stopped and "requeued: attempt 1 on 1 node (alive: node1)" in out, out
+    step = int(stopped.group(1))
+    assert 0 < step < steps, step
+    text = job_output(out, err, run_dir)
+    assert f"restored step {step} (cursor {step * 16})" in text, text
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # nothing lost or replayed
+    want = reference(job, step + 2)
+    for s, loss in enumerate(want):
+        assert_close(rows[s]["loss"], loss, f"step {s}")
+
+
 # ----------------------------------------------------------------------------- the requeue loop
 
 

@@ -10,7 +10,8 @@ The path of a drain:
    `fault_tolerance.drain_poll_s` whether its node's state reads DRAIN (an administrator's
    `scontrol update ... state=drain`). The `drain` fault kind (elastic/faults.py) writes the same
    file from inside a worker. Requests belong to one run (runs.py moves RUN_DIR/drain to the
-   run's history with its other records).
+   run's history with its other records); the job removes a request it answered
+   (`consume_request`).
 2. The notice. The node's agent (`DrainWatch`, a thread of agent.py) sees the request once and
    tells its workers (`{"type": "drain", "force": ...}`, elastic/client.py).
 3. The decision, at a step boundary, with no round trip of its own. Each worker of the node
@@ -73,6 +74,13 @@ def request_drain(run_dir: str | Path, nodes: Sequence[str], force: bool = False
     return paths
 
 
+def consume_request(run_dir: str | Path, node: str) -> None:
+    """The job answered `node`'s request (it left, or the drain was refused): remove it, so
+    that a requeued job -- whose local nodes reuse the names -- does not take it for a new one;
+    asking again means a new request."""
+    request_path(run_dir, node).unlink(missing_ok=True)
+
+
 def slurm_draining(node: str, timeout_s: float = 10.0) -> bool:
     """Whether slurmctld shows `node` as draining or drained (`scontrol show node`; an error
     counts as no)."""
@@ -103,7 +111,8 @@ class DrainWatch:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._told: bool | None = None
-        """The `force` of the request passed on (None: none yet)."""
+        """The `force` of the request file passed on (None: none, or it was consumed since)."""
+        self._told_slurm = False
 
     def start(self) -> DrainWatch:
         threading.Thread(target=self._run, name="agent-drain-watch", daemon=True).start()
@@ -121,17 +130,17 @@ class DrainWatch:
                     req = json.loads(path.read_text())
                 except (OSError, ValueError):
                     continue  # replaced between the check and the read: read it next time
-                self._tell(bool(req.get("force")), str(req.get("by", "")))
+                force = bool(req.get("force"))
+                if self._told is None or (force and not self._told):  # (forced covers plain)
+                    self._told = force
+                    self.on_request(force, str(req.get("by", "")))
+            else:
+                self._told = None  # consumed (consume_request): a new one is a new request
             if self.slurm_poll_s and time.monotonic() >= next_slurm:
                 next_slurm = time.monotonic() + self.slurm_poll_s
-                if slurm_draining(self.node):
-                    self._tell(False, "slurm (scontrol: state DRAIN)")
-
-    def _tell(self, force: bool, by: str) -> None:
-        if self._told is not None and (self._told or not force):
-            return  # told already (a forced request covers a plain one)
-        self._told = force
-        self.on_request(force, by)
+                if not self._told_slurm and slurm_draining(self.node):
+                    self._told_slurm = True
+                    self.on_request(False, "slurm (scontrol: state DRAIN)")
 
 
 @dataclass(frozen=True)
@@ -163,8 +172,8 @@ def verdict(plan, leaving: Sequence[str], force: bool, templates, profile, f: in
     leaving = tuple(sorted(leaving))
     rest = [n for n in view if n not in leaving]
     if not has_quorum(view, rest, "majority"):
-        return Verdict(leaving, None, f"the {len(rest)} other nodes of {len(view)} would not "
-                       "keep the majority quorum", force)
+        return Verdict(leaving, None, f"{len(rest)} of the {len(view)} nodes would be left, "
+                       f"not the agents' quorum (more than half, or half with {view[0]})", force)
     try:
         new_plan = reconfigure(plan, leaving, templates, profile, f)
     except GuaranteeExceeded as e:

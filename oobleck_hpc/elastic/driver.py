@@ -355,7 +355,7 @@ class ElasticDriver(RecoveryRounds):
         (the recovery rounds, nothing replayed). Refused: `drain_refused`, and the job goes on
         with the node -- or, forced, `self.stop_for` tells train.py to stop with a checkpoint
         of this step for a requeue without the node."""
-        from oobleck_hpc.elastic.drain import verdict
+        from oobleck_hpc.elastic.drain import consume_request, verdict
         from oobleck_hpc.planning.cost import job_profile
 
         v = verdict(self.plan, list(drains), any(drains.values()), self.templates,
@@ -366,6 +366,8 @@ class ElasticDriver(RecoveryRounds):
             self.events.emit("drain_agreed" if v.accepted else "drain_refused",
                              nodes=list(v.leaving), step=step, force=v.force, reason=v.reason,
                              plan=v.plan.digest() if v.accepted else None)
+        if self.node in v.leaving and self.local_rank == 0 and self.events.path is not None:
+            consume_request(self.events.path.parent, self.node)
         if not v.accepted:
             if self.node in v.leaving:
                 self.client.drain_request = None  # answered: not voted again
