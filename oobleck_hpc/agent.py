@@ -26,8 +26,12 @@ srun step per node). It
      for the workers' exit; exit 0 once they exited;
    - a worker rejected the job's input ("done" 2, or any exit with code 2): BYE "abort" -- every
      peer stops too, with 2 -- stop the other workers, exit 2;
-   - a worker crashed (exit without "done"): the NODE is failed -- tell the peers (FAILED, so
-     their event logs say why), kill the node's other workers, exit 3;
+   - a worker crashed (exit without "done") once the job trains: it is restarted in place (a
+     new process for that local rank, told to rejoin; this agent's probe opens a retry round,
+     the new worker joins its generation and receives its layers from replicas), at most
+     MAX_WORKER_CRASHES - 1 times per local rank; its next crash, or one before the first
+     committed step, fails the NODE -- tell the peers (FAILED, so their event logs say why),
+     kill the node's other workers, exit 3;
    - this node was fenced: tell the workers (`fenced` with the exit code), give them
      `--kill-grace-s` to exit, kill what is left, exit 3 when the peers excluded it, 75 when it
      cannot prove it is in the majority (no quorum, no agreement: the job must fall back to
@@ -73,6 +77,9 @@ from oobleck_hpc.elastic.membership import Decision
 from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, join_roster_file, recv_msg, send_msg
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
+MAX_WORKER_CRASHES = 3
+"""A local rank's worker that crashes this many times takes its node out of the job (the first
+crashes are restarted in place)."""
 EXIT_NODE_LOST = EXIT_UNRECOVERABLE
 """Exit code of an agent whose node failed, left early or was excluded (the job goes on
 without it)."""
@@ -134,6 +141,12 @@ class Agent:
                                on_note=lambda kind, fields: self.inbox.put(("note", kind, fields)))
         self.workers: list[_Worker] = []
         self._exchange_parts: dict[tuple[int, str], dict[int, Any]] = {}
+        self._trains = False
+        """A worker committed a step: a crashed worker can rejoin (take the members' state)."""
+        self._first = self.cp.decided.nodes
+        """Generation 0's nodes (the job's templates are built for their count)."""
+        self._crashes: dict[int, int] = {}
+        """Crashes of each local rank's worker (MAX_WORKER_CRASHES)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -166,9 +179,10 @@ class Agent:
         while True:
             what, a, b = self.inbox.get()
             if what == "worker_msg":
-                self._on_worker_msg(self.workers[a], b)
+                if a is self.workers[a.local_rank]:  # (not a restarted worker's last words)
+                    self._on_worker_msg(a, b)
             elif what == "worker_exit":
-                code = self._on_worker_exit(self.workers[a], b)
+                code = self._on_worker_exit(a, b)
                 if code is not None:
                     return code
             elif what == "signal":
@@ -183,7 +197,9 @@ class Agent:
 
     # ------------------------------------------------------------------ workers
 
-    def _spawn_worker(self, lr: int) -> None:
+    def _spawn_worker(self, lr: int, rejoin_after: int | None = None) -> None:
+        """Start local rank `lr`'s worker; `rejoin_after`: it replaces a crashed one, and joins
+        the job at the first generation decided after that one (elastic/driver.py, join)."""
         parent, child = socket.socketpair()
         env = dict(os.environ)
         env.update(self.opts.extra_env)
@@ -201,6 +217,9 @@ class Agent:
         })
         if not self.cp.core.joined:
             env["OOBLECK_SPARE"] = "1"  # OOBLECK_NODES: generation 0, then this spare
+        if rejoin_after is not None:
+            env["OOBLECK_REJOIN_AFTER_GEN"] = str(rejoin_after)
+            env["OOBLECK_FIRST_NODES"] = ",".join(self._first)  # the templates' size
         if self.opts.job is not None:
             env["OOBLECK_JOB"] = str(self.opts.job.resolve())
         try:
@@ -211,7 +230,11 @@ class Agent:
         finally:
             child.close()
         w = _Worker(lr, proc, parent)
-        self.workers.append(w)
+        if rejoin_after is None:
+            self.workers.append(w)
+        else:
+            self.workers[lr] = w
+            self._tell_membership(self.cp.decided, [w])
         threading.Thread(target=self._watch_exit, args=(w,), daemon=True,
                          name=f"agent-wait-{lr}").start()
         threading.Thread(target=self._watch_link, args=(w,), daemon=True,
@@ -224,7 +247,7 @@ class Agent:
         # could overtake the "done" just before it ("exited without 'done'": a finished node
         # taken for a crashed one; seen once in a CI run of test_engine_run).
         w.link_read.wait(timeout=5.0)
-        self.inbox.put(("worker_exit", w.local_rank, code))
+        self.inbox.put(("worker_exit", w, code))
 
     def _watch_link(self, w: _Worker) -> None:
         try:
@@ -233,7 +256,7 @@ class Agent:
                     msg = recv_msg(w.sock)
                 except (ConnectionClosed, OSError, ValueError):
                     return
-                self.inbox.put(("worker_msg", w.local_rank, msg))
+                self.inbox.put(("worker_msg", w, msg))
         finally:
             w.link_read.set()
 
@@ -259,7 +282,7 @@ class Agent:
             why = f"worker {self.opts.node}/{w.local_rank} reported {msg.get('kind')}"
             if suspects:
                 for node in suspects:
-                    self.cp.suspect(node, why)
+                    self.cp.check(node, why, gen=msg.get("gen"))
             else:
                 self.cp.probe(why, gen=msg.get("gen"))
         elif kind == "waiting":
@@ -267,6 +290,7 @@ class Agent:
             if not self.cp.core.joined and all(x.waiting for x in self.workers):
                 self.cp.request_join("spare")  # its workers are ready: swap it in when needed
         elif kind == "training":  # a step committed: nodes may join now (membership.py, 7)
+            self._trains = True
             self.cp.open_joins()
         elif kind == "done":
             w.done_code, w.reason = int(msg.get("code", 0)), str(msg.get("reason", ""))
@@ -329,7 +353,24 @@ class Agent:
                 return code
             return None
         how = f"worker {w.local_rank} (pid {w.proc.pid}) exited with {_describe(code)} without 'done'"
-        self.events.emit("worker_failed", local_rank=w.local_rank, code=code, detail=how)
+        crashes = self._crashes[w.local_rank] = self._crashes.get(w.local_rank, 0) + 1
+        if self._trains and crashes < MAX_WORKER_CRASHES:
+            # Restart it in place: a retry round (the probe finds every node alive) gives the
+            # job a new generation on the same nodes; the new worker joins it and receives its
+            # layers from their replicas (elastic/driver.py, join).
+            gen = self.cp.decided.gen
+            self._spawn_worker(w.local_rank, rejoin_after=gen)
+            self.events.emit("worker_restarting", local_rank=w.local_rank, code=code,
+                             detail=how, crashes=crashes, restarts=MAX_WORKER_CRASHES - 1,
+                             after_gen=gen, pid=self.workers[w.local_rank].proc.pid)
+            self.cp.probe(f"worker {self.opts.node}/{w.local_rank} crashed and restarts", gen=gen)
+            return None
+        if crashes > 1:
+            how += f" (its crash {crashes} of at most {MAX_WORKER_CRASHES - 1} restarted in place)"
+        elif not self._trains:
+            how += " (before the first committed step: no state to rejoin with)"
+        self.events.emit("worker_failed", local_rank=w.local_rank, code=code, detail=how,
+                         crashes=crashes)
         self.cp.fail_self(how)
         return None  # the 'fenced' note that fail_self produced ends the loop
 
@@ -401,9 +442,10 @@ class Agent:
             return code
         return None
 
-    def _tell_membership(self, d: Decision) -> None:
-        self._broadcast({"type": "membership", **d.to_msg(),
-                         "store_host": self.cp.store_host(d.store_node)})
+    def _tell_membership(self, d: Decision, workers: list[_Worker] | None = None) -> None:
+        msg = {"type": "membership", **d.to_msg(), "store_host": self.cp.store_host(d.store_node)}
+        for w in self.workers if workers is None else workers:
+            self._send(w, msg)
 
 
 def _describe(code: int) -> str:

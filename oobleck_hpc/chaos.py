@@ -26,7 +26,8 @@ the step of an earlier fault) or "later" (a later step, after a first recovery).
 
 Expected outcome (`expected_outcomes`): the faults that fired (the run's `fault_injected`
 events; a drawn fault whose phase the code does not fire is reported, not counted), each the loss
-of its node (`crash` included: its worker's state is gone), taken in membership rounds in time
+of its node (a `crash` only before a step committed: later its worker is restarted in place,
+`restarted`; a `drain` only where the job accepts it, `judge`), taken in membership rounds in time
 order (`round_orders`): a step's own failures, then one round per recovery phase a further node
 dies in, then a node lost after the step's commit, noticed while the next step runs (after the
 last step: when the survivors agree they reached the end). Each round must keep the quorum of
@@ -134,10 +135,18 @@ def positions(x: FaultConfig, steps: int = 0) -> tuple[float, ...]:
 
     A drain (`steps`: the run's last step) leaves right after the commit of whichever step's
     vote first carries its request -- step s or any later one, at s + 0.45 -- if the verdict
-    then accepts it (`judge`); or never (inf): the run ended first."""
+    then accepts it (`judge`); or never (inf): the run ended first. A crashed worker restarted
+    in place (`restarted`) loses no node (inf)."""
     s = x.step
     if x.kind == "drain":
         return tuple(c + 0.45 for c in range(max(1, s), steps + 1)) + (math.inf,)
+    if x.kind == "crash" and restarted(x) is not False:
+        return (math.inf,) if restarted(x) else _positions(x) + (math.inf,)
+    return _positions(x)
+
+
+def _positions(x: FaultConfig) -> tuple[float, ...]:
+    s = x.step
     if x.phase in START_PHASES:
         return (-1.0,)
     if x.phase == "vote":
@@ -147,6 +156,16 @@ def positions(x: FaultConfig, steps: int = 0) -> tuple[float, ...]:
     if x.phase in RECOVERY_PHASES:
         return (s + 0.1 * (1 + RECOVERY_PHASES.index(x.phase)),)
     return (float(s),)
+
+
+def restarted(x: FaultConfig) -> bool | None:
+    """Whether a `crash` fault's worker is restarted in place (its node stays: no loss), which
+    its agent does once a step committed on the node (agent.py): True from step 2 on and after
+    step 1's commit (its checkpoint); None (either) in step 1's vote, optimizer and commit
+    windows, where a local peer may have committed first; False before."""
+    if x.step >= 2 and x.phase not in START_PHASES or (x.step, x.phase) == (1, "checkpoint"):
+        return True
+    return None if x.step == 1 and x.phase in ("vote", *AFTER_VOTE_PHASES) else False
 
 
 def round_orders(faults: Sequence[FaultConfig],
@@ -237,9 +256,15 @@ def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile
 def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
                       quorum: str = "majority", steps: int = 0) -> list[str]:
     """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`
-    (`steps`: the run's last step, for drains)."""
-    return sorted(set().union(*(judge(order, plan, templates, profile, f, quorum)
-                                for order in round_orders(faults, steps))))
+    (`steps`: the run's last step, for drains). Crashed workers restarted in place cost a
+    retry generation each; more than MAX_RETRIES of them may end in the fallback."""
+    from oobleck_hpc.elastic.recovery import MAX_RETRIES
+
+    out = set().union(*(judge(order, plan, templates, profile, f, quorum)
+                        for order in round_orders(faults, steps)))
+    if sum(x.kind == "crash" and restarted(x) is not False for x in faults) >= MAX_RETRIES:
+        out.add("fallback")
+    return sorted(out)
 
 
 # ----------------------------------------------------------------------------- one trial

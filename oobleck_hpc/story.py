@@ -129,6 +129,16 @@ class Story:
         return (f"gave back {', '.join(e['nodes'])}: agreed away but still allocated, now "
                 "released from the job")
 
+    def _worker_restarting(self, e: dict) -> str:
+        return (f"worker crashed: {e['source']}/{e['local_rank']} ({e.get('detail', '')}); "
+                f"restarted in place (its crash {e.get('crashes', 1)}; one more than "
+                f"{e.get('restarts', 2)} takes the node out), it rejoins at the next generation")
+
+    def _worker_rejoined(self, e: dict) -> str:
+        return (f"worker rejoined: {e['source']} in generation {e['generation']}, its layers "
+                f"from replicas ({mb(e.get('received_bytes') or 0)}), "
+                f"{e.get('seconds', 0):.2f} s after the agreement")
+
     def _drain_requested(self, e: dict) -> str:
         return (f"drain asked: {e['node']} (by {e.get('by') or '?'}"
                 + (", forced" if e.get("force") else "") + "); it leaves at a step boundary")

@@ -87,6 +87,8 @@ def main() -> int:
     events = EventLog(run_dir / "events.jsonl", source=f"{env.node}/{env.local_rank}")
     faults = FaultInjector.for_node(job.faults, int(os.environ.get("OOBLECK_NODE_INDEX", "-1")),
                                     env.node, env.local_rank, events, client)
+    if env.extra.get("rejoin_after_gen"):  # restarted after a crash: no fault fires twice
+        faults.skip_fired()
     dataset = dataset_for(job.data, model.seq_len)
 
     # Profile, plan, rendezvous (generation 0: every rank computes the same plan from the same
@@ -98,10 +100,15 @@ def main() -> int:
     code = EXIT_OK
     ckpt = None
     try:
-        if env.extra.get("spare"):
+        if env.extra.get("spare") or env.extra.get("rejoin_after_gen"):
             # A spare (cluster.spares): it waits until a loss swaps it in, then receives its
-            # layers and the step to train from the members (elastic/driver.py, join).
-            plan, comm = driver.join([n for n in env.nodes if n != env.node])
+            # layers and the step to train from the members (elastic/driver.py, join). A worker
+            # restarted after a crash (agent.py) joins the next generation the same way.
+            after = env.extra.get("rejoin_after_gen")
+            if after:
+                plan, comm = driver.join(env.extra["first_nodes"].split(","), int(after))
+            else:
+                plan, comm = driver.join([n for n in env.nodes if n != env.node])
             ckpt = Resume.start(job, plan, comm.rank, comm, device, run_dir, profile, faults,
                                 events, restore=False)
         else:

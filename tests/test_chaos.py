@@ -247,6 +247,24 @@ def test_a_drain_is_taken_only_where_the_verdict_accepts_it():
         assert both in got, (i, j, got)
 
 
+def test_a_crashed_worker_is_a_loss_only_before_a_step_committed():
+    """A crash's worker is restarted in place once the node committed a step (agent.py): no
+    loss from step 2 on; a loss at the start and inside step 1; either where step 1's commit
+    may have happened on a local peer."""
+    F = FaultConfig
+    profile, templates, plan = _plan(0, 10**9, 1, 3)
+    late, early, racy = F(1, 3, "forward", "crash"), F(1, 1, "forward", "crash"), F(1, 1, "vote", "crash")
+    assert round_orders([late]) == [[(math.inf, [late])]]
+    assert round_orders([early]) == [[(1.0, [early])]]
+    assert round_orders([racy]) == [[(1.0, [racy])], [(1.5, [racy])], [(math.inf, [racy])]]
+    assert round_orders([F(2, 1, "rendezvous", "crash")]) == [[(-1.0, [F(2, 1, "rendezvous", "crash")])]]
+    # every node but the first crashing from step 2 on: all restarted, nothing lost -- but as
+    # many retry generations in a row may exhaust MAX_RETRIES
+    every = [F(i, 2, "backward", "crash") for i in range(1, len(plan.nodes))]
+    assert expected_outcomes(every[:2], plan, templates, profile, 1) == ["in_place"]
+    assert expected_outcomes(every[:3], plan, templates, profile, 1) == ["fallback", "in_place"]
+
+
 def test_trial_job_is_fp64_with_its_own_dirs_and_faults(tmp_path):
     base = job_from_dict({"name": "x", "cluster": {"nodes": 5}, "train": {"steps": 40},
                           "checkpoint": {"dir": "/elsewhere", "every_steps": 10}})

@@ -218,16 +218,19 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_crash_in_the_vote_of_the_last_step(tmp_path, reference):
+@pytest.mark.parametrize("kind", ["kill", "crash"])
+def test_a_failure_in_the_vote_of_the_last_step(tmp_path, reference, kind):
     """A node lost in the last step's vote: the ranks whose vote completed end the run, the
     others settle the step with them and roll it forward -- then there is nothing left to run
     (chaos seed 7007, trial 76: they ran a step past the last and waited on the others at the
     end; rounds without a loss followed for ever). Which ranks see the vote complete depends
-    on timing; either way the run ends exact."""
+    on timing; either way the run ends exact. A crashed worker there is restarted instead: the
+    end is agreed again with the new worker, on the same nodes."""
     code, rows, run_dir = run_job(tmp_path, faults=[
-        {"node": 2, "step": STEPS, "phase": "vote", "kind": "crash"}])
+        {"node": 2, "step": STEPS, "phase": "vote", "kind": kind}])
     # the last step may be committed on the first plan (by the ranks whose vote completed)
-    check_equal_to_reference(code, rows, run_dir, reference, {"node2"}, last_on_new_plan=False)
+    check_equal_to_reference(code, rows, run_dir, reference,
+                             {"node2"} if kind == "kill" else set(), last_on_new_plan=False)
 
 
 @pytest.mark.timeout(150)
@@ -277,6 +280,37 @@ def test_a_drained_node_leaves_at_a_step_boundary_with_nothing_replayed(tmp_path
     exits = [e for e in events if e["kind"] == "agent_exit" and e["source"] == "node3"]
     assert exits and exits[-1]["code"] == 0, exits
     assert len({r["step"] for r in rows}) == len(rows)
+
+
+@pytest.mark.timeout(150)
+def test_a_crashed_worker_is_restarted_in_place_and_its_node_stays(tmp_path, reference):
+    """Issue 15: one worker of node2 is SIGKILLed in step 3's backward while node2's agent and
+    other worker live. The agent restarts it; a retry round gives the job a new generation on
+    the same 5 nodes; the new worker joins it, receives its layers from replicas and the step
+    is replayed: the run ends exact with every node."""
+    code, rows, run_dir = run_job(tmp_path, faults=[
+        {"node": 2, "step": 3, "phase": "backward", "kind": "crash"}])
+    events = check_equal_to_reference(code, rows, run_dir, reference, set())
+    kinds = [e["kind"] for e in events]
+    assert "worker_restarting" in kinds and "worker_rejoined" in kinds, kinds
+    assert "worker_failed" not in kinds and "node_failed" not in kinds, kinds
+    assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
+    moved = [e for e in events if e["kind"] == "state_transferred" and e["received_bytes"]]
+    assert moved and {e["source"] for e in moved} == {"node2/0"}, moved
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_that_crashes_three_times_takes_its_node_out(tmp_path, reference):
+    """The same worker of node2 crashes in steps 2, 3 and 4: restarted in place twice, then the
+    third crash fails node2 (bounded, evented) and the others recover without it, exact."""
+    code, rows, run_dir = run_job(tmp_path, faults=[
+        {"node": 2, "step": s, "phase": "forward", "kind": "crash"} for s in (2, 3, 4)])
+    events = check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
+    restarts = [e for e in events if e["kind"] == "worker_restarting"]
+    assert [(e["source"], e["local_rank"], e["crashes"]) for e in restarts] == [
+        ("node2", 0, 1), ("node2", 0, 2)], restarts
+    failed = [e for e in events if e["kind"] == "worker_failed"]
+    assert [(e["source"], e["crashes"]) for e in failed] == [("node2", 3)], failed
 
 
 @pytest.mark.timeout(150)
@@ -347,6 +381,7 @@ def test_a_recovery_that_rolls_the_last_step_forward_runs_no_further_step():
 
     class FakeClient:
         node, local_rank = "node3", 0
+        drain_request = None
 
         def exchange(self, key, value, timeout, gen=None, on_sent=None):
             raise Superseded(f"exchange {key!r}: membership round open")
@@ -385,7 +420,7 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
     from oobleck_hpc.engine import StepResult, TrainState
 
     job = job_from_dict(job_dict(Path("/nonexistent")))
-    plan = SimpleNamespace(digest=lambda: "p0", pipelines=(), generation=0)
+    plan = SimpleNamespace(digest=lambda: "p0", pipelines=(), generation=0, nodes=("node0",))
 
     class Held:  # the base engine, holding step 19 (index 18) prepared
         state = TrainState(step=18, cursor=18 * 8)

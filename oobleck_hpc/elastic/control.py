@@ -211,6 +211,19 @@ class ControlPlane:
         """The job trains: add joiners from now on (membership.py, step 7)."""
         self._run(self.core.open_joins)
 
+    def check(self, node: str, why: str, gen: int | None = None) -> None:
+        """A worker named `node` as the peer whose connection broke. Suspect it if its agent
+        is gone too (a dead node's port refuses at once), else probe: its agent lives (e.g. it
+        restarts a crashed worker, agent.py) and a retry round follows. One short thread."""
+        def run() -> None:
+            a = self.roster.address(node)
+            if reach(a.host, a.port, timeout=min(1.0, self.lease_s / 3), stop=self._stop):
+                self.suspect(node, why)
+            else:
+                self.probe(why, gen)
+
+        threading.Thread(target=run, name="control-check", daemon=True).start()
+
     def probe(self, why: str, gen: int | None = None) -> None:
         """Ping every member now; those not heard from within probe_s are suspected. If every
         member answers, a retry round opens. `gen`: the generation the failure happened in; a

@@ -130,6 +130,9 @@ class ElasticDriver(RecoveryRounds):
         """The engine of the last committed step (module docstring); None while it is `engine`."""
         self.base_plan = None
         self.recoveries: list[Recovery] = []
+        self.fresh: frozenset[tuple[str, int]] = frozenset()
+        """Ranks of the base plan that restarted without their state (Standing.fresh), from
+        the last reconcile exchange: the transfer sends them their layers."""
         self._pending: Recovery | None = None
         self._rolled: list = []
         """Steps committed by roll-forward during a recovery, not yet returned by step()."""
@@ -178,14 +181,19 @@ class ElasticDriver(RecoveryRounds):
                     raise
                 m = self._restart(m.gen, e)
 
-    def join(self, first_nodes: Sequence[str]):
+    def join(self, first_nodes: Sequence[str], after_gen: int | None = None):
         """A spare's start (membership.py, step 7): wait -- for the whole run if no loss needs
         this node -- until a round swaps it in, then take part in that round's recovery like a
         survivor with nothing to give: learn the members' committed state and base plan (the
         reconcile exchange), compute the same new plan, rendezvous, receive every layer of this
         rank (weights and AdamW state) from the members. The engine it builds holds exactly the
         members' committed state; the round's replayed step is this node's first. Returns
-        (plan, comm) like `start`. `first_nodes`: generation 0's nodes (the templates' size)."""
+        (plan, comm) like `start`. `first_nodes`: generation 0's nodes (the templates' size).
+
+        A worker restarted in place after a crash (agent.py) starts here too, with `after_gen`:
+        the generation its predecessor worked in; it joins the next one (the retry round its
+        agent opened, or whatever round came first) as the same rank of a node that stays,
+        and its layers come from their replicas (Standing.fresh)."""
         from oobleck_hpc.planning import plan_job
 
         # What an engine's first build costs once per process, paid now instead of during the
@@ -193,7 +201,7 @@ class ElasticDriver(RecoveryRounds):
         # machine, measured: the whole of a joiner's engine init).
         torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
         _, self.templates, _ = plan_job(self.job, self.profile, list(first_nodes))
-        m = self.client.wait_membership()
+        m = self.client.wait_membership(after_gen=-1 if after_gen is None else after_gen)
         t_told = time.time()
         while True:
             self.gen, self.view = m.gen, m.nodes
@@ -212,7 +220,8 @@ class ElasticDriver(RecoveryRounds):
                 continue
             self.plan, self.engine, self.comm = new_plan, engine, comm
             self._pending = rec
-            self.events.emit("node_joined", node=self.node, generation=m.gen, step=rec.step,
+            self.events.emit("node_joined" if after_gen is None else "worker_rejoined",
+                             node=self.node, generation=m.gen, step=rec.step,
                              seconds=round(time.time() - t_told, 4), phases={
                                  k: round(v, 4) for k, v in rec.phases.items()},
                              received_bytes=rec.bytes_moved if self.local_rank == 0 else None)
@@ -225,8 +234,9 @@ class ElasticDriver(RecoveryRounds):
         from oobleck_hpc.planning.cost import job_profile
         from oobleck_hpc.planning.reconfigure import plan_from_groups
 
-        members = Standing.gathered(self.client.exchange(
-            f"reconcile-{gen}", asdict(JOINER), timeout=self.agree_s, gen=gen))
+        values = self.client.exchange(f"reconcile-{gen}", asdict(JOINER), timeout=self.agree_s,
+                                      gen=gen)
+        members = Standing.gathered(values)
         step = max(x.step for x in members)
         ahead = {(x.base, x.cursor, x.groups, x.base_gen) for x in members if x.step == step}
         if len(ahead) != 1:
@@ -239,6 +249,7 @@ class ElasticDriver(RecoveryRounds):
         if plan is None or plan.digest() != digest:
             raise RecoveryError(f"this joining node rebuilt the members' base plan as "
                                 f"{plan.digest() if plan else None}, they have {digest}")
+        self.fresh = Standing.fresh(values, plan.nodes)
         return Joining(TrainState(step=step, cursor=cursor), plan)
 
     def _restart(self, gen: int, error: BaseException):

@@ -26,8 +26,10 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
 - exit: a clean early exit: every worker of the node that reaches the fault (or whose step fails
   at the fault's step) says `leave()` to its agent and exits 0; the agent leaves the job (BYE
   "early") and its peers recover without the node, as from any other loss.
-- crash: SIGKILL to this worker process alone, on a live node: its agent sees a worker exit
-  without "done" and fails the whole node (agent.py).
+- crash: SIGKILL to one worker process (local rank 0) of a live node: its agent restarts it in
+  place once the job trains (the new worker rejoins at the next generation and receives its
+  layers from replicas); a third crash of the node's workers, or one before the first committed
+  step, fails the whole node (agent.py).
 - drain: the node is asked to drain, as `oobleck-hpc drain RUN_DIR NODE` asks (the request
   file that its agent watches, elastic/drain.py): it finishes the step, and at a step boundary
   soon after (the first commit vote its workers join once the agent told them) it leaves with
@@ -71,10 +73,25 @@ class FaultInjector:
                  events: EventLog | None = None, client: Any = None) -> FaultInjector:
         return cls([f for f in faults if f.node == node_index], node, local_rank, events, client)
 
+    def skip_fired(self) -> FaultInjector:
+        """A worker restarted in place (agent.py) replays steps its predecessor ran: the faults
+        that predecessor fired (this run's events, same node, local rank and attempt) do not
+        fire again."""
+        from oobleck_hpc.elastic.events import read_events
+
+        if self.events is None or self.events.path is None:
+            return self
+        me = f"{self.node}/{self.local_rank}"
+        done = {(e.get("step"), e.get("phase"), e.get("fault"))
+                for e in read_events(self.events.path) if e.get("kind") == "fault_injected"
+                and e.get("source") == me and e.get("attempt") == self.events.attempt}
+        self.fired |= {i for i, f in enumerate(self.faults) if (f.step, f.phase, f.kind) in done}
+        return self
+
     def __call__(self, phase: str, step: int) -> None:
         for i, f in enumerate(self.faults):
             if i not in self.fired and f.phase == phase and f.step == step and (
-                    f.kind != "drain" or self.local_rank == 0):  # a request per node
+                    f.kind not in ("drain", "crash") or self.local_rank == 0):  # (one worker)
                 self.fired.add(i)
                 self.fire(f)
 

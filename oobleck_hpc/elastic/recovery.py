@@ -71,6 +71,13 @@ class Standing:
                  for per_node in values.values() for v in per_node]
         return [x for x in every if x.step >= 0]
 
+    @staticmethod
+    def fresh(values: dict[str, list[Any]], nodes) -> frozenset[tuple[str, int]]:
+        """(node, local rank) of the ranks that said JOINER on a node of `nodes` (the base
+        plan's): restarted workers (agent.py), whose layers must come from replicas."""
+        return frozenset((node, lr) for node, per_node in values.items() if node in nodes
+                         for lr, v in enumerate(per_node) if v["step"] < 0)
+
 
 JOINER = Standing("", -1, -1, "", (), -1)
 
@@ -253,7 +260,7 @@ class RecoveryRounds:
         t1 = time.time()
         rec.phases["init"] = rec.phases.get("init", 0.0) + (t1 - t0)
         try:
-            moves = transfer_plan(self.base_plan, new_plan, self.profile)
+            moves = transfer_plan(self.base_plan, new_plan, self.profile, self.fresh)
             if self.faults is not None:
                 self.faults("transfer", self.base.state.step + 1)
             stats = transfer.execute(moves, comm.rank, self.base, engine, comm.timeout)
@@ -295,8 +302,10 @@ class RecoveryRounds:
                         held.plan.digest() if held is not None else "",
                         tuple(tuple(p.nodes) for p in self.base_plan.pipelines),
                         self.base_plan.generation)
-        every = Standing.gathered(self.client.exchange(f"reconcile-{gen}", asdict(mine),
-                                                       timeout=self.agree_s, gen=gen))
+        values = self.client.exchange(f"reconcile-{gen}", asdict(mine), timeout=self.agree_s,
+                                      gen=gen)
+        every = Standing.gathered(values)
+        self.fresh = Standing.fresh(values, self.base_plan.nodes)
         target = max(x.step for x in every)
         ahead = {(x.base, x.step, x.cursor) for x in every if x.step == target}
         if len(ahead) != 1:

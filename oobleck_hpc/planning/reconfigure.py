@@ -309,9 +309,11 @@ def _holdings(plan: Plan) -> dict[tuple[str, int], tuple[int, int]]:
     return out
 
 
-def transfer_plan(old: Plan, new: Plan, profile: ModelProfile) -> tuple[Transfer, ...]:
-    """What to copy so that every rank of `new` holds its layers (module docstring)."""
-    before = _holdings(old)
+def transfer_plan(old: Plan, new: Plan, profile: ModelProfile,
+                  fresh: frozenset[tuple[str, int]] = frozenset()) -> tuple[Transfer, ...]:
+    """What to copy so that every rank of `new` holds its layers (module docstring). `fresh`:
+    (node, GPU) of `old` whose state is gone although the node stays (a restarted worker)."""
+    before = {k: v for k, v in _holdings(old).items() if k not in fresh}
     G = new.gpus_per_node
     holders: dict[int, list[tuple[str, int]]] = {}  # layer -> surviving GPUs, new rank order
     for node in new.nodes:
