@@ -73,6 +73,7 @@ from typing import Any
 from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.drain import POLL_S, SHARED_POLL_S, DrainWatch
 from oobleck_hpc.elastic.events import EventLog
+from oobleck_hpc.elastic.faults import DutyCycle
 from oobleck_hpc.elastic.membership import Decision
 from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, join_roster_file, recv_msg, send_msg
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
@@ -143,6 +144,7 @@ class Agent:
         self._exchange_parts: dict[tuple[int, str], dict[int, Any]] = {}
         self._trains = False
         """A worker committed a step: a crashed worker can rejoin (take the members' state)."""
+        self._slow: DutyCycle | None = None
         self._first = self.cp.decided.nodes
         """Generation 0's nodes (the job's templates are built for their count)."""
         self._crashes: dict[int, int] = {}
@@ -170,6 +172,8 @@ class Agent:
             return self._loop()
         finally:
             watch.stop()
+            if self._slow is not None:
+                self._slow.stop()
             self._kill_workers(grace=0.0)
             self.cp.flush(timeout=1.0)
             self.cp.close()
@@ -294,6 +298,11 @@ class Agent:
             self.cp.open_joins()
         elif kind == "done":
             w.done_code, w.reason = int(msg.get("code", 0)), str(msg.get("reason", ""))
+        elif kind == "slow":  # the slow fault (elastic/faults.py)
+            if self._slow is None:
+                self.events.emit("node_slowed", node=self.opts.node, factor=msg["factor"])
+                self._slow = DutyCycle(lambda: [x.proc.pid for x in self.workers
+                                                if x.proc.poll() is None], msg["factor"]).start()
         elif kind == "leave" and msg.get("drained"):
             w.done_code, w.drained = EXIT_OK, True
             if all(x.drained for x in self.workers):  # BYE now: the peers reconfigure at once

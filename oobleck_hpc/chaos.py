@@ -27,7 +27,8 @@ the step of an earlier fault) or "later" (a later step, after a first recovery).
 Expected outcome (`expected_outcomes`): the faults that fired (the run's `fault_injected`
 events; a drawn fault whose phase the code does not fire is reported, not counted), each the loss
 of its node (a `crash` only before a step committed: later its worker is restarted in place,
-`restarted`; a `drain` only where the job accepts it, `judge`), taken in membership rounds in time
+`restarted`; a `drain` only where the job accepts it, `judge`; a `slow` node never: the trials
+run with `straggler: none`), taken in membership rounds in time
 order (`round_orders`): a step's own failures, then one round per recovery phase a further node
 dies in, then a node lost after the step's commit, noticed while the next step runs (after the
 last step: when the survivors agree they reached the end). Each round must keep the quorum of
@@ -138,6 +139,8 @@ def positions(x: FaultConfig, steps: int = 0) -> tuple[float, ...]:
     then accepts it (`judge`); or never (inf): the run ended first. A crashed worker restarted
     in place (`restarted`) loses no node (inf)."""
     s = x.step
+    if x.kind == "slow":  # the node stays (the trials run with `straggler: none`)
+        return (math.inf,)
     if x.kind == "drain":
         return tuple(c + 0.45 for c in range(max(1, s), steps + 1)) + (math.inf,)
     if x.kind == "crash" and restarted(x) is not False:
@@ -311,6 +314,9 @@ def trial_job(base: JobConfig, faults: Sequence[FaultConfig], trial_dir: Path, s
     d["run_dir"] = str(trial_dir / "run")
     d["checkpoint"].update(dir=str(trial_dir / "ckpt"), every_steps=checkpoint_every,
                            every_minutes=0.0)
+    # A slow node stays: the straggler policy's choices are timing-dependent by design (and
+    # checked by bench/straggler.py and tests/test_recovery.py), so they stay out of the oracle.
+    d["fault_tolerance"]["straggler"] = "none"
     d["faults"] = [asdict(x) for x in faults]
     return json.loads(json.dumps(d))  # tuples -> lists, for yaml.safe_dump
 

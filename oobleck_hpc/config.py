@@ -151,12 +151,27 @@ class FaultToleranceConfig:
     """Under Slurm: after a loss the job submits a replacement job (its partition, account, QOS
     and constraints, the time it has left) whose agents join the running job; replacements end
     with the job (launch/slurm.py). Locally, `oobleck-hpc grow` adds nodes by hand."""
+    straggler: Literal["auto", "none", "rebalance", "exclude"] = "auto"
+    """A node persistently slower than the others (elastic/straggler.py): auto takes what the
+    planner predicts fastest (keep, re-split the batch, exclude the node); rebalance or
+    exclude force that action; none turns detection off."""
+    straggler_ratio: float = 1.5
+    """A node is a straggler when its computations take at least this many times the median
+    node's (relative to what the profile predicts for each) ..."""
+    straggler_steps: int = 5
+    """... in the median over its last this many committed steps (recovered: <= 1.2)."""
     drain_poll_s: float = 30.0
     """Under Slurm: how often each node's agent asks slurmctld whether an administrator set its
     node to DRAIN (`scontrol update nodename=... state=drain`); the node then leaves the job at
     a step boundary, nothing replayed (elastic/drain.py). 0: never ask."""
 
     def check(self, where: _Where) -> None:
+        if self.straggler_ratio <= 1:
+            where.fail("straggler_ratio", self.straggler_ratio, "must exceed 1",
+                       "use e.g. 1.5: a node 50 % slower than the median node")
+        if self.straggler_steps < 1:
+            where.fail("straggler_steps", self.straggler_steps, "must be >= 1",
+                       "use a few steps, e.g. 5, so that one noisy step decides nothing")
         if self.drain_poll_s < 0:
             where.fail("drain_poll_s", self.drain_poll_s, "must be >= 0",
                        "use a few tens of seconds, or 0 not to watch the node's Slurm state")
@@ -273,10 +288,18 @@ class FaultConfig:
     agreed, before the groups are rebuilt); transfer (during the layer-state transfer);
     rendezvous (the generation-0 rendezvous, `step` = the step the run starts at); restore
     (loading the checkpoint, same `step`)."""
-    kind: Literal["kill", "hang", "exit", "crash", "drain"] = "kill"
+    kind: Literal["kill", "hang", "exit", "crash", "drain", "slow"] = "kill"
     """kill: SIGKILL of the node (agent + workers); hang: SIGSTOP of the node; exit: the node
     leaves cleanly; crash: one worker process of a live node dies; drain: the node is asked to
-    drain (as by `oobleck-hpc drain`: it leaves at the next step boundary, nothing replayed)."""
+    drain (as by `oobleck-hpc drain`: it leaves at the next step boundary, nothing replayed);
+    slow: the node's workers run `factor` times slower from then on (its agent stops and
+    continues them on a duty cycle)."""
+    factor: float = 2.0
+    """slow: how many times slower (> 1)."""
+
+    def check(self, where: _Where) -> None:
+        if self.factor <= 1:
+            where.fail("factor", self.factor, "must exceed 1", "use e.g. 2.0: twice as slow")
 
 
 @dataclass

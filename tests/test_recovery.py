@@ -36,17 +36,21 @@ TOL = 1e-5
 
 
 def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0,
-             steps: int = STEPS, lease_s: float = 3.0) -> dict:
+             steps: int = STEPS, lease_s: float = 3.0, straggler: str = "none",
+             microbatches: int = 4, gpus: int = 2) -> dict:
     return {
         "name": "recovery-test",
         "model": {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
-        "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": 4, "lr": 1e-3,
+        "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": microbatches,
+                  "lr": 1e-3,
                   "warmup_steps": 2, "log_every": 1, "save_final_params": True},
-        "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 2, "device": "cpu",
+        "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": gpus, "device": "cpu",
                     "spares": spares},
         "fault_tolerance": {"f": f, "collective_timeout_s": 10.0, "heartbeat_s": 0.5,
-                            "lease_s": lease_s},
-        "profile": {"library": str(ROOT / "profiles")},
+                            "lease_s": lease_s, "straggler": straggler},
+        # (no measured profile for 1 worker per node: the analytic one, as the Slurm tests do)
+        "profile": {"library": str(ROOT / "profiles")} if gpus == 2 else
+                   {"library": str(run_dir / "no-profiles"), "analytic": True, "device": "A40"},
         "run_dir": str(run_dir),
         "faults": list(faults),
     }
@@ -311,6 +315,35 @@ def test_a_worker_that_crashes_three_times_takes_its_node_out(tmp_path, referenc
         ("node2", 0, 1), ("node2", 0, 2)], restarts
     failed = [e for e in events if e["kind"] == "worker_failed"]
     assert [(e["source"], e["crashes"]) for e in failed] == [("node2", 3)], failed
+
+
+@pytest.mark.timeout(150)
+def test_a_slowed_node_gets_fewer_microbatches_and_the_run_stays_exact(tmp_path):
+    """Issue 15: 4 nodes x 1 worker (two 2-node pipelines, 8 microbatches); node1's worker is
+    slowed 4x from step 8 (the slow fault: a stop/continue duty cycle), once every node's
+    baseline is taken (steps 2-6). The vote's compute figures find it within a window of 5
+    steps; `straggler: rebalance` re-splits the batch (node1's pipeline gets fewer
+    microbatches), every rank switches to that plan after the same step with nothing moved,
+    and the run ends equal to the fp64 reference."""
+    from oobleck_hpc.engine import reference_run
+
+    steps = 20
+    extra = {"nodes": 4, "steps": steps, "microbatches": 8, "gpus": 1}
+    ref = reference_run(job_from_dict(job_dict(Path("/nonexistent"), **extra)), steps)
+    code, rows, run_dir = run_job(tmp_path, straggler="rebalance", **extra, faults=[
+        {"node": 1, "step": 8, "phase": "forward", "kind": "slow", "factor": 4.0}])
+    assert code == 0, run_dir
+    np.testing.assert_allclose([r["loss"] for r in rows], ref[0], rtol=TOL)
+    for layer, params in ref[1].items():
+        got = torch.load(run_dir / "final" / f"layer-{layer}.pt")
+        for name, value in params.items():
+            assert rel(got[name], value) <= TOL, f"layer {layer} {name}"
+    events = read_events(run_dir / "events.jsonl")
+    acted = [e for e in events if e["kind"] == "straggler" and e["source"] == "node0/0"
+             and e["action"] == "rebalance"]
+    assert acted and acted[0]["node"] == "node1" and 10 <= acted[0]["step"] <= 8 + 5, acted
+    assert len({r["plan"] for r in rows}) >= 2, rows  # the split changed mid-run
+    assert not [e for e in events if e["kind"] in ("step_failed", "recovered")]
 
 
 @pytest.mark.timeout(150)

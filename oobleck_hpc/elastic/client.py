@@ -200,6 +200,11 @@ class AgentClient:
             self._said_training = True
             self._send({"type": "training"})
 
+    def slow(self, factor: float) -> None:
+        """Ask the agent to slow this node's workers `factor` times from now on (the `slow`
+        fault, elastic/faults.py)."""
+        self._send({"type": "slow", "factor": factor})
+
     def leave(self, drained: bool = False) -> None:
         """Announce that this worker leaves the job early and on purpose (call right before
         exiting 0): its node is then lost to the others, who recover without it. Not for the

@@ -61,6 +61,12 @@ state that fits neither (it cannot happen under this protocol) raises RecoveryEr
 also carries each rank's ballot (resume.py: a clock-based save due, a stop signal seen), so
 those decisions need no collective of their own.
 
+Planned changes (elastic/planned.py). The vote also carries each rank's drain request and its
+step's compute time; after a commit, every rank reaches the same verdict from them: nodes that
+drain (elastic/drain.py) or a straggler excluded leave right after that commit, the others
+reconfigure from it with nothing replayed; a straggler's pipeline may instead get a smaller
+share of the batch, every rank switching plans in place (elastic/straggler.py).
+
 Events (run_dir/events.jsonl, source node/local_rank): step_failed (every rank that saw it: phase,
 peer, error), membership_agreed, plan_chosen, groups_rebuilt, state_transferred (bytes), and
 recovered (first committed step after the recovery, with the phase times); steps numbered from
@@ -69,6 +75,7 @@ recovered (first committed step after the recovery, with the phase times); steps
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 from dataclasses import asdict, replace
@@ -80,8 +87,10 @@ from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Superseded
 from oobleck_hpc.elastic.recovery import (JOINER, Joining, Recovery, RecoveryError, RecoveryRounds,
                                           Standing)
+from oobleck_hpc.elastic.planned import Drained, PlannedChanges
+from oobleck_hpc.elastic.straggler import Tracker
 from oobleck_hpc.elastic.rendezvous import open_store, release_connections, wait_arrivals, wait_port
-from oobleck_hpc.errors import EXIT_OK, OobleckError
+from oobleck_hpc.errors import OobleckError
 
 if TYPE_CHECKING:
     from oobleck_hpc.engine.state import StepResult
@@ -90,18 +99,7 @@ class RoundOpened(Exception):
     """Raised from the engine's on_phase hook when the agents opened a membership round."""
 
 
-class Drained(OobleckError):
-    """This node's drain was accepted at a step boundary (`ElasticDriver._drain`): it leaves
-    the job now, on purpose, with nothing lost (train.py exits 0)."""
-
-    exit_code = EXIT_OK
-
-    def __init__(self, message: str, verdict):
-        super().__init__(message)
-        self.verdict = verdict
-
-
-class ElasticDriver(RecoveryRounds):
+class ElasticDriver(RecoveryRounds, PlannedChanges):
     """One worker's training, recovering in place (see module docstring)."""
 
     def __init__(self, job, model, profile, dataset, device: torch.device, client, events: EventLog,
@@ -138,6 +136,14 @@ class ElasticDriver(RecoveryRounds):
         """Steps committed by roll-forward during a recovery, not yet returned by step()."""
         self._retries = 0
         self.agreed: list[float] | None = None
+        self.stragglers = None if ft.straggler == "none" else Tracker(ft.straggler_ratio,
+                                                                       ft.straggler_steps)
+        self._step_s: collections.deque[float] = collections.deque(maxlen=ft.straggler_steps)
+        """This rank's last step times (the straggler_measured event)."""
+        self._watching = None
+        """(the last straggler action, the median step time before it) until measured after."""
+        self._tracked = ""
+        """The digest of the plan the straggler windows are measured against."""
         self.stop_for = None
         """A forced drain refused (elastic/drain.Verdict): train.py stops the job with a
         checkpoint of the step just committed, for a requeue without the leaving nodes."""
@@ -301,7 +307,7 @@ class ElasticDriver(RecoveryRounds):
                 result, why, phase, peer = None, str(e), "round", None
             if result is not None and result.ok:
                 try:
-                    agreed, drains = self._vote(step, list(ballot))
+                    agreed, drains, compute = self._vote(step, list(ballot), result.compute_s)
                 except (Superseded, TimeoutError) as e:
                     # The vote did not complete here: whether the step commits is settled
                     # among the survivors (recover -> _reconcile); this engine keeps it prepared.
@@ -313,6 +319,8 @@ class ElasticDriver(RecoveryRounds):
                 done, self._rolled = self._rolled + [result], []
                 if drains:
                     self._drain(drains)
+                elif self.stragglers is not None:
+                    self._straggle(compute, result.seconds)
                 return done
             if result is not None:
                 why, phase = repr(result.error), result.phase
@@ -341,57 +349,27 @@ class ElasticDriver(RecoveryRounds):
             self._committed()  # the end on a new plan counts as its first commit
             return
 
-    def _vote(self, step: int, ballot: list[float]) -> tuple[list[float], dict[str, bool]]:
+    def _vote(self, step: int, ballot: list[float], compute_s: float = 0.0):
         """The commit vote: every rank of the generation says, over the control plane, that it
         holds step `step` prepared. Completes only when all did (then committing is safe
-        everywhere); Superseded when a round opened first. Returns the ballot's elementwise max
-        and the nodes asked to drain (node -> forced): each rank appends its node's drain
-        request (elastic/drain.py; 0 none, 1 asked, 2 forced)."""
+        everywhere); Superseded when a round opened first. Returns the ballot's elementwise max,
+        the nodes asked to drain (node -> forced) and every rank's compute seconds (rank ->
+        seconds): each rank appends its node's drain request (elastic/drain.py; 0 none, 1
+        asked, 2 forced) and `compute_s`, its step's forward and backward time
+        (elastic/straggler.py)."""
         if self.faults is not None:
             self.faults("prepared", step + 1)
         sent = None if self.faults is None else (lambda: self.faults("vote", step + 1))
         request = self.client.drain_request
         mine = 0.0 if request is None else 2.0 if request else 1.0
-        values = self.client.exchange(f"commit-{step}", ballot + [mine], timeout=self.agree_s,
-                                      gen=self.gen, on_sent=sent)
+        values = self.client.exchange(f"commit-{step}", ballot + [mine, compute_s],
+                                      timeout=self.agree_s, gen=self.gen, on_sent=sent)
         every = [v for per_node in values.values() for v in per_node]
-        drains = {node: max(v[-1] for v in per_node) for node, per_node in values.items()}
+        drains = {node: max(v[-2] for v in per_node) for node, per_node in values.items()}
+        compute = {self.plan.rank_of(node, lr): v[-1] for node, per_node in values.items()
+                   for lr, v in enumerate(per_node)}
         return ([max(v[i] for v in every) for i in range(len(ballot))],
-                {node: d == 2.0 for node, d in drains.items() if d})
-
-    def _drain(self, drains: dict[str, bool]) -> None:
-        """A committed step's vote carried drain requests (elastic/drain.py, step 3): every rank
-        reaches the same verdict. Accepted: the leaving nodes' ranks raise Drained (train.py
-        lets the node go), the others reconfigure without them from the step just committed
-        (the recovery rounds, nothing replayed). Refused: `drain_refused`, and the job goes on
-        with the node -- or, forced, `self.stop_for` tells train.py to stop with a checkpoint
-        of this step for a requeue without the node."""
-        from oobleck_hpc.elastic.drain import consume_request, verdict
-        from oobleck_hpc.planning.cost import job_profile
-
-        v = verdict(self.plan, list(drains), any(drains.values()), self.templates,
-                    job_profile(self.job, self.profile), self.job.fault_tolerance.f,
-                    self.view)
-        step = self.engine.state.step
-        if self.rank == 0 or self.node in v.leaving:  # (the leaving nodes' ranks tell it first)
-            self.events.emit("drain_agreed" if v.accepted else "drain_refused",
-                             nodes=list(v.leaving), step=step, force=v.force, reason=v.reason,
-                             plan=v.plan.digest() if v.accepted else None)
-        if self.node in v.leaving and self.local_rank == 0 and self.events.path is not None:
-            consume_request(self.events.path.parent, self.node)
-        if not v.accepted:
-            if self.node in v.leaving:
-                self.client.drain_request = None  # answered: not voted again
-            if v.force:
-                self.stop_for = v
-            return
-        if self.node in v.leaving:
-            raise Drained(f"node {self.node} drained after step {step}", v)
-        engine, self.engine = self.engine, None
-        self.base, self.base_plan = engine, self.plan
-        self._teardown()
-        self._pending = Recovery(step + 1, (), self.gen, "", time.time(), drained=v.leaving)
-        self.rounds(self._pending, None, "drain")
+                {node: d == 2.0 for node, d in drains.items() if d}, compute)
 
     def _committed(self) -> None:
         self._retries = 0

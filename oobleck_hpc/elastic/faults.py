@@ -30,6 +30,9 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
   place once the job trains (the new worker rejoins at the next generation and receives its
   layers from replicas); a third crash of the node's workers, or one before the first committed
   step, fails the whole node (agent.py).
+- slow: the node's agent stops and continues its workers on a duty cycle (`DutyCycle`): they
+  run 1/factor of the time from then on, as a throttled GPU or a noisy neighbour would make
+  them -- not a sleep in our own code path, which the straggler detector could see directly.
 - drain: the node is asked to drain, as `oobleck-hpc drain RUN_DIR NODE` asks (the request
   file that its agent watches, elastic/drain.py): it finishes the step, and at a step boundary
   soon after (the first commit vote its workers join once the agent told them) it leaves with
@@ -53,6 +56,45 @@ from oobleck_hpc.elastic.events import EventLog
 IN_STEP_PHASES = ("forward", "backward", "gradient_sync", "reduce", "prepared", "vote",
                   "optimizer", "commit")
 """The windows inside a training step (the others: around it or during a recovery)."""
+
+
+class DutyCycle:
+    """Slows processes `factor` times: every PERIOD_S they run PERIOD_S / factor, then stay
+    stopped (SIGSTOP) for the rest (SIGCONT). `pids()`: the processes, read each period (a
+    restarted worker is slowed too). `stop()` lets them run again."""
+
+    PERIOD_S = 0.02  # well under a step's compute, so that every step is slowed alike
+
+    def __init__(self, pids, factor: float):
+        import threading
+
+        self.pids, self.factor = pids, factor
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slow-fault", daemon=True)
+
+    def start(self) -> DutyCycle:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+        self._send(signal.SIGCONT)
+
+    def _send(self, sig: int) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _run(self) -> None:
+        run = self.PERIOD_S / self.factor
+        while not self._stop.wait(run):
+            self._send(signal.SIGSTOP)
+            if self._stop.wait(self.PERIOD_S - run):
+                break
+            self._send(signal.SIGCONT)
 
 
 @dataclass
@@ -91,7 +133,7 @@ class FaultInjector:
     def __call__(self, phase: str, step: int) -> None:
         for i, f in enumerate(self.faults):
             if i not in self.fired and f.phase == phase and f.step == step and (
-                    f.kind not in ("drain", "crash") or self.local_rank == 0):  # (one worker)
+                    f.kind not in ("drain", "crash", "slow") or self.local_rank == 0):
                 self.fired.add(i)
                 self.fire(f)
 
@@ -120,6 +162,9 @@ class FaultInjector:
             if self.client is not None:
                 self.client.leave()
             os._exit(0)
+        elif f.kind == "slow":
+            if self.client is not None:
+                self.client.slow(f.factor)
         elif f.kind == "drain":
             from oobleck_hpc.elastic.drain import request_drain
 

@@ -122,6 +122,7 @@ class Engine:
                  abort: Callable[[], bool] | None = None, *,
                  adopt: Engine | None = None, receive: Collection[int] = ()):
         self.job, self.model, self.plan, self.comm, self.groups = job, model, plan, comm, groups
+        self.compute_s = 0.0  # the current step's forward and backward time (StepResult)
         self.device = torch.device(device)
         self.state = state or TrainState()
         self.on_phase = on_phase
@@ -245,6 +246,7 @@ class Engine:
         even when a rank dies inside the last all-reduce (some peers may have finished it)."""
         step = self.state.step
         t0 = time.perf_counter()
+        self.compute_s = 0.0
         lr = lr_at(step, self.train)
         try:
             loss_sum = self._pipeline(step)
@@ -261,7 +263,7 @@ class Engine:
             for seg in self.segments:
                 seg.flat.mul_(coef)
         self._pending = StepResult(step, True, loss=loss, grad_norm=norm, lr=lr,
-                                   samples=self.sampler.global_batch)
+                                   samples=self.sampler.global_batch, compute_s=self.compute_s)
         if not commit:
             self._pending.seconds = time.perf_counter() - t0
             return self._pending
@@ -377,10 +379,12 @@ class Engine:
                         self._sends.append((dist.isend(view, dst=a.peer), a.peer))
                 else:
                     flush()
+                    t = time.perf_counter()
                     if a.kind == "F":
                         loss_sum += self._forward(a, cursor)
                     else:
                         self._backward(a)
+                    self.compute_s += time.perf_counter() - t
             except _Failure:
                 raise
             except Exception as e:

@@ -28,6 +28,10 @@ class StepResult:
     lr: float = math.nan
     samples: int = 0
     seconds: float = 0.0
+    compute_s: float = 0.0
+    """This rank's time in its forward and backward computations (not waiting for peers): what
+    a straggler's node is slow at (elastic/straggler.py). Host time: on GPUs it is the time to
+    launch the kernels unless they synchronise."""
     error: BaseException | None = None
     phase: str | None = None
     """Where it failed: forward, backward, gradient_sync or optimizer."""

@@ -101,7 +101,7 @@ prediction evaluates the plan that was chosen the way the engine runs it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from oobleck_hpc.config import JobConfig
@@ -355,12 +355,17 @@ def executed_pipeline_ms(template: Template, microbatches: int, profile: ModelPr
     return one_f_one_b_ms(t, template.send_ms, microbatches)
 
 
-def predicted_step_ms(plan: Plan, profile: ModelProfile) -> float:
+def predicted_step_ms(plan: Plan, profile: ModelProfile,
+                      slowdown: Mapping[str, float] | None = None) -> float:
     """What one engine step of `plan` takes, as the engine executes it (module docstring):
     every rank's pipeline plus its segments' all-reduces, the slowest of them, then the
     statistics all-reduce z and the optimizer step (every rank at once, its own layers).
-    `profile` is the one the plan's templates were built from (`job_profile`)."""
-    pipe = [executed_pipeline_ms(p.template, p.microbatches, profile) for p in plan.pipelines]
+    `profile` is the one the plan's templates were built from (`job_profile`). `slowdown`:
+    node -> factor its computations take longer (a straggler, elastic/straggler.py); a pipeline
+    runs at the pace of its slowest node."""
+    slowdown = slowdown or {}
+    pipe = [executed_pipeline_ms(p.template, p.microbatches, profile)
+            * max(slowdown.get(n, 1.0) for n in p.nodes) for p in plan.pipelines]
     sync = rank_sync_ms(plan, profile)
     step = max(pipe[info.pipeline] + sync[info.rank] for info in plan.ranks)
     optimizer = max(stage_optimizer_ms(profile, info.layer_start, info.layer_end)

@@ -56,6 +56,22 @@ def _costs(templates: Mapping[int, Template], profile: ModelProfile, sizes: list
     return np.array(A), np.array(beta)
 
 
+def resplit(plan: Plan, profile: ModelProfile, slowdown: Mapping[str, float]) -> Plan:
+    """The same pipelines, the global batch re-split (`split_microbatches`) with each pipeline's
+    costs times the slowdown of its slowest node (elastic/straggler.py): a slow pipeline gets
+    fewer microbatches. {} gives the split the plan would have without one."""
+    from dataclasses import replace
+
+    sizes = [p.template.num_nodes for p in plan.pipelines]
+    A, beta = _costs({p.template.num_nodes: p.template for p in plan.pipelines}, profile, sizes,
+                     len(sizes) == 1)
+    s = [max(slowdown.get(n, 1.0) for n in p.nodes) for p in plan.pipelines]
+    mbs = split_microbatches(list(A * s), list(beta * s), plan.global_microbatches)
+    out = replace(plan, pipelines=tuple(replace(p, microbatches=m)
+                                        for p, m in zip(plan.pipelines, mbs)))
+    return replace(out, predicted_iteration_ms=cost.plan_iteration_ms(out, profile))
+
+
 def split_microbatches(A: Sequence[float], beta: Sequence[float], total: int) -> list[int]:
     """Integers m_p >= 1 summing to `total` minimising max_p A_p + (m_p - 1) beta_p (greedy;
     ties to the lower index)."""
