@@ -94,9 +94,10 @@ class Supervisor(threading.Thread):
             except subprocess.TimeoutExpired:
                 pass
         keep = [n for n in current if n not in held]
+        # (in RUN_DIR: scontrol writes slurm_job_<id>_resize.{sh,csh} into its cwd)
         out = subprocess.run(["scontrol", "update", f"JobId={self.job_id}",
                               f"NodeList={','.join(keep)}"], capture_output=True, text=True,
-                             timeout=60)
+                             timeout=60, cwd=self.run_dir)
         EventLog(self.run_dir / "events.jsonl", source="driver").emit(
             "nodes_released", nodes=held, ok=out.returncode == 0,
             detail=(out.stdout + out.stderr).strip()[:300])
