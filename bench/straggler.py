@@ -16,8 +16,9 @@ Step times are medians over the steps after the action (or, without one, after t
 window would have ended): `baseline_step_s`, `slowed_step_s`, `mitigated_step_s`,
 `excluded_step_s`. `action`: what auto chose; `detect_steps`: committed steps from the slowdown
 to the decision (the rule, elastic/straggler.py: the median over the last `straggler_steps` = 5
-steps of the node's compute, relative to its own baseline and to the median node, is >=
-`straggler_ratio` = 1.5; at least 5 steps). Target: mitigated_step_s within 10 % of the better of keeping
+steps, and at least `straggler_window_s` = 1 s of them (WINDOW_S; default 10 s), of the node's
+compute relative to its own baseline and to the median node is >= `straggler_ratio` = 1.5: a
+window's majority of slowed steps). Target: mitigated_step_s within 10 % of the better of keeping
 (slowed_step_s) and excluding (excluded_step_s): `within_10pct`.
 """
 
@@ -39,6 +40,8 @@ import yaml
 from oobleck_hpc.elastic.events import read_events, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
+WINDOW_S = 1.0
+"""fault_tolerance.straggler_window_s here (default 10 s): ~10 of these ~0.1 s steps."""
 
 
 def job_dict(run_dir: Path, nodes: int, steps: int, straggler: str, fault: dict | None) -> dict:
@@ -48,7 +51,8 @@ def job_dict(run_dir: Path, nodes: int, steps: int, straggler: str, fault: dict 
         "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": 16, "lr": 1e-3,
                   "warmup_steps": 2, "log_every": 10},
         "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 1, "device": "cpu"},
-        "fault_tolerance": {"f": 1, "collective_timeout_s": 20.0, "straggler": straggler},
+        "fault_tolerance": {"f": 1, "collective_timeout_s": 20.0, "straggler": straggler,
+                            "straggler_window_s": WINDOW_S},
         "profile": {"library": str(run_dir / "no-profiles"), "analytic": True, "device": "A40"},
         "run_dir": str(run_dir),
         "faults": [fault] if fault else [],

@@ -159,7 +159,10 @@ class FaultToleranceConfig:
     """A node is a straggler when its computations take at least this many times the median
     node's (relative to what the profile predicts for each) ..."""
     straggler_steps: int = 5
-    """... in the median over its last this many committed steps (recovered: <= 1.2)."""
+    """... in the median over its last this many committed steps (recovered: <= 1.2) ..."""
+    straggler_window_s: float = 10.0
+    """... and over at least this many seconds of steps: a slowdown is persistent only if it
+    lasts both (short steps on a shared machine vary by far more than long ones)."""
     drain_poll_s: float = 30.0
     """Under Slurm: how often each node's agent asks slurmctld whether an administrator set its
     node to DRAIN (`scontrol update nodename=... state=drain`); the node then leaves the job at
@@ -169,6 +172,9 @@ class FaultToleranceConfig:
         if self.straggler_ratio <= 1:
             where.fail("straggler_ratio", self.straggler_ratio, "must exceed 1",
                        "use e.g. 1.5: a node 50 % slower than the median node")
+        if self.straggler_window_s < 0:
+            where.fail("straggler_window_s", self.straggler_window_s, "must be >= 0",
+                       "use e.g. 10: a slowdown must last that long to count")
         if self.straggler_steps < 1:
             where.fail("straggler_steps", self.straggler_steps, "must be >= 1",
                        "use a few steps, e.g. 5, so that one noisy step decides nothing")

@@ -22,7 +22,7 @@ import pytest
 
 from oobleck_hpc.elastic.events import read_events
 from oobleck_hpc.elastic.local import LocalAgents
-from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port
+from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -513,8 +513,8 @@ def test_flaky_connection_is_retried_and_a_dead_peer_still_detected_at_once(tmp_
     from oobleck_hpc.elastic.control import ControlPlane
     from oobleck_hpc.elastic.events import EventLog
 
-    roster = Roster((NodeAddress("a", "127.0.0.1", free_port()),
-                     NodeAddress("b", "127.0.0.1", free_port())), free_port())
+    pa, pb, store = free_ports(3)  # distinct (free_port() twice may return one port twice)
+    roster = Roster((NodeAddress("a", "127.0.0.1", pa), NodeAddress("b", "127.0.0.1", pb)), store)
     log = tmp_path / "events.jsonl"
     cps = {m: ControlPlane(m, roster, heartbeat_s=0.1, lease_s=5.0, startup_s=10, quorum="none",
                            events=EventLog(log, source=m)) for m in roster.names}
@@ -558,7 +558,8 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
     from oobleck_hpc.elastic.control import ControlPlane
     from oobleck_hpc.elastic.events import EventLog
 
-    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", free_port()) for m in "abc"), free_port())
+    *ports, store = free_ports(4)
+    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip("abc", ports)), store)
     log = tmp_path / "events.jsonl"
     cps = {m: ControlPlane(m, roster, heartbeat_s=0.1, lease_s=5.0, probe_s=0.3, startup_s=10,
                            events=EventLog(log, source=m)) for m in roster.names}
@@ -608,7 +609,7 @@ def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_
     monkeypatch.setattr(control, "OUT_CAP", 3)
     monkeypatch.setattr(links, "IN_CAP", 4)
     monkeypatch.setattr(links, "DROP_ASKED", 2)
-    ports = [free_port() for _ in range(41)]
+    ports = free_ports(41)  # distinct: free_port() twice may return one port twice
     roster = Roster(tuple(NodeAddress(f"n{i}", "127.0.0.1", p) for i, p in enumerate(ports[:-1])),
                     ports[-1])
     cps = [ControlPlane(m, roster, heartbeat_s=0.25, lease_s=3.0, startup_s=30)

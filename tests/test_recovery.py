@@ -47,7 +47,8 @@ def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int =
         "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": gpus, "device": "cpu",
                     "spares": spares},
         "fault_tolerance": {"f": f, "collective_timeout_s": 10.0, "heartbeat_s": 0.5,
-                            "lease_s": lease_s, "straggler": straggler},
+                            "lease_s": lease_s, "straggler": straggler,
+                            "straggler_window_s": 0.0},
         # (no measured profile for 1 worker per node: the analytic one, as the Slurm tests do)
         "profile": {"library": str(ROOT / "profiles")} if gpus == 2 else
                    {"library": str(run_dir / "no-profiles"), "analytic": True, "device": "A40"},

@@ -136,8 +136,8 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
         """Steps committed by roll-forward during a recovery, not yet returned by step()."""
         self._retries = 0
         self.agreed: list[float] | None = None
-        self.stragglers = None if ft.straggler == "none" else Tracker(ft.straggler_ratio,
-                                                                       ft.straggler_steps)
+        self.stragglers = None if ft.straggler == "none" else Tracker(
+            ft.straggler_ratio, ft.straggler_steps, ft.straggler_window_s)
         self._step_s: collections.deque[float] = collections.deque(maxlen=ft.straggler_steps)
         """This rank's last step times (the straggler_measured event)."""
         self._watching = None

@@ -96,7 +96,7 @@ class PlannedChanges:
             self._tracked = self.plan.digest()
             self.stragglers.restart()
             return
-        found, recovered = self.stragglers.observe(ratios(self.plan, compute))
+        found, recovered = self.stragglers.observe(ratios(self.plan, compute), seconds)
         if found:
             node = max(found, key=found.get)
             c = choose(self.plan, profile, self.templates, ft.f, node, found[node], self.view,

@@ -10,10 +10,11 @@ baseline is its median ratio over the plan's first `steps` steps (after the firs
 allocates), and its slowdown in a step is its ratio over its baseline, divided by the median
 node's (a machine that gets slower everywhere makes nobody a straggler).
 
-Detect (`Tracker`). A node is slow once the median of its slowdowns over its last `steps`
-committed steps is >= `ratio` (fault_tolerance.straggler_ratio, straggler_steps: a few noisy
-steps decide nothing either way -- on a shared machine single steps vary by tens of percent);
-that median is its slowdown s. It has recovered once the median is <= RECOVERED (or, on a plan
+Detect (`Tracker`). A node's window is its last `steps` committed steps, or more until they
+span `window_s` seconds (fault_tolerance.straggler_steps, straggler_window_s: "persistently"
+means both, so that a few noisy steps decide nothing -- on a shared machine single steps vary by
+tens of percent, and short steps by more). It is slow once the median of its slowdowns over
+the window is >= `ratio` (straggler_ratio); that median is its slowdown s. It has recovered once the median is <= RECOVERED (or, on a plan
 whose baseline was taken while it was slow, <= RECOVERED / s). So a slowdown is found at the
 earliest `steps` steps after it starts (2 x `steps` + 1 on a new plan: first step and baselines).
 
@@ -41,6 +42,8 @@ from typing import Mapping
 
 RECOVERED = 1.2
 """A slow node whose slowdown stays at or below this is fast again."""
+WINDOW_CAP = 2000
+"""At most this many steps in a window (a window_s longer than that many steps never fills)."""
 MIN_GAIN = 0.05
 """An action must be predicted to shorten the step by at least this share."""
 
@@ -112,6 +115,7 @@ class Tracker:
 
     ratio: float = 1.5
     steps: int = 5
+    window_s: float = 0.0
     slow: dict[str, float] = field(default_factory=dict)
     """Nodes found slow: node -> slowdown then."""
     _base: dict[str, float] = field(default_factory=dict)
@@ -119,33 +123,49 @@ class Tracker:
     _first: dict[str, list[float]] = field(default_factory=dict)
     _last: dict[str, deque] = field(default_factory=dict)
     _known_slow: set[str] = field(default_factory=set)
+    _span: deque = field(default_factory=lambda: deque(maxlen=WINDOW_CAP))
+    """The step times of the plan's steps (the window's length in seconds)."""
     """Slow nodes whose baseline was taken while they were slow (a plan made for them)."""
+
+    def _window(self) -> int:
+        """Steps in a window: at least `steps`, and as many as the last `window_s` took."""
+        k, total = 0, 0.0
+        for s in reversed(self._span):
+            if k >= self.steps and total >= self.window_s:
+                break
+            k, total = k + 1, total + s
+        return max(k, self.steps) if total >= self.window_s else WINDOW_CAP + 1
 
     def restart(self) -> None:
         """A new plan: ratios against another plan's predictions no longer compare."""
+        self._span.clear()
         self._base.clear()
         self._first.clear()
         self._last.clear()
         self._known_slow = set(self.slow)
 
-    def observe(self, ratios: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
-        """One committed step's ratios (`ratios`). Returns (nodes now slow: node -> slowdown,
-        nodes now recovered). A node's window starts afresh after either."""
+    def observe(self, ratios: Mapping[str, float],
+                seconds: float = 0.0) -> tuple[dict[str, float], list[str]]:
+        """One committed step's ratios (`ratios`; `seconds`: the step's time). Returns (nodes
+        now slow: node -> slowdown, nodes now recovered). A node's window starts afresh after
+        either."""
+        self._span.append(seconds)
         if len(self._base) < len(ratios):  # the plan's baselines, once
             for node, r in ratios.items():
                 self._first.setdefault(node, []).append(r)
-            if min(len(v) for v in self._first.values()) >= self.steps:
+            if min(len(v) for v in self._first.values()) >= self._window():
                 self._base = {n: statistics.median(v) for n, v in self._first.items()}
             return {}, []
         rel = {n: r / self._base[n] for n, r in ratios.items() if self._base.get(n, 0) > 0}
         mid = statistics.median(rel.values())
         found, recovered = {}, []
+        k = self._window()
         for node, x in rel.items():
-            last = self._last.setdefault(node, deque(maxlen=self.steps))
+            last = self._last.setdefault(node, deque(maxlen=WINDOW_CAP))
             last.append(x / mid)
-            if len(last) < self.steps:
+            if len(last) < k:
                 continue
-            m = statistics.median(last)
+            m = statistics.median(list(last)[-k:])
             if node in self.slow:
                 # relative to a baseline taken while slow, recovering means getting faster
                 limit = RECOVERED / self.slow[node] if node in self._known_slow else RECOVERED
