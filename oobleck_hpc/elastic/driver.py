@@ -144,6 +144,8 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
         """(the last straggler action, the median step time before it) until measured after."""
         self._tracked = ""
         """The digest of the plan the straggler windows are measured against."""
+        self.planned = None
+        """((base plan digest, nodes leaving), the plan without them) of a planned leave."""
         self.stop_for = None
         """A forced drain refused (elastic/drain.Verdict): train.py stops the job with a
         checkpoint of the step just committed, for a requeue without the leaving nodes."""

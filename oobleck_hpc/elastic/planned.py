@@ -52,13 +52,16 @@ class PlannedChanges:
             if v.force:
                 self.stop_for = v
             return
-        self._leave(v.leaving, "drained")
+        self._leave(v.leaving, "drained", v.plan)
 
-    def _leave(self, leaving: tuple[str, ...], why: str) -> None:
+    def _leave(self, leaving: tuple[str, ...], why: str, plan) -> None:
         """`leaving` go at this step boundary, on purpose (a drain, an excluded straggler): their
         ranks raise Drained, the others reconfigure without them from the step just committed
-        (the recovery rounds; nothing is replayed)."""
+        (the recovery rounds; nothing is replayed). `plan`: the plan without them, already
+        computed for the verdict (`planned`: the round's replan takes it as it is)."""
         step = self.engine.state.step
+        self.planned = ((self.plan.digest(), tuple(n for n in self.plan.nodes if n in leaving)),
+                        plan)
         try:
             # Once this exchange completes, every member holds the vote's result: the leaving
             # nodes' BYE can no longer overtake it and fail a peer's vote (it then settles the
@@ -116,7 +119,7 @@ class PlannedChanges:
         self._watching = (c, statistics.median(self._step_s) if self._step_s else 0.0)
         self._step_s.clear()
         if c.action == "exclude":
-            self._leave((c.node,), "excluded as a straggler")
+            self._leave((c.node,), "excluded as a straggler", c.plan)
         else:
             self._switch(replace(c.plan, generation=self.gen))
 

@@ -198,7 +198,10 @@ class RecoveryRounds:
                 raise RecoveryError(
                     f"step {self.base.state.step + 1} failed {self._retries} times in a row with "
                     f"no node lost (last: {why[:200]}); falling back to the last checkpoint")
-        if lost or joined:
+        if self.planned is not None and self.planned[0] == (self.base_plan.digest(), lost) \
+                and not joined:  # a drain's verdict computed it already (planned.py)
+            new_plan = self.planned[1]
+        elif lost or joined:
             try:  # the same (core-scaled) profile the templates were built from
                 new_plan = reconfigure(self.base_plan, lost, self.templates,
                                        job_profile(self.job, self.profile),
