@@ -85,7 +85,7 @@ class PlannedChanges:
         from oobleck_hpc.planning.cost import job_profile, predicted_step_ms
         from oobleck_hpc.planning.instantiate import resplit
 
-        ft, profile = self.job.fault_tolerance, job_profile(self.job, self.profile)
+        ft = self.job.fault_tolerance
         self._step_s.append(seconds)
         w = self._watching
         if w is not None and len(self._step_s) >= ft.straggler_steps:
@@ -100,11 +100,14 @@ class PlannedChanges:
             self.stragglers.restart()
             return
         found, recovered = self.stragglers.observe(ratios(self.plan, compute), seconds)
+        if not found and not recovered:
+            return  # (the common case: no planner work after a step)
+        profile = job_profile(self.job, self.profile)
         if found:
             node = max(found, key=found.get)
             c = choose(self.plan, profile, self.templates, ft.f, node, found[node], self.view,
                        ft.straggler)
-        elif recovered and self.plan.digest() != resplit(self.plan, profile, {}).digest():
+        elif self.plan.digest() != resplit(self.plan, profile, {}).digest():  # (recovered)
             back = resplit(self.plan, profile, self.stragglers.slow)
             c = Choice(recovered[0], 1.0, "restore",
                        {"restore": round(predicted_step_ms(back, profile), 3)}, back)
