@@ -83,3 +83,34 @@ def test_rebalance_gives_the_slow_pipeline_fewer_microbatches_and_choose_takes_t
     assert choose(plan, profile, templates, 1, node, 3.0, plan.nodes, "rebalance").action == \
         "rebalance"
     assert choose(plan, profile, templates, 1, node, 1.01, plan.nodes).action == "keep"
+
+
+def test_the_slow_fault_stretches_a_process_s_computation_by_its_factor():
+    """DutyCycle (elastic/faults.py): a busy loop slowed 3x gets a third of the CPU time that
+    the same loop beside it gets unslowed (measured side by side: the machine may be shared)."""
+
+    def cpu_s(pid: int) -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from oobleck_hpc.elastic.faults import DutyCycle
+
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        slowed, free = loops
+        duty = DutyCycle(lambda: [slowed.pid], 3.0).start()
+        cpu0 = [cpu_s(p.pid) for p in loops]
+        time.sleep(2.0)
+        cpu = [cpu_s(p.pid) - c for p, c in zip(loops, cpu0)]
+        duty.stop()
+        assert 0.2 < cpu[0] / cpu[1] < 0.45, cpu
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()

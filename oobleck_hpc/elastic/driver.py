@@ -309,7 +309,8 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                 result, why, phase, peer = None, str(e), "round", None
             if result is not None and result.ok:
                 try:
-                    agreed, drains, compute = self._vote(step, list(ballot), result.compute_s)
+                    agreed, drains, compute, step_s = self._vote(
+                        step, list(ballot), result.compute_s, result.seconds)
                 except (Superseded, TimeoutError) as e:
                     # The vote did not complete here: whether the step commits is settled
                     # among the survivors (recover -> _reconcile); this engine keeps it prepared.
@@ -322,7 +323,7 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                 if drains:
                     self._drain(drains)
                 elif self.stragglers is not None:
-                    self._straggle(compute, result.seconds)
+                    self._straggle(compute, step_s)
                 return done
             if result is not None:
                 why, phase = repr(result.error), result.phase
@@ -351,27 +352,30 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
             self._committed()  # the end on a new plan counts as its first commit
             return
 
-    def _vote(self, step: int, ballot: list[float], compute_s: float = 0.0):
+    def _vote(self, step: int, ballot: list[float], compute_s: float = 0.0,
+              seconds: float = 0.0):
         """The commit vote: every rank of the generation says, over the control plane, that it
         holds step `step` prepared. Completes only when all did (then committing is safe
         everywhere); Superseded when a round opened first. Returns the ballot's elementwise max,
-        the nodes asked to drain (node -> forced) and every rank's compute seconds (rank ->
-        seconds): each rank appends its node's drain request (elastic/drain.py; 0 none, 1
-        asked, 2 forced) and `compute_s`, its step's forward and backward time
-        (elastic/straggler.py)."""
+        the nodes asked to drain (node -> forced), every rank's compute seconds (rank ->
+        seconds) and the step's time (the longest any rank took): each rank appends its node's
+        drain request (elastic/drain.py; 0 none, 1 asked, 2 forced), `compute_s`, its step's
+        forward and backward time, and `seconds`, its step's time (elastic/straggler.py: every
+        rank must decide from the same figures, its own clock differs)."""
         if self.faults is not None:
             self.faults("prepared", step + 1)
         sent = None if self.faults is None else (lambda: self.faults("vote", step + 1))
         request = self.client.drain_request
         mine = 0.0 if request is None else 2.0 if request else 1.0
-        values = self.client.exchange(f"commit-{step}", ballot + [mine, compute_s],
+        values = self.client.exchange(f"commit-{step}", ballot + [mine, compute_s, seconds],
                                       timeout=self.agree_s, gen=self.gen, on_sent=sent)
         every = [v for per_node in values.values() for v in per_node]
-        drains = {node: max(v[-2] for v in per_node) for node, per_node in values.items()}
-        compute = {self.plan.rank_of(node, lr): v[-1] for node, per_node in values.items()
+        drains = {node: max(v[-3] for v in per_node) for node, per_node in values.items()}
+        compute = {self.plan.rank_of(node, lr): v[-2] for node, per_node in values.items()
                    for lr, v in enumerate(per_node)}
         return ([max(v[i] for v in every) for i in range(len(ballot))],
-                {node: d == 2.0 for node, d in drains.items() if d}, compute)
+                {node: d == 2.0 for node, d in drains.items() if d}, compute,
+                max(v[-1] for v in every))
 
     def _committed(self) -> None:
         self._retries = 0

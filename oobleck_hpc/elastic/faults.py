@@ -30,9 +30,10 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
   place once the job trains (the new worker rejoins at the next generation and receives its
   layers from replicas); a third crash of the node's workers, or one before the first committed
   step, fails the whole node (agent.py).
-- slow: the node's agent stops and continues its workers on a duty cycle (`DutyCycle`): they
-  run 1/factor of the time from then on, as a throttled GPU or a noisy neighbour would make
-  them -- not a sleep in our own code path, which the straggler detector could see directly.
+- slow: the node's agent stops and continues its workers (`DutyCycle`): from then on each
+  second they compute is followed by factor - 1 seconds stopped, so their computation takes
+  factor times as long, as on a throttled GPU or beside a noisy neighbour -- not a sleep
+  in our own code path, which the straggler detector could see directly.
 - drain: the node is asked to drain, as `oobleck-hpc drain RUN_DIR NODE` asks (the request
   file that its agent watches, elastic/drain.py): it finishes the step, and at a step boundary
   soon after (the first commit vote its workers join once the agent told them) it leaves with
@@ -59,9 +60,15 @@ IN_STEP_PHASES = ("forward", "backward", "gradient_sync", "reduce", "prepared", 
 
 
 class DutyCycle:
-    """Slows processes `factor` times: every PERIOD_S they run PERIOD_S / factor, then stay
-    stopped (SIGSTOP) for the rest (SIGCONT). `pids()`: the processes, read each period (a
-    restarted worker is slowed too). `stop()` lets them run again."""
+    """Slows processes `factor` times, as a throttled device would: for whatever time they
+    spent computing since the last look (every PERIOD_S: running or waiting for a CPU,
+    /proc/PID/task/*/schedstat), they are then stopped (SIGSTOP ... SIGCONT) for factor - 1
+    times as long. Their computation takes `factor` times as long as it would on this machine
+    as loaded as it is; their waiting for peers or messages is not stretched. (A fixed duty
+    cycle stretches both alike: stopped while idle, a process loses nothing, so a node that
+    waits half the time looked ~1.5x slower, not 2x; CPU time alone misses the run-queue wait
+    of a shared machine.) `pids()`: the processes, read each period (a restarted worker is
+    slowed too). `stop()` lets them run again."""
 
     PERIOD_S = 0.02  # well under a step's compute, so that every step is slowed alike
 
@@ -81,20 +88,41 @@ class DutyCycle:
         self._thread.join(timeout=1.0)
         self._send(signal.SIGCONT)
 
-    def _send(self, sig: int) -> None:
-        for pid in self.pids():
+    def _send(self, sig: int, pids=None) -> None:
+        for pid in self.pids() if pids is None else pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
+    @staticmethod
+    def busy_s(pid: int) -> float | None:
+        """Seconds process `pid`'s threads have spent on a CPU or runnable waiting for one."""
+        total = 0
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    on_cpu, waiting, _ = f.read().split()
+                total += int(on_cpu) + int(waiting)
+        except (OSError, ValueError):  # (gone, or a thread ended meanwhile: next period)
+            return None
+        return total / 1e9
+
     def _run(self) -> None:
-        run = self.PERIOD_S / self.factor
-        while not self._stop.wait(run):
-            self._send(signal.SIGSTOP)
-            if self._stop.wait(self.PERIOD_S - run):
-                break
-            self._send(signal.SIGCONT)
+        seen: dict[int, float] = {}
+        owed = 0.0
+        while not self._stop.wait(self.PERIOD_S):
+            pids = self.pids()
+            for pid in pids:
+                used = self.busy_s(pid)
+                if used is not None:
+                    owed += (self.factor - 1) * max(0.0, used - seen.get(pid, used))
+                    seen[pid] = used
+            if owed > 0:
+                self._send(signal.SIGSTOP, pids)
+                self._stop.wait(owed)
+                self._send(signal.SIGCONT, pids)
+                owed = 0.0
 
 
 @dataclass

@@ -80,7 +80,8 @@ class PlannedChanges:
     def _straggle(self, compute: dict[int, float], seconds: float) -> None:
         """After a committed step: track each node's slowdown from the vote's compute figures;
         a node found slow (or recovered) gets the action the planner predicts best
-        (elastic/straggler.py), the same on every rank. `seconds`: this rank's step time."""
+        (elastic/straggler.py), the same on every rank. `seconds`: the step's time (the vote's:
+        the longest any rank took, the same figure everywhere)."""
         from oobleck_hpc.elastic.straggler import Choice, choose, ratios
         from oobleck_hpc.planning.cost import job_profile, predicted_step_ms
         from oobleck_hpc.planning.instantiate import resplit

@@ -2,8 +2,8 @@
 
 Measure. Every rank times its own forward and backward computations in each step
 (`StepResult.compute_s`: not the time it waits for peers) and puts it on its commit-vote ballot
-(elastic/driver.py), so after each committed step every rank holds the same figures of every
-rank, at no extra round trip. A node's ratio is the largest over its ranks of measured over
+with its step's time (elastic/driver.py), so after each committed step every rank holds the
+same figures of every rank, at no extra round trip: every rank decides the same. A node's ratio is the largest over its ranks of measured over
 predicted compute (its stage's forward + backward per microbatch, from the templates, times its
 pipeline's microbatches). Profiles err per stage, so a node is compared with itself: its
 baseline is its median ratio over the plan's first `steps` steps (after the first, which
@@ -123,9 +123,9 @@ class Tracker:
     _first: dict[str, list[float]] = field(default_factory=dict)
     _last: dict[str, deque] = field(default_factory=dict)
     _known_slow: set[str] = field(default_factory=set)
+    """Slow nodes whose baseline was taken while they were slow (a plan made for them)."""
     _span: deque = field(default_factory=lambda: deque(maxlen=WINDOW_CAP))
     """The step times of the plan's steps (the window's length in seconds)."""
-    """Slow nodes whose baseline was taken while they were slow (a plan made for them)."""
 
     def _window(self) -> int:
         """Steps in a window: at least `steps`, and as many as the last `window_s` took."""
