@@ -13,8 +13,10 @@ workers, `oobleck-hpc kill-node`) to the first training step committed afterward
   processes keep every core busy (a CPU hog), or asked to drain (`oobleck-hpc drain`; it trains
   on until the next step boundary, then leaves, and nothing is replayed: `drain_steps_failed`
   counts failed steps, 0 expected; its recovery_s is timed from that boundary, the moment the
-  job stops training with it -- `request_to_recovered_s` from the request); the survivors
-  recover in place. Phases from the run's events
+  job stops training with it -- `request_to_recovered_s` from the request; it is asked once
+  the last checkpoint step before `--kill-at` committed, so that it leaves one or two steps
+  later, at no checkpoint: as the kill's recovery, it is timed without a periodic save in its
+  window); the survivors recover in place. Phases from the run's events
   (elastic/driver.py): detect (kill -> first survivor noticed: a dropped agent connection or a
   failed step), agree (-> the new generation reached rank 0), plan (-> reconfigure() done),
   regroup (-> process groups rebuilt on the new store), transfer (-> last rank finished copying
@@ -65,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 LEASE_S = 3.0
+CHECKPOINT_EVERY = 3
 
 
 def job_dict(run_dir: Path, nodes: int, steps: int, checkpoint: Path | None,
@@ -136,11 +139,13 @@ def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) ->
     run_dir.mkdir(parents=True)
     job = work / f"oobleck-{mode}.yaml"
     job.write_text(yaml.safe_dump(job_dict(run_dir, nodes, steps, work / f"ckpt-{mode}",
-                                           every_steps=3)))
+                                           every_steps=CHECKPOINT_EVERY)))
     metrics = run_dir / "metrics.jsonl"
     # The hog runs from the start: the whole job (and its recovery) competes for every core.
     hog = cpu_hog(os.cpu_count() or 2) if mode == "kill_under_hog" else []
     proc = start(job, run_dir, metrics, work / f"oobleck-{mode}.log")
+    if mode == "drain":  # (module docstring: no checkpoint at the step boundary it leaves at)
+        kill_at -= kill_at % CHECKPOINT_EVERY
     try:
         wait_steps(metrics, kill_at, proc, 300)
         if mode == "drain":
@@ -162,8 +167,10 @@ def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) ->
     extra = {}
     if mode == "drain":  # the job trains on until the step boundary where the node leaves:
         t_request = t_kill  # its pause starts there
-        t_kill = next(e["t"] for e in events if e["kind"] == "drain_agreed")
-        extra = {"request_to_recovered_s": round(first["t"] - t_request, 4)}
+        agreed = next(e for e in events if e["kind"] == "drain_agreed")
+        t_kill = agreed["t"]
+        extra = {"request_to_recovered_s": round(first["t"] - t_request, 4),
+                 "left_after_step": agreed["step"]}
     phases = recovery_phases(events, first, t_kill)  # the phases `oobleck-hpc report` shows
     replayed = sum(1 for e in events if e["kind"] == "step_failed")
     return {"mode": mode, "recovery_s": round(first["t"] - t_kill, 4), "steps_failed": replayed,
@@ -343,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                              and med.get("hang", 0.0) <= targets["hang_s"]
                              and base / max(med["kill"], 1e-9) >= targets["speedup"]
                              and in_place),
-           "checkpoint_every_steps": 3, "lease_s": LEASE_S,
+           "checkpoint_every_steps": CHECKPOINT_EVERY, "lease_s": LEASE_S,
            "nodes": a.nodes, "workers_per_node": 2, "model": "gpt-tiny", "reps": a.reps,
            "runs": runs, "baselines": bases, "host": platform.node(), "cpus": os.cpu_count(),
            **mem}
