@@ -1,8 +1,9 @@
 """The CUDA/NCCL path, on a machine with GPUs (scripts/gpu-check.sh; skipped elsewhere, so CI,
 which has none, runs nothing here).
 
-One node per GPU (the local launcher, `cluster.device: cuda`, one worker per pretend node: NCCL
-refuses two ranks on one GPU), fp64 on the GPU, compared with the fp64 single-process reference
+One GPU: the compute clock (CUDA events: the GPU's time, not the launches') and a one-node run.
+With two or more, one node per GPU (the local launcher, `cluster.device: cuda`, one worker per
+pretend node: NCCL refuses two ranks on one GPU), fp64 on the GPU, compared with the fp64 single-process reference
 on the CPU (tolerance 1e-6: the same arithmetic on another device):
 
 - engine equivalence: the planner's plan trained by the engine over NCCL equals the reference;
@@ -27,9 +28,10 @@ from oobleck_hpc.config import job_from_dict
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NCCL = torch.distributed.is_available() and torch.distributed.is_nccl_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(
-    GPUS < 2 or not NCCL, reason=f"needs 2 CUDA GPUs and NCCL (this machine: {GPUS} GPUs, "
-                                 f"NCCL {'available' if NCCL else 'not available'})")]
+HERE = f"this machine: {GPUS} GPUs, NCCL {'available' if NCCL else 'not available'}"
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(GPUS < 1 or not NCCL, reason=f"needs CUDA and NCCL ({HERE})")]
+TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs ({HERE})")
 STEPS = 6
 TOL = 1e-6
 
@@ -39,7 +41,8 @@ def job_dict(run_dir: Path, nodes: int, faults=()) -> dict:
             "train": {"steps": STEPS, "microbatch_size": 2, "global_microbatches": 4,
                       "lr": 1e-3, "warmup_steps": 2, "log_every": 1, "save_final_params": True},
             "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 1, "device": "cuda"},
-            "fault_tolerance": {"f": 1, "collective_timeout_s": 30.0, "heartbeat_s": 0.5,
+            "fault_tolerance": {"f": min(1, nodes - 1), "collective_timeout_s": 30.0,
+                                "heartbeat_s": 0.5,
                                 "lease_s": 3.0},
             "profile": {"library": str(run_dir / "no-profiles"), "analytic": True,
                         "device": "A40"},
@@ -78,11 +81,45 @@ def check(code, rows, run_dir, reference) -> None:
             assert diff <= TOL, f"layer {layer} {name}: {diff}"
 
 
+@pytest.mark.timeout(120)
+def test_the_compute_clock_times_the_gpu_not_the_kernel_launches():
+    """engine.ComputeClock on CUDA (a straggler's evidence, elastic/straggler.py): around work
+    the GPU takes far longer to run than the host to launch, it reads the GPU's time."""
+    import time
+
+    from oobleck_hpc.engine.engine import ComputeClock
+
+    a = torch.randn(4096, 4096, device="cuda")
+    (a @ a).sum().item()  # (warm up: kernels, allocator)
+    clock = ComputeClock(torch.device("cuda"))
+    launched = ran = 0.0
+    for _ in range(3):  # three computations in a step
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        start = clock.start()
+        for _ in range(50):
+            a = torch.tanh(a @ a)
+        clock.stop(start)
+        launched += time.perf_counter() - t  # (what host timing would have read)
+        torch.cuda.synchronize()
+        ran += time.perf_counter() - t
+    assert launched < 0.5 * ran, f"not GPU-bound ({launched} of {ran} s): the check says nothing"
+    assert 0.8 * ran <= clock.seconds() <= 1.05 * ran, (clock.seconds(), ran)
+
+
+@pytest.mark.timeout(300)
+def test_one_node_on_a_gpu_equals_the_reference(tmp_path, reference):
+    """The engine, driver and commit vote (compute figures from CUDA events) on one GPU."""
+    check(*run(tmp_path, 1), reference)
+
+
+@TWO_GPUS
 @pytest.mark.timeout(300)
 def test_engine_over_nccl_equals_the_reference(tmp_path, reference):
     check(*run(tmp_path, min(GPUS, 4)), reference)
 
 
+@TWO_GPUS
 @pytest.mark.timeout(300)
 def test_a_node_killed_in_backward_is_recovered_in_place_over_nccl(tmp_path, reference):
     code, rows, run_dir = run(tmp_path, min(GPUS, 4), [

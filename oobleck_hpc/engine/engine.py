@@ -101,6 +101,41 @@ class _Failure(Exception):
     cause: BaseException
 
 
+class ComputeClock:
+    """A rank's time in its forward and backward computations during a step
+    (`StepResult.compute_s`): host time on the CPU; on CUDA the GPU's own, from events recorded
+    on the compute stream around each computation (the host only launches kernels), read once
+    the step synchronised anyway (its loss and norm on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self._host = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        return begin
+
+    def stop(self, start) -> None:
+        if not self.cuda:
+            self._host += time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((start, end))
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._host + sum(b.elapsed_time(e) for b, e in self._events) / 1000.0
+
+
 class Engine:
     """One rank's share of `plan` in the world `comm` (rank = comm.rank).
 
@@ -122,8 +157,8 @@ class Engine:
                  abort: Callable[[], bool] | None = None, *,
                  adopt: Engine | None = None, receive: Collection[int] = ()):
         self.job, self.model, self.plan, self.comm, self.groups = job, model, plan, comm, groups
-        self.compute_s = 0.0  # the current step's forward and backward time (StepResult)
         self.device = torch.device(device)
+        self.clock = ComputeClock(self.device)  # the step's forward and backward time
         self.state = state or TrainState()
         self.on_phase = on_phase
         self.abort = abort
@@ -246,7 +281,7 @@ class Engine:
         even when a rank dies inside the last all-reduce (some peers may have finished it)."""
         step = self.state.step
         t0 = time.perf_counter()
-        self.compute_s = 0.0
+        self.clock.reset()
         lr = lr_at(step, self.train)
         try:
             loss_sum = self._pipeline(step)
@@ -263,7 +298,8 @@ class Engine:
             for seg in self.segments:
                 seg.flat.mul_(coef)
         self._pending = StepResult(step, True, loss=loss, grad_norm=norm, lr=lr,
-                                   samples=self.sampler.global_batch, compute_s=self.compute_s)
+                                   samples=self.sampler.global_batch,
+                                   compute_s=self.clock.seconds())
         if not commit:
             self._pending.seconds = time.perf_counter() - t0
             return self._pending
@@ -379,12 +415,12 @@ class Engine:
                         self._sends.append((dist.isend(view, dst=a.peer), a.peer))
                 else:
                     flush()
-                    t = time.perf_counter()
+                    start = self.clock.start()
                     if a.kind == "F":
                         loss_sum += self._forward(a, cursor)
                     else:
                         self._backward(a)
-                    self.compute_s += time.perf_counter() - t
+                    self.clock.stop(start)
             except _Failure:
                 raise
             except Exception as e:
