@@ -65,7 +65,12 @@ def run(tmp_path: Path, nodes: int, faults=()):
     path.write_text(yaml.safe_dump(data))
     code = LocalRun(job_from_dict(data, str(path)), path, run_dir, run_dir / "metrics.jsonl",
                     kill_grace_s=20.0).run()
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():  # (it failed before a step: say why)
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}"
+                         for p in sorted((run_dir / "logs").glob("*")))
+        pytest.fail(f"exit {code} before a step; logs:\n{logs}")
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     return code, rows, run_dir
 
 

@@ -255,8 +255,7 @@ class Comm:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"a collective did not complete within {timeout_s} s")
                 time.sleep(0.0005)
-            if not work.is_success():
-                raise RuntimeError(f"collective failed: {work.exception()!r}")
+            work.wait()  # completed: raises if it failed (NCCL has no is_success() any more)
             return
         timeout = datetime.timedelta(seconds=timeout_s)
         if abort is None:

@@ -122,5 +122,8 @@ class GPT(LayerModel):
         return (batch_size, t, self.cfg.d_model), torch.float32
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        per_token = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        # At least fp32 (half-precision logits are upcast), never below the model's dtype: fp64
+        # runs compare with references and must stay fp64 throughout.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         return per_token.view(targets.shape).mean(dim=1)
