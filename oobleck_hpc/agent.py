@@ -36,8 +36,11 @@ srun step per node). It
      `--kill-grace-s` to exit, kill what is left, exit 3 when the peers excluded it, 75 when it
      cannot prove it is in the majority (no quorum, no agreement: the job must fall back to
      its checkpoint and be requeued), 2 when a peer aborted the job for bad input.
-   SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (Slurm's pre-timeout signal) are forwarded to the
-   workers; what they do then decides the exit as above.
+   SIGTERM, SIGINT and SIGUSR2 (Slurm's pre-timeout signal) are forwarded to the workers; what
+   they do then decides the exit as above. SIGUSR1 is a notice to this node alone (a site's
+   signal to one node's step before its maintenance or preemption): a forced drain of the node
+   (elastic/drain.py) -- it leaves at the next step boundary if the others can absorb it, else
+   the job stops there with a checkpoint and is requeued without it.
 
 Worker environment (what `oobleck_hpc.bootstrap.detect()` reads, source 'local'): OOBLECK_NODE,
 OOBLECK_NODES (generation 0: the roster), OOBLECK_LOCAL_RANK, OOBLECK_NODE_ADDR, and as `extra`:
@@ -189,6 +192,9 @@ class Agent:
                 code = self._on_worker_exit(a, b)
                 if code is not None:
                     return code
+            elif what == "signal" and a == signal.SIGUSR1:
+                self.events.emit("signal", signal="SIGUSR1")
+                self.inbox.put(("drain", True, "SIGUSR1"))
             elif what == "signal":
                 self._on_signal(a)
             elif what == "drain":

@@ -145,10 +145,10 @@ def main() -> int:
             progress.record(results, driver.plan.digest(), driver.gen, active=driver.rank == 0)
             if driver.stop_for is not None:  # a forced drain the survivors cannot absorb
                 v = driver.stop_for
+                staying = [n for n in driver.plan.nodes if n not in v.leaving]
                 code = ckpt.leave(f"drain of {', '.join(v.leaving)} forced: {v.reason}",
-                                  driver.engine, [n for n in driver.plan.nodes
-                                                  if n not in v.leaving])
-                return code
+                                  driver.engine, staying or list(driver.plan.nodes))
+                return code  # (every node asked, as a job-wide SIGUSR1 does: requeued on all)
             # Periodic checkpoint, heartbeat; a stop signal saves and leaves for a requeue (75).
             code = ckpt.after_step(driver.engine, driver.agreed)
             if code is not None:

@@ -261,12 +261,14 @@ def test_sigterm_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_requeues(tmp_path):
-    """Issue 15: 2 nodes (f = 0), `oobleck-hpc drain RUN_DIR node0 --force` mid-run. node1 alone
-    would not keep the agents' quorum (exactly half of the view, without its first node), so
-    the drain is refused; forced, every rank stops after the same step with a checkpoint of it
-    (exit 75) and the local requeue starts the job again on node1 alone, from exactly that
-    step."""
+@pytest.mark.parametrize("how", ["cli", "signal"])
+def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_requeues(tmp_path,
+                                                                                     how):
+    """Issue 15: 2 nodes (f = 0), `oobleck-hpc drain RUN_DIR node0 --force` mid-run (or SIGUSR1
+    to node0's agent: a notice to that node alone, a forced drain). node1 alone would not keep
+    the agents' quorum (exactly half of the view, without its first node), so the drain is
+    refused; forced, every rank stops after the same step with a checkpoint of it (exit 75)
+    and the local requeue starts the job again on node1 alone, from exactly that step."""
     steps = 150
     job = write_job(tmp_path, "drain", every_steps=0, steps=steps)
     data = yaml.safe_load(job.read_text())
@@ -280,15 +282,26 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
                 (run_dir / "metrics.jsonl").exists()
                 and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3):
             time.sleep(0.01)
-        asked = subprocess.run([sys.executable, "-m", "oobleck_hpc", "drain", str(run_dir),
-                                "node0", "--force", "--wait", "60"], capture_output=True,
-                               text=True, timeout=90, cwd=ROOT)
+        if how == "cli":
+            asked = subprocess.run([sys.executable, "-m", "oobleck_hpc", "drain", str(run_dir),
+                                    "node0", "--force", "--wait", "60"], capture_output=True,
+                                   text=True, timeout=90, cwd=ROOT)
+        else:
+            agents = json.loads((run_dir / "agents.json").read_text())
+            os.kill(agents["node0"], signal.SIGUSR1)
     except BaseException:
         kill_run(proc)
         proc.communicate()
         raise
     code, out, err = finish(proc, 100)
-    assert asked.returncode == 0 and "drain of node0 refused" in asked.stdout, asked.stdout
+    if how == "cli":
+        assert asked.returncode == 0 and "drain of node0 refused" in asked.stdout, asked.stdout
+    else:
+        from oobleck_hpc.elastic.events import read_events
+
+        asked = [e for e in read_events(run_dir / "events.jsonl")
+                 if e["kind"] == "drain_requested"]
+        assert [(e["node"], e["force"], e["by"]) for e in asked] == [("node0", True, "SIGUSR1")]
     assert code == 0, out + err
     stopped = re.search(r"stopping for a requeue after step (\d+): drain of node0 forced", out)
     assert stopped and "requeued: attempt 1 on 1 node (alive: node1)" in out, out

@@ -2,6 +2,7 @@
 
     oobleck-hpc drain RUN_DIR|JOB_ID NODE... [--force]     # request_drain()
     scontrol update nodename=NODE state=drain reason=...  # under Slurm (slurm_draining())
+    kill -USR1 AGENT_PID                                  # a notice to one node: forced
 
 The path of a drain:
 
@@ -9,7 +10,9 @@ The path of a drain:
    when, `force`); under Slurm the node's agent also asks slurmctld every
    `fault_tolerance.drain_poll_s` whether its node's state reads DRAIN (an administrator's
    `scontrol update ... state=drain`). The `drain` fault kind (elastic/faults.py) writes the same
-   file from inside a worker. Requests belong to one run (runs.py moves RUN_DIR/drain to the
+   file from inside a worker. SIGUSR1 to a node's agent (a site's signal to one node's step:
+   under Slurm `scontrol listpids JOB` on the node lists its processes) is a forced request
+   of that node: the notice says it goes away. Requests belong to one run (runs.py moves RUN_DIR/drain to the
    run's history with its other records); the job removes a request it answered
    (`consume_request`).
 2. The notice. The node's agent (`DrainWatch`, a thread of agent.py) sees the request once and
