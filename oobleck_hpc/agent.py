@@ -192,9 +192,6 @@ class Agent:
                 code = self._on_worker_exit(a, b)
                 if code is not None:
                     return code
-            elif what == "signal" and a == signal.SIGUSR1:
-                self.events.emit("signal", signal="SIGUSR1")
-                self.inbox.put(("drain", True, "SIGUSR1"))
             elif what == "signal":
                 self._on_signal(a)
             elif what == "drain":
@@ -414,7 +411,8 @@ class Agent:
 
     def _forward_signal(self, signum: int, _frame: Any) -> None:
         # Runs between two bytecodes of the main thread: only a reentrant queue put is safe here.
-        self.inbox.put(("signal", signum, None))
+        self.inbox.put(("drain", True, "SIGUSR1") if signum == signal.SIGUSR1
+                       else ("signal", signum, None))
 
     def _on_signal(self, signum: int) -> None:
         self.events.emit("signal", signal=signal.Signals(signum).name)
@@ -486,10 +484,8 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
     p.add_argument("--workers", type=int, help="worker processes on this node (default: "
                    "cluster.gpus_per_node of --job, else 1)")
     p.add_argument("--run-dir", help="run directory (default: the job's run_dir, else runs/job)")
-    p.add_argument("--heartbeat-s", type=float)
-    p.add_argument("--lease-s", type=float)
-    p.add_argument("--probe-s", type=float)
-    p.add_argument("--agreement-timeout-s", type=float)
+    for flag in ("--heartbeat-s", "--lease-s", "--probe-s", "--agreement-timeout-s"):
+        p.add_argument(flag, type=float)  # (default: the job's fault_tolerance, else control.py)
     p.add_argument("--startup-s", type=float, default=60.0,
                    help="how long to wait for the other agents to come up")
     p.add_argument("--quorum", choices=["majority", "none"], default="majority")
