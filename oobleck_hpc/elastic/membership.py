@@ -515,7 +515,8 @@ class MembershipCore(ExchangeSteps):
                 if node not in self.suspects and node not in self.left:
                     self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}", relayed=True)
             for node, why in reasons.items():  # a joiner the peer suspects never joins
-                if node not in view and (node in self.joiners or node in self._round_adds):
+                # (joiners first: `view` is a tuple of thousands, `reasons` as many in a cut)
+                if (node in self.joiners or node in self._round_adds) and node not in view:
                     self.suspect(node, f"via {src}: {why}", relayed=True)
         finally:
             self._absorbing = False
