@@ -12,9 +12,9 @@ The path of a drain:
    `scontrol update ... state=drain`). The `drain` fault kind (elastic/faults.py) writes the same
    file from inside a worker. SIGUSR1 to a node's agent (a site's signal to one node's step:
    under Slurm `scontrol listpids JOB` on the node lists its processes) is a forced request
-   of that node: the notice says it goes away. Requests belong to one run (runs.py moves RUN_DIR/drain to the
-   run's history with its other records); the job removes a request it answered
-   (`consume_request`).
+   of that node: the notice says it goes away. Requests belong to one run (runs.py moves
+   RUN_DIR/drain to the run's history with its other records); the job removes a request it
+   answered (`consume_request`).
 2. The notice. The node's agent (`DrainWatch`, a thread of agent.py) sees the request once and
    tells its workers (`{"type": "drain", "force": ...}`, elastic/client.py).
 3. The decision, at a step boundary, with no round trip of its own. Each worker of the node

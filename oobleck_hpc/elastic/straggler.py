@@ -3,12 +3,13 @@
 Measure. Every rank times its own forward and backward computations in each step
 (`StepResult.compute_s`: not the time it waits for peers) and puts it on its commit-vote ballot
 with its step's time (elastic/driver.py), so after each committed step every rank holds the
-same figures of every rank, at no extra round trip: every rank decides the same. A node's ratio is the largest over its ranks of measured over
-predicted compute (its stage's forward + backward per microbatch, from the templates, times its
-pipeline's microbatches). Profiles err per stage, so a node is compared with itself: its
-baseline is its median ratio over the plan's first `steps` steps (after the first, which
-allocates), and its slowdown in a step is its ratio over its baseline, divided by the median
-node's (a machine that gets slower everywhere makes nobody a straggler).
+same figures of every rank, at no extra round trip: every rank decides the same. A node's ratio
+is the largest over its ranks of measured over predicted compute (its stage's forward +
+backward per microbatch, from the templates, times its pipeline's microbatches). Profiles err
+per stage, so a node is compared with itself: its baseline is its median ratio over the plan's
+first `steps` steps (after the first, which allocates), and its slowdown in a step is its
+ratio over its baseline, divided by the median node's (a machine that gets slower everywhere
+makes nobody a straggler).
 
 Detect (`Tracker`). A node's window is its last `steps` committed steps, or more until they
 span `window_s` seconds (fault_tolerance.straggler_steps, straggler_window_s: "persistently"
