@@ -131,6 +131,7 @@ The timeouts that bound detection and agreement: control.py.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from typing import Any, Callable, Sequence
@@ -490,14 +491,14 @@ class MembershipCore(ExchangeSteps):
         if not self.joined and self.me not in view and self.proposal is None:
             return  # a round that does not add this spare
         self._proposals.setdefault(g, {})[src] = (view, msg["port"])
-        self._reasons[(g, src)] = msg.get("reasons", {})
         if g == self.round:
-            self._absorb(src, view)
+            self._absorb(src, view, msg.get("reasons", {}))
+        else:  # (kept until its round opens here: thousands of entries in a partition)
+            self._reasons[(g, src)] = msg.get("reasons", {})
 
-    def _absorb(self, src: str, view: tuple[str, ...]) -> None:
-        """Take over the suspicions of `src`'s proposal `view` for the current round, join it."""
-        g = self.round
-        reasons = self._reasons.get((g, src), {})
+    def _absorb(self, src: str, view: tuple[str, ...], reasons: dict[str, str]) -> None:
+        """Take over the suspicions (`reasons`: node -> why) of `src`'s proposal `view` for the
+        current round, join it."""
         # Joiners: a round opened by a peer's proposal adds what it adds -- also when one of the
         # suspicions it carries is what opens it here; an open round keeps only the joiners
         # the peer adds too (others wait for the next round).
@@ -513,7 +514,9 @@ class MembershipCore(ExchangeSteps):
         try:
             for node in (n for n in self.decided.nodes if n in gone):
                 if node not in self.suspects and node not in self.left:
-                    self.suspect(node, f"via {src}: {reasons.get(node, 'suspected')}", relayed=True)
+                    # (interned: a cut makes thousands of nodes suspect for the same reason)
+                    self.suspect(node, sys.intern(f"via {src}: {reasons.get(node, 'suspected')}"),
+                                 relayed=True)
             for node, why in reasons.items():  # a joiner the peer suspects never joins
                 # (joiners first: `view` is a tuple of thousands, `reasons` as many in a cut)
                 if (node in self.joiners or node in self._round_adds) and node not in view:
@@ -583,7 +586,7 @@ class MembershipCore(ExchangeSteps):
             if self.fenced:
                 return
             if src != self.me and src in d.nodes and src not in self.suspects:
-                self._absorb(src, view)
+                self._absorb(src, view, self._reasons.pop((self.round, src), {}))
         for key in self._x.keys(d.gen):
             self._check_exchange(d.gen, key)
 
