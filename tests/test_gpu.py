@@ -3,8 +3,9 @@ which has none, runs nothing here).
 
 One GPU: the compute clock (CUDA events: the GPU's time, not the launches') and a one-node run.
 With two or more, one node per GPU (the local launcher, `cluster.device: cuda`, one worker per
-pretend node: NCCL refuses two ranks on one GPU), fp64 on the GPU, compared with the fp64 single-process reference
-on the CPU (tolerance 1e-6: the same arithmetic on another device):
+pretend node: NCCL refuses two ranks on one GPU). Runs are fp64 on the GPU, compared with the
+fp64 single-process reference on the CPU (tolerance 1e-6: the same arithmetic on another
+device):
 
 - engine equivalence: the planner's plan trained by the engine over NCCL equals the reference;
 - recovery: a node killed in the backward pass (and, with 3 GPUs or more, one killed inside the
@@ -42,8 +43,7 @@ def job_dict(run_dir: Path, nodes: int, faults=()) -> dict:
                       "lr": 1e-3, "warmup_steps": 2, "log_every": 1, "save_final_params": True},
             "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": 1, "device": "cuda"},
             "fault_tolerance": {"f": min(1, nodes - 1), "collective_timeout_s": 30.0,
-                                "heartbeat_s": 0.5,
-                                "lease_s": 3.0},
+                                "heartbeat_s": 0.5, "lease_s": 3.0},
             "profile": {"library": str(run_dir / "no-profiles"), "analytic": True,
                         "device": "A40"},
             "run_dir": str(run_dir), "faults": list(faults)}

@@ -1,6 +1,12 @@
-"""Straggler detection and the re-split (pure: elastic/straggler.py, planning/instantiate.py)."""
+"""Straggler detection and the re-split (pure: elastic/straggler.py, planning/instantiate.py), and
+the slow fault that makes a straggler (elastic/faults.py: two busy-loop processes)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
 
 from oobleck_hpc.elastic.straggler import RECOVERED, Tracker, choose
 from oobleck_hpc.planning.cost import predicted_step_ms
@@ -89,21 +95,16 @@ def test_the_slow_fault_stretches_a_process_s_computation_by_its_factor():
     """DutyCycle (elastic/faults.py): a busy loop slowed 3x gets a third of the CPU time that
     the same loop beside it gets unslowed (measured side by side: the machine may be shared)."""
 
-    def cpu_s(pid: int) -> float:
+    from oobleck_hpc.elastic.faults import DutyCycle
+
+    def cpu_s(pid: int) -> float:  # (not the fault's own clock: that is what is checked)
         with open(f"/proc/{pid}/stat") as f:
             utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
         return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from oobleck_hpc.elastic.faults import DutyCycle
-
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        slowed, free = loops
+        slowed = loops[0]
         duty = DutyCycle(lambda: [slowed.pid], 3.0).start()
         cpu0 = [cpu_s(p.pid) for p in loops]
         time.sleep(2.0)
