@@ -126,6 +126,10 @@ class ClusterConfig:
     """Extra nodes that start idle (workers ready, no layers) and are swapped in by the round
     of a loss, so the job goes on at full size (elastic/membership.py, step 7). Under Slurm
     the job allocates nodes + spares; the last ones of the allocation are the spares."""
+    kill_grace_s: float = 20.0
+    """Local launcher: how long the nodes still running get to exit once the run finished (its
+    last step committed) or after a forwarded stop signal, before they are killed. A node that
+    leaves early (drained, lost, excluded) never starts it."""
 
     def check(self, where: _Where) -> None:
         if self.nodes < 1:
@@ -135,6 +139,9 @@ class ClusterConfig:
         if self.gpus_per_node < 1:
             where.fail("gpus_per_node", self.gpus_per_node, "must be at least 1",
                        "use the number of GPUs of one node (CPU runs: worker processes per node)")
+        if self.kill_grace_s <= 0:
+            where.fail("kill_grace_s", self.kill_grace_s, "must be > 0",
+                       "use the seconds the last nodes get to exit (default 20)")
 
 
 @dataclass
@@ -294,12 +301,14 @@ class FaultConfig:
     agreed, before the groups are rebuilt); transfer (during the layer-state transfer);
     rendezvous (the generation-0 rendezvous, `step` = the step the run starts at); restore
     (loading the checkpoint, same `step`)."""
-    kind: Literal["kill", "hang", "exit", "crash", "drain", "slow"] = "kill"
+    kind: Literal["kill", "hang", "exit", "crash", "drain", "slow", "grow"] = "kill"
     """kill: SIGKILL of the node (agent + workers); hang: SIGSTOP of the node; exit: the node
     leaves cleanly; crash: one worker process of a live node dies; drain: the node is asked to
     drain (as by `oobleck-hpc drain`: it leaves at the next step boundary, nothing replayed);
     slow: the node's workers run `factor` times slower from then on (its agent stops and
-    continues them on a duty cycle)."""
+    continues them on a duty cycle); grow: the node asks the local launcher for one more node
+    (as `oobleck-hpc grow RUN_DIR --nodes 1` does), which joins after a loss or waits as a
+    spare -- `node` only says whose worker asks."""
     factor: float = 2.0
     """slow: how many times slower (> 1)."""
 
@@ -332,6 +341,10 @@ class JobConfig:
                        "replacement jobs)", "set it to false; grow a local job by hand with "
                        "`oobleck-hpc grow RUN_DIR --nodes K`")
         for i, fault in enumerate(self.faults):
+            if fault.kind == "grow" and self.cluster.launch != "local":
+                where.fail(f"faults[{i}].kind", "grow", "needs cluster.launch: local (the local "
+                           "launcher starts the node)", "under Slurm grow with "
+                           "fault_tolerance.replace or `oobleck-hpc grow JOB_ID --nodes K`")
             if not 0 <= fault.node < self.cluster.nodes:
                 where.fail(f"faults[{i}].node", fault.node,
                            f"is not a node of this job (cluster.nodes={self.cluster.nodes})",

@@ -20,17 +20,29 @@ run directory only ever holds ONE run's records: when a new run starts, the laun
       run.json  heartbeat  job.lock  job.yaml  submitit/   (kept across runs: watch, submit)
       history/<run id>/          an earlier run's records, same names (the last KEEP_RUNS runs)
 
+The job's verdict is the run's record (`outcome`, `verdict`): the run *finished* when its last
+step is committed -- the current plan's rank 0 writes the `run_finished` event (with the job's
+step count) only after every rank reached the end and the final state is written, and the
+metrics file then holds the last step. Every launcher (the local one, the Slurm driver and its
+batch script, the last agent of a job that lost its batch host), `exit.json`, the console and
+`oobleck-hpc report` decide it through these two functions. A process's exit code says how
+that node ended (finished, drained, lost, excluded, fenced, bad input), never how the job did.
+
 Stdlib only: the Slurm wrapper (launch/slurm_task.py) and the event log import it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 from oobleck_hpc.files import write_atomic
 
 RUN_ID_FILE = "run-id"
@@ -113,3 +125,86 @@ def _prune(root: Path, keep: int) -> None:
     runs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
     for p in runs[:max(0, len(runs) - keep)]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- the verdict
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended, from its record (`outcome`)."""
+
+    run: str
+    finished: bool
+    """The last step is committed: the run's `run_finished` event for every step of the job."""
+    last_step: int
+    """The highest step the run committed (its metrics file; else its `run_finished` event)."""
+    total: int
+    """The steps the job trains (0: not recorded)."""
+    committed: int
+    """Distinct steps in the metrics file (a step replayed after a fallback counts once)."""
+
+    def describe(self) -> str:
+        """'finished at step 60 of 60' or 'ended at step 679 of 1500: not finished'."""
+        of = f" of {self.total}" if self.total else ""
+        if self.finished:
+            return f"finished at step {self.last_step}{of}"
+        return f"ended at step {self.last_step}{of}: not finished"
+
+
+def is_finished_event(event: Mapping, run: str) -> bool:
+    """`event` is the `run_finished` event of run `run` ('' matches any run) for every step."""
+    return (event.get("kind") == "run_finished" and (not run or event.get("run") == run)
+            and int(event.get("steps") or 0) >= int(event.get("total") or 0))
+
+
+def outcome(run_dir: str | os.PathLike[str], run: str | None = None,
+            metrics: str | os.PathLike[str] | None = None) -> Outcome:
+    """The verdict of RUN_DIR's run `run` (default: its current one) from its records: its
+    events (RUN_DIR/events.jsonl) and its metrics (`metrics`, default RUN_DIR/metrics.jsonl).
+    Finished means a `run_finished` event of this run for all of the job's steps, and, when the
+    metrics file holds this run's steps, the last of them among them."""
+    run_dir = Path(run_dir)
+    run = read_run_id(run_dir) if run is None else run
+    total, finished_at = 0, None
+    for e in _jsonl(run_dir / "events.jsonl"):
+        if run and e.get("run") != run:
+            continue
+        if e.get("kind") == "run_started" and e.get("steps"):
+            total = int(e["steps"])
+        elif is_finished_event(e, run):
+            finished_at = int(e.get("steps") or 0)
+            total = int(e.get("total") or total or finished_at)
+    steps = {int(r["step"]) for r in _jsonl(Path(metrics) if metrics else run_dir / "metrics.jsonl")
+             if (not run or r.get("run") == run) and isinstance(r.get("step"), int)}
+    last = max(steps, default=finished_at or 0)
+    finished = finished_at is not None and (not steps or (total or finished_at) in steps)
+    return Outcome(run, finished, last, total, len(steps))
+
+
+def verdict(finished: bool, codes: Iterable[int]) -> int:
+    """The job's exit code: 0 if the run finished (`outcome`); else 2 if any node reported bad
+    input; else 75 (requeue: a checkpoint is on disk) if any node asked for one; else 3. `codes`:
+    the agents' exit codes (a node whose agent recorded none, killed with it, is absent). A node
+    that exited 0 without the run finishing (drained, left early) only says how it ended."""
+    codes = set(codes)
+    if finished:
+        return EXIT_OK
+    if EXIT_BAD_INPUT in codes:
+        return EXIT_BAD_INPUT
+    if EXIT_REQUEUE in codes:
+        return EXIT_REQUEUE
+    return EXIT_UNRECOVERABLE
+
+
+def _jsonl(path: Path) -> Iterable[dict]:
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a torn line of a writer killed mid-write
+                if isinstance(row, dict):
+                    yield row
+    except OSError:
+        return

@@ -162,7 +162,9 @@ def main() -> int:
         progress.finish()
         if driver.rank == 0:
             losses = progress.losses
-            events.emit("run_finished", steps=driver.engine.state.step, model=job.model.name,
+            # The run's verdict (oobleck_hpc/runs.py): every step of the job is committed.
+            events.emit("run_finished", steps=driver.engine.state.step, total=job.train.steps,
+                        model=job.model.name,
                         wall_s=round(wall, 3), first_loss=losses[0] if losses else math.nan,
                         last_loss=losses[-1] if losses else math.nan,
                         samples_per_s=round(progress.samples / max(wall, 1e-9), 2),

@@ -23,7 +23,7 @@ from oobleck_hpc.config import job_from_dict
 from oobleck_hpc.elastic import wire
 from oobleck_hpc.elastic.wire import NodeAddress, Roster
 from oobleck_hpc.errors import ConfigError
-from oobleck_hpc.launch.slurm_task import verdict
+from oobleck_hpc.runs import Outcome, outcome, verdict
 
 SLURM_ENV = {
     "SLURM_JOB_ID": "42", "SLURMD_NODENAME": "gpu07", "SLURM_JOB_NODELIST": "gpu[05-08]",
@@ -128,38 +128,67 @@ def test_handed_out_ports_avoid_the_ephemeral_range_and_each_other(monkeypatch, 
     assert wire.free_port() > 0
 
 
-@pytest.mark.parametrize("codes, left, expected", [
-    ({"a": 0, "b": 0, "c": 0}, set(), 0),
-    ({"a": 0, "c": 0}, set(), 0),                # b died with its node: no code recorded
-    ({"a": 0, "b": 137, "c": 0}, set(), 0),      # b was killed (fenced by Slurm)
-    ({"a": 0, "b": 75, "c": 0}, set(), 0),       # someone finished: whoever was lost, done
-    ({"a": 0, "b": 3, "c": 75}, set(), 0),
-    ({"a": 3, "b": 75, "c": 2}, set(), 2),       # nobody finished: bad input first...
-    ({"a": 3, "b": 75, "c": 3}, set(), 75),      # ...then a requeue request...
-    ({"a": 3, "b": 1, "c": 137}, set(), 3),      # ...else 3
-    ({"a": 0, "b": 75, "c": 75}, {"a"}, 75),     # a left early (clean leave): not finished
-    ({"a": 0, "b": 3}, {"a"}, 3),
-    ({"a": 0, "b": 0}, {"a"}, 0),                # a left, b finished
-    ({}, set(), 3),                              # nothing recorded: every node lost
+@pytest.mark.parametrize("finished, codes, expected", [
+    (True, [0, 0, 0], 0),
+    (True, [0, 137, 75], 0),      # finished: whoever was lost (killed, fenced) on the way
+    (True, [2], 0),               # finished wins over a late bad-input report
+    (True, [], 0),                # every agent killed with its node after the last step
+    (False, [0, 0, 0], 3),        # every node exited 0 (drained, left early): not finished
+    (False, [0, 75, 3], 75),      # a drained node's 0 is no success: the others requeue
+    (False, [0, 3], 3),
+    (False, [3, 75, 2], 2),       # unfinished: bad input first...
+    (False, [3, 75, 3], 75),      # ...then a requeue request...
+    (False, [3, 1, 137], 3),      # ...else 3
+    (False, [], 3),               # nothing recorded: every node lost
 ])
-def test_verdict_is_the_local_launchers_rule(codes, left, expected):
-    assert verdict(codes, left) == expected
+def test_verdict_is_finished_from_the_record_else_a_rule_over_the_codes(finished, codes,
+                                                                         expected):
+    assert verdict(finished, codes) == expected
 
 
-def test_left_early_reads_this_runs_agreements(tmp_path):
-    from oobleck_hpc.launch.slurm_task import left_early, run_verdict
+def _record(run_dir, events=(), rows=()):
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events)
+                                          + '{"t": 99.0, "ki')  # a line being written
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    events = [{"t": 10.0, "kind": "agreement_reached", "lost": ["a"]},   # an earlier run
-              {"t": 20.0, "kind": "agreement_reached", "lost": ["b"]},
-              {"t": 21.0, "kind": "recovered", "lost": ["c"]}]
-    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events)
-                                           + '{"t": 22.0, "ki')  # a line being written
-    assert left_early(tmp_path, since=15.0) == {"b"}
+
+def test_outcome_is_finished_only_for_this_runs_last_step(tmp_path):
+    started = {"t": 1.0, "kind": "run_started", "run": "r2", "steps": 6}
+    done = {"t": 9.0, "kind": "run_finished", "run": "r2", "steps": 6, "total": 6}
+    rows = [{"step": k, "run": "r2", "attempt": 0} for k in range(1, 7)]
+    (tmp_path / "run-id").write_text("r2\n")
+    _record(tmp_path, [started, done], rows)
+    assert outcome(tmp_path) == Outcome("r2", True, 6, 6, 6)
+    assert outcome(tmp_path).describe() == "finished at step 6 of 6"
+    assert not outcome(tmp_path, run="r1").finished          # another run's records
+    _record(tmp_path, [started, {**done, "run": "r1"}], rows)
+    assert not outcome(tmp_path).finished                    # only an earlier run finished
+    _record(tmp_path, [started], rows[:4])                   # every node drained or killed
+    assert outcome(tmp_path) == Outcome("r2", False, 4, 6, 4)
+    assert outcome(tmp_path).describe() == "ended at step 4 of 6: not finished"
+    _record(tmp_path, [started, done], rows[:5])             # the metrics lack the last step
+    assert not outcome(tmp_path).finished
+    _record(tmp_path, [started, {**done, "steps": 4}], rows[:4])   # fewer steps than the job's
+    assert not outcome(tmp_path).finished
+    replayed = rows[:4] + [{"step": k, "run": "r2", "attempt": 1} for k in range(3, 7)]
+    _record(tmp_path, [started, done], replayed)             # a fallback replayed steps 3-4
+    assert outcome(tmp_path) == Outcome("r2", True, 6, 6, 6)
+
+
+def test_run_verdict_reads_the_record_and_this_attempts_codes(tmp_path):
+    from oobleck_hpc.launch.slurm_task import run_verdict
+
+    (tmp_path / "run-id").write_text("slurm-7\n")
     (tmp_path / "exit" / "7-r1").mkdir(parents=True)
     for node, code in {"a": 0, "b": 0, "c": 75}.items():
         (tmp_path / "exit" / "7-r1" / node).write_text(f"{code}\n")
-    assert run_verdict(tmp_path, "7-r1", since=15.0) == (0, {"a": 0, "b": 0, "c": 75}, {"b"})
-    assert run_verdict(tmp_path, "7-r1", since=5.0)[0] == 75  # a and b both left early
+    rows = [{"step": k, "run": "slurm-7"} for k in (1, 2, 3)]
+    _record(tmp_path, [{"t": 1.0, "kind": "run_started", "run": "slurm-7", "steps": 3}], rows)
+    rc, codes, out = run_verdict(tmp_path, "7-r1")
+    assert (rc, codes, out.finished) == (75, {"a": 0, "b": 0, "c": 75}, False)
+    _record(tmp_path, [{"t": 2.0, "kind": "run_finished", "run": "slurm-7", "steps": 3,
+                        "total": 3}], rows)
+    assert run_verdict(tmp_path, "7-r1")[0] == 0
 
 
 def test_recorded_outcome_is_published_unless_it_asks_to_resume(tmp_path):

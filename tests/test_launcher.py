@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,22 +23,31 @@ ROOT = Path(__file__).resolve().parents[1]
 KILLED, SIGKILLED = None, -9
 
 
-@pytest.mark.parametrize("codes, want", [
-    ({"a": 0, "b": 0}, 0),                      # everyone finished
-    ({"a": 0, "b": 3, "c": SIGKILLED}, 0),      # survivors finished, others lost on the way
-    ({"a": 0, "b": 75}, 0),                     # one finished: the job is done, no requeue
-    ({"a": 0, "b": 2}, 0),                      # finished wins over a late bad-input report
-    ({"a": 3, "b": 0, "c": KILLED}, 0),         # a stopped node killed after the others finished
-    ({"a": 2, "b": 2, "c": 3}, 2),              # bad input: never requeue
-    ({"a": 2, "b": 75}, 2),
-    ({"a": 75, "b": 3, "c": SIGKILLED}, 75),    # no quorum / fallback: requeue
-    ({"a": 75, "b": KILLED}, 75),
-    ({"a": 3, "b": 3}, 3),                      # every node lost or excluded
-    ({"a": 3, "b": SIGKILLED, "c": KILLED}, 3),
-    ({"a": 1}, 3),                              # an unknown code is no success
+def _finished(run_dir: Path, steps: int = 3) -> None:
+    """The record of a run whose last step committed (what rank 0 writes: oobleck_hpc/runs.py)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps({"t": time.time(), "kind": "run_finished", "steps": steps,
+                            "total": steps}) + "\n")
+
+
+@pytest.mark.parametrize("finished, codes, want", [
+    (True, {"a": 0, "b": 0}, 0),                      # everyone finished
+    (True, {"a": 0, "b": 3, "c": SIGKILLED}, 0),      # others lost on the way
+    (True, {"a": 3, "b": 0, "c": KILLED}, 0),         # a node killed after the run finished
+    (False, {"a": 0, "b": KILLED}, 3),                # a drained node's 0 is no success
+    (False, {"a": 0, "b": 0}, 3),                     # nor every node's, without the record
+    (False, {"a": 0, "b": 75}, 75),                   # drained, then the others fell back
+    (False, {"a": 2, "b": 2, "c": 3}, 2),             # bad input: never requeue
+    (False, {"a": 2, "b": 75}, 2),
+    (False, {"a": 75, "b": 3, "c": SIGKILLED}, 75),   # no quorum / fallback: requeue
+    (False, {"a": 3, "b": SIGKILLED, "c": KILLED}, 3),
+    (False, {"a": 1}, 3),                             # an unknown code is no success
 ])
-def test_job_exit_code_rule(codes, want):
-    assert job_exit_code(codes) == want
+def test_job_exit_code_is_the_runs_verdict(tmp_path, finished, codes, want):
+    if finished:
+        _finished(tmp_path)
+    assert job_exit_code(codes, tmp_path) == want
 
 
 class _Agents:
@@ -54,10 +64,10 @@ class _Agents:
                 p.wait(timeout=10)
 
 
-def _wait_for(procs: dict[str, subprocess.Popen], kill_grace_s: float) -> int:
+def _wait_for(procs: dict[str, subprocess.Popen], kill_grace_s: float, run_dir: Path) -> int:
     from oobleck_hpc.config import JobConfig
 
-    run = LocalRun(JobConfig(), Path("job.yaml"), Path("unused"), kill_grace_s=kill_grace_s)
+    run = LocalRun(JobConfig(), Path("job.yaml"), run_dir, kill_grace_s=kill_grace_s)
     run.agents = _Agents(procs)
     try:
         return run._wait()
@@ -74,27 +84,44 @@ def _stopped(p: subprocess.Popen) -> subprocess.Popen:
     return p
 
 
+def _exits(code: int, after_s: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({after_s}); "
+                             f"raise SystemExit({code})"])
+
+
 @pytest.mark.timeout(60)
-def test_launcher_never_waits_on_a_stopped_node():
+def test_launcher_never_waits_on_a_stopped_node(tmp_path):
     """A stopped node that outlives the others ends the wait (no grace period applies: a long
     one would hang this test into its timeout); its code counts as a lost node."""
     sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
-    procs = {"node0": subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"]),
-             "node1": _stopped(subprocess.Popen(sleep))}
+    _finished(tmp_path / "a")
+    procs = {"node0": _exits(0), "node1": _stopped(subprocess.Popen(sleep))}
     procs["node0"].wait(timeout=30)
-    assert _wait_for(procs, kill_grace_s=600) == 0
-    procs = {"node0": subprocess.Popen([sys.executable, "-c", "raise SystemExit(75)"]),
-             "node1": _stopped(subprocess.Popen(sleep))}
-    assert _wait_for(procs, kill_grace_s=600) == 75
-    # A running (not stopped) node after one finished: waited for kill_grace_s, then killed.
-    procs = {"node0": subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"]),
-             "node1": subprocess.Popen(sleep)}
-    assert _wait_for(procs, kill_grace_s=0.5) == 0
+    assert _wait_for(procs, 600, tmp_path / "a") == 0
+    procs = {"node0": _exits(75), "node1": _stopped(subprocess.Popen(sleep))}
+    assert _wait_for(procs, 600, tmp_path / "b") == 75
+    # A running (not stopped) node after the run finished: waited for kill_grace_s, then killed.
+    procs = {"node0": _exits(0), "node1": subprocess.Popen(sleep)}
+    assert _wait_for(procs, 0.5, tmp_path / "a") == 0
     # Nothing finished yet and nothing stopped: the launcher waits for the agents' own verdict.
-    procs = {"node0": subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]),
-             "node1": subprocess.Popen([sys.executable, "-c",
-                                        "import time; time.sleep(1); raise SystemExit(75)"])}
-    assert _wait_for(procs, kill_grace_s=0.0) == 75
+    procs = {"node0": _exits(3), "node1": _exits(75, after_s=1.0)}
+    assert _wait_for(procs, 0.0, tmp_path / "c") == 75
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_exits_0_early_ends_nothing(tmp_path):
+    """Issue 27: a drained node's agent exits 0 while the others train on. The launcher starts
+    no grace period for it (it once killed every survivor kill_grace_s later and reported the
+    run finished); it waits for the others, and the verdict is theirs: here they fall back."""
+    procs = {"node0": _exits(0), "node1": _exits(75, after_s=1.5),
+             "node2": _exits(75, after_s=1.5)}
+    assert _wait_for(procs, 0.2, tmp_path / "early") == 75
+    assert [p.returncode for p in procs.values()] == [0, 75, 75]  # nobody was killed
+    # The others finish the run: its record makes it 0 (and a late node is given the grace).
+    procs = {"node0": _exits(0), "node1": _exits(0, after_s=1.5)}
+    threading.Timer(1.0, _finished, (tmp_path / "late",)).start()
+    assert _wait_for(procs, 5.0, tmp_path / "late") == 0
+    assert [p.returncode for p in procs.values()] == [0, 0]
 
 
 @pytest.mark.timeout(60)

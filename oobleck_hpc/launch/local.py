@@ -11,14 +11,15 @@ first node (later ones by a survivor), so the launcher is no single point of fai
   signal, 3 when it was lost or excluded, 75 when it could not prove it was in the majority)
   does not end the job.
 - The job is over when every agent has exited or is stopped (SIGSTOP: a stopped node outliving
-  the others can never finish alone), or `kill_grace_s` after the first agent that finished
-  (its workers completed the last step; the others finish within moments), or
-  `kill_grace_s` after a forwarded stop signal. What is left then is killed.
-- Exit code (`job_exit_code`, from the agents' codes: oobleck_hpc/agent.py): 0 if any node
-  finished training (an agent exited 0: its workers completed the last step), whoever was
-  lost on the way; else 2 if any node reported bad input; else 75 if any node asked for a
-  requeue (checkpoint fallback, no quorum, a stop signal); else 3. A node that left early
-  exits 3: it does not count as finished. On 2 the bad input's error is printed.
+  the others can never finish alone), or `cluster.kill_grace_s` after the run finished (its
+  `run_finished` event: the last step is committed; the others exit within moments) or after a
+  forwarded stop signal. What is left then is killed. An agent that exits, with any code,
+  ends nothing: a drained, excluded or lost node leaves while the others train on.
+- Exit code (`job_exit_code`): the run's verdict (oobleck_hpc/runs.py, the one rule of every
+  launcher): 0 only if the run finished -- its last step committed -- whoever was lost on the
+  way; else 2 if any node reported bad input; else 75 if any node asked for a requeue
+  (checkpoint fallback, no quorum, a stop signal); else 3. An agent's own exit code says how
+  its node ended (oobleck_hpc/agent.py). On 2 the bad input's error is printed.
 - Ctrl-C / SIGTERM: forwarded to every agent (which forward them to their workers), then as above.
 - RUN_DIR/agents.json names each node's agent pid (its process group): what kill-node uses.
 - Growing (`oobleck-hpc grow RUN_DIR --nodes k` from another shell, `grow()`): a request file in
@@ -42,11 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oobleck_hpc import runs
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.elastic.local import _state
-from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
+from oobleck_hpc.errors import EXIT_BAD_INPUT
 from oobleck_hpc.files import write_json
-from oobleck_hpc.launch.slurm_task import verdict  # one rule for every launcher
 from oobleck_hpc.story import Story, Tail
 
 
@@ -92,7 +93,8 @@ class LocalRun:
     job_path: Path
     run_dir: Path
     metrics: Path | None = None
-    kill_grace_s: float = 20.0
+    kill_grace_s: float | None = None
+    """Default: the job's cluster.kill_grace_s (module docstring)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     console: Console | None = None
     """Where the story goes (None: nowhere; the agents' stdout goes to their logs then)."""
@@ -153,21 +155,26 @@ class LocalRun:
 
     def _wait(self) -> int:
         procs = self.agents.procs
+        grace = self.kill_grace_s if self.kill_grace_s is not None else self.job.cluster.kill_grace_s
+        run = runs.run_id(self.run_dir)
+        events = Tail(self.run_dir / "events.jsonl")
         over_at: float | None = None  # when the job is over at the latest (module docstring)
         while True:
             codes = {m: p.poll() for m, p in procs.items()}
             running = [m for m, c in codes.items() if c is None]
             if not running or all(_state(procs[m].pid) in ("T", "t") for m in running):
                 break  # nobody left who could train (a stopped node never finishes alone)
-            if over_at is None and (EXIT_OK in codes.values() or self._stopping_since(5.0)):
-                over_at = time.monotonic() + self.kill_grace_s
+            if over_at is None and (any(runs.is_finished_event(e, run) for e in events.read())
+                                    or self._stopping_since(5.0)):
+                over_at = time.monotonic() + grace
             if over_at is not None and time.monotonic() > over_at:
                 break
             if self.console is not None:
                 self.console.poll()
             self._serve_grow()
             time.sleep(0.05)
-        return job_exit_code({m: p.poll() for m, p in procs.items()})
+        return job_exit_code({m: p.poll() for m, p in procs.items()}, self.run_dir, run,
+                             self.metrics)
 
     def _serve_grow(self) -> None:
         """Answer the grow requests in RUN_DIR/grow/ (module docstring)."""
@@ -206,9 +213,7 @@ def grow(run_dir: str | Path, count: int, timeout: float = 30.0) -> list[str]:
         raise FileNotFoundError(f"{run_dir / 'agents.json'} does not exist: is a local job "
                                 f"running with run dir {run_dir}? (`oobleck-hpc run` writes it "
                                 "at start)")
-    (run_dir / GROW_DIR).mkdir(exist_ok=True)
-    request = run_dir / GROW_DIR / f"{os.getpid()}-{time.time_ns()}.request"
-    write_json(request, {"nodes": count})
+    request = request_grow(run_dir, count)
     done = request.with_suffix(".done")
     deadline = time.monotonic() + timeout
     while not done.exists():
@@ -224,11 +229,23 @@ def grow(run_dir: str | Path, count: int, timeout: float = 30.0) -> list[str]:
     return list(answer["nodes"])
 
 
-def job_exit_code(codes: dict[str, int | None]) -> int:
-    """The job's exit code from its agents' (module docstring): 0 if any node finished, else 2
-    if any reported bad input, else 75 if any asked for a requeue, else 3. None (still running
-    when the job ended: killed) and signals count as lost nodes."""
-    return verdict({node: code for node, code in codes.items() if code is not None})
+def request_grow(run_dir: str | Path, count: int) -> Path:
+    """Write a request for `count` more nodes that the running local job's launcher answers
+    (`grow` waits for its answer; the `grow` fault does not); returns the request file."""
+    folder = Path(run_dir) / GROW_DIR
+    folder.mkdir(exist_ok=True)
+    request = folder / f"{os.getpid()}-{time.time_ns()}.request"
+    write_json(request, {"nodes": count})
+    return request
+
+
+def job_exit_code(codes: dict[str, int | None], run_dir: Path, run: str | None = None,
+                  metrics: Path | None = None) -> int:
+    """The job's exit code (module docstring): the run's verdict from its record
+    (`runs.outcome`) and the agents' codes. None (still running when the job ended: killed)
+    and signals count as lost nodes."""
+    finished = runs.outcome(run_dir, run, metrics).finished
+    return runs.verdict(finished, [c for c in codes.values() if c is not None])
 
 
 def bad_input_message(run_dir: Path, since: float = 0.0) -> str:

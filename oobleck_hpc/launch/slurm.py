@@ -12,7 +12,8 @@ The only module that imports submitit. The shape of a submitted job:
            meanwhile `Supervisor` (supervise.py) gives back nodes the agents agreed away that
            the job still holds, and with fault_tolerance.replace submits replacement jobs
            (JoinDriver: agents with --join) that end with the run (slurm_task.end_replacements)
-        3. verdict (slurm_task.verdict): 0 -> done (the submitit result); 75 -> `scontrol
+        3. verdict (slurm_task.run_verdict, oobleck_hpc/runs.py: 0 only if the run finished):
+           0 -> done (the submitit result); 75 -> `scontrol
            requeue` (same job id comes back and resumes from its checkpoint); else the batch
            script exits with it (sacct: FAILED with that code; `wait_result` reads the record)
 
@@ -182,9 +183,9 @@ class SlurmDriver:
         run_s = time.monotonic() - t1
         survivors = set(current_job_nodes(env.job_id))
         lost = [n for n in roster if n not in survivors]
-        rc, codes, left = run_verdict(run_dir, tag, since)
+        rc, codes, out = run_verdict(run_dir, tag)
         events.append(f"agents step exited {step_rc} after {run_s:.1f} s; lost nodes {lost}; "
-                      f"exit codes {codes}; left early {sorted(left)}; verdict {rc}")
+                      f"exit codes {codes}; the run {out.describe()}; verdict {rc}")
         result = LaunchResult(env.job_id, env.restart_count, roster, lost, rc, discovery_s, run_s,
                               str(logs), events)
         write_json(run_dir / f"launch-{tag}.json", result.to_dict())

@@ -2,11 +2,12 @@
 --run-dir DIR --tag JOB-rK -- AGENT...` (stdlib only; started by srun, one per node).
 For slurm/train.sbatch: `... --run-dir DIR --tag JOB-rK --begin` makes the job RUN_DIR's current
 run (`begin_run`); `--recorded` prints the exit code recorded for this run to publish
-(`recorded_outcome`), or nothing; `--verdict-since T` prints the verdict of the run's agents
-that started after Unix time T (`run_verdict`).
+(`recorded_outcome`), or nothing; `--verdict` prints the verdict of this attempt (`run_verdict`:
+the run's record says whether it finished, oobleck_hpc/runs.py).
 
 1. Runs the agent and records its exit code in DIR/exit/TAG/NODE: `srun` reports only the highest
-   code of a step, while the job's outcome is a rule over every node's code (`verdict`).
+   code of a step, and an unfinished run's outcome (requeue, bad input, failed) is a rule over
+   every node's code (`run_verdict`).
 2. Survives the pre-timeout signal and SIGTERM itself (no-op handlers): Slurm signals every
    process of a task, so the agent gets them directly; the wrapper only waits for it.
 3. Finishes the job when the batch script is gone. Measured on Slurm 22.05 with `--no-kill`: when
@@ -53,53 +54,18 @@ from pathlib import Path
 
 from oobleck_hpc import runs
 from oobleck_hpc.elastic.events import EventLog
-from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
+from oobleck_hpc.errors import EXIT_REQUEUE
 from oobleck_hpc.files import write_atomic, write_json
 
 
-def verdict(codes: dict[str, int], left: set[str] = frozenset()) -> int:
-    """The job's outcome from its agents' exit codes (node -> code; nodes that recorded none,
-    e.g. killed with their node, are absent): the one rule of every launcher (the local one's
-    `job_exit_code`, the Slurm driver, slurm/train.sbatch and `finish_without_driver`):
-
-    0 if any node finished training, whoever was lost; else 2 if any node reported bad input;
-    else 75 (requeue) if any asked for one; else 3. A node in `left` exited 0 while the job went
-    on without it (a clean leave: the others agreed it away, `left_early`): it did not finish.
-    """
-    if any(code == EXIT_OK and node not in left for node, code in codes.items()):
-        return EXIT_OK
-    if EXIT_BAD_INPUT in codes.values():
-        return EXIT_BAD_INPUT
-    if EXIT_REQUEUE in codes.values():
-        return EXIT_REQUEUE
-    return EXIT_UNRECOVERABLE
-
-
-def left_early(run_dir: Path, since: float) -> set[str]:
-    """Nodes the others agreed away since `since` (Unix time: this run's start), from the run's
-    events (`agreement_reached`, written by every agent). An agent that exits 0 and is among
-    them left while the job went on; the last agents to finish are never agreed away."""
-    path = run_dir / "events.jsonl"
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return set()
-    left: set[str] = set()
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if event.get("kind") == "agreement_reached" and event.get("t", 0) >= since:
-            left.update(event.get("lost", []))
-    return left
-
-
-def run_verdict(run_dir: Path, tag: str, since: float) -> tuple[int, dict[str, int], set[str]]:
-    """(verdict, exit codes, nodes that left early) of the run `tag` that started at `since`."""
+def run_verdict(run_dir: Path, tag: str) -> tuple[int, dict[str, int], runs.Outcome]:
+    """(verdict, exit codes, outcome) of the run's attempt `tag`: the run's record decides
+    whether it finished (`runs.outcome`, the one rule of every launcher); the agents' codes
+    only whether an unfinished run asks for a requeue, stops for bad input or failed
+    (`runs.verdict`)."""
     codes = read_codes(run_dir / "exit" / tag)
-    left = left_early(run_dir, since)
-    return verdict(codes, left), codes, left
+    out = runs.outcome(run_dir)
+    return runs.verdict(out.finished, codes.values()), codes, out
 
 
 def recorded_outcome(run_dir: Path, job_id: str, restart: int) -> dict | None:
@@ -157,7 +123,7 @@ def slurmd_alive(node: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> None:
+def finish_without_driver(run_dir: Path, tag: str, node: str) -> None:
     """If the batch host left the job and every survivor has exited, take the verdict and requeue
     the job, to resume (75) or to end with the verdict (module docstring, point 3)."""
     job_id = os.environ.get("SLURM_JOB_ID")
@@ -176,16 +142,16 @@ def finish_without_driver(run_dir: Path, tag: str, node: str, since: float) -> N
         return  # another survivor is still running; the last one finishes
     names = roster_names(run_dir)
     lost = [n for n in names if n not in current]
-    rc, codes, left = run_verdict(run_dir, tag, since)
+    rc, codes, out = run_verdict(run_dir, tag)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     write_json(run_dir / f"launch-{tag}.json", {
         "job_id": job_id, "restart_count": restart, "nodes": names, "lost_nodes": lost,
-        "exit_code": rc, "codes": codes, "left_early": sorted(left),
+        "exit_code": rc, "codes": codes, "outcome": out.describe(),
         "batch_host_lost": fields.get("BatchHost"), "finished_by": node,
         "time": time.time()})
     end_replacements(run_dir, f"the job's run ended with exit {rc} (its batch host was lost)")
     print(f"slurm_task {node}: batch host {fields.get('BatchHost')} is gone; survivors "
-          f"{current} exited {codes}: verdict {rc}; requeueing the job to "
+          f"{current} exited {codes}; the run {out.describe()}: verdict {rc}; requeueing the job to "
           f"{'resume' if rc == EXIT_REQUEUE else 'end with it'}", flush=True)
     # One node is enough to publish the outcome (the lost batch host may never come back).
     requeue(job_id, run_dir, tag, 1 if rc != EXIT_REQUEUE else nodes_left(names, codes),
@@ -304,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="make this job the run directory's current run (prints its id)")
     parser.add_argument("--recorded", action="store_true",
                         help="print the exit code recorded for this run to publish, if any")
-    parser.add_argument("--verdict-since", type=float, default=None, metavar="T",
-                        help="print the verdict over the agents of the run started at Unix time T")
+    parser.add_argument("--verdict", action="store_true",
+                        help="print this attempt's verdict (0 only if the run finished)")
     parser.add_argument("--shrink-when-pending", type=int, default=None, metavar="K",
                         help="(internal) once the requeued job is pending, ask for K nodes")
     parser.add_argument("--requeue", action="store_true",
@@ -330,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         if outcome is not None:
             print(outcome["exit_code"])
         return 0
-    if args.verdict_since is not None:
-        rc, codes, left = run_verdict(run_dir, args.tag, args.verdict_since)
-        print(f"oobleck: agents exited {codes}; left early {sorted(left)}", file=sys.stderr)
+    if args.verdict:
+        rc, codes, out = run_verdict(run_dir, args.tag)
+        print(f"oobleck: agents exited {codes}; the run {out.describe()}", file=sys.stderr)
         print(rc)
         return 0
     agent = args.agent[1:] if args.agent[:1] == ["--"] else args.agent
@@ -343,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     exit_dir.mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # the agent got it too (same task)
-    since = time.time()
     env = dict(os.environ)
     env.setdefault("OOBLECK_METRICS", str(run_dir / "metrics.jsonl"))
     child = subprocess.Popen(agent, env=env)
@@ -356,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 128 - rc if rc < 0 else rc
     write_atomic(exit_dir / node, f"{rc}\n")
     try:
-        finish_without_driver(run_dir, args.tag, node, since)
+        finish_without_driver(run_dir, args.tag, node)
     except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
         print(f"slurm_task {node}: could not check the batch host ({e})", file=sys.stderr)
     return rc
