@@ -57,6 +57,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def records(run_dir: str | Path, run: str | None = None) -> tuple[str, list[dict], list[dict]]:
     """(run id, events, metrics rows) of the current run of RUN_DIR, or of run `run`."""
+    run_dir, where = Path(run_dir), where_of(run_dir, run)
+    run_id = run or runs.read_run_id(run_dir)
+    events = read_events(where / "events.jsonl")
+    rows = read_jsonl(where / "metrics.jsonl")
+    if run_id:  # a file may hold lines of records written before run ids existed
+        events = [e for e in events if e.get("run", run_id) == run_id]
+        rows = [r for r in rows if r.get("run", run_id) == run_id]
+    return run_id, events, rows
+
+
+def where_of(run_dir: str | Path, run: str | None = None) -> Path:
+    """The directory holding the records of RUN_DIR's current run, or of run `run`."""
     run_dir = Path(run_dir)
     where = run_dir
     if run is not None and run != runs.read_run_id(run_dir):
@@ -69,13 +81,7 @@ def records(run_dir: str | Path, run: str | None = None) -> tuple[str, list[dict
         raise ReportError(f"{where}: no events.jsonl: not the run directory of a job that ran "
                           f"(the job file's run_dir, default runs/<name>). Fix: pass that "
                           "directory")
-    run_id = run or runs.read_run_id(run_dir)
-    events = read_events(where / "events.jsonl")
-    rows = read_jsonl(where / "metrics.jsonl")
-    if run_id:  # a file may hold lines of records written before run ids existed
-        events = [e for e in events if e.get("run", run_id) == run_id]
-        rows = [r for r in rows if r.get("run", run_id) == run_id]
-    return run_id, events, rows
+    return where
 
 
 def recovery_phases(events: list[dict], recovered: dict, t0: float) -> dict[str, float]:
@@ -109,6 +115,7 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
     t_end = max([events[-1]["t"]] + [r["time"] for r in rows])
     started = next((e for e in events if e["kind"] == "run_started"), {})
     finished = next((e for e in reversed(events) if e["kind"] == "run_finished"), None)
+    outcome = runs.outcome(where_of(run_dir, run), run_id)  # the verdict every command uses
     step_s = [r["seconds"] for r in rows]
     median = statistics.median(step_s) if step_s else 0.0
 
@@ -160,7 +167,7 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
         "model": started.get("model") or (finished or {}).get("model"),
         "launch": started.get("launch"), "attempts": len(attempts),
         "started_at": t_start, "wall_s": round(wall, 3),
-        "finished": finished is not None,
+        "finished": outcome.finished, "outcome": outcome.describe(),
         "steps": {"committed": len(final), "computed": len(rows),
                   "total": started.get("steps"), "replayed": len(replayed)},
         "loss": {"first": rows[0]["loss"] if rows else None,
@@ -193,7 +200,7 @@ def text(rep: dict[str, Any]) -> str:
              f"{st['committed']}" + (f"/{st['total']}" if st["total"] else "")
              + f" steps committed in {rep['wall_s']:.1f} s over {rep['attempts']} "
              f"attempt{'s' if rep['attempts'] != 1 else ''}"
-             + ("" if rep["finished"] else " (not finished)")]
+             + ("" if rep["finished"] else f" ({rep['outcome']})")]
     if rep["loss"]["first"] is not None:
         lines.append(f"loss {rep['loss']['first']:.4f} -> {rep['loss']['last']:.4f}; step time "
                      f"median {rep['step_time_s']['median'] * 1000:.1f} ms, p90 "

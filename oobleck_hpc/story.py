@@ -247,6 +247,14 @@ class Story:
                 f"{e.get('last_loss', float('nan')):.4f}; {e.get('samples_per_s', 0):.1f} "
                 f"samples/s" + "".join(f"; {x}" for x in extra))
 
+    def _run_ended(self, e: dict) -> str:
+        """The launcher's verdict (oobleck_hpc/runs.py), told when the run did not finish (a
+        finished run's `done:` line says it)."""
+        if e.get("finished"):
+            return ""
+        return (f"{e.get('outcome', 'not finished')} (exit {e.get('code')}: "
+                f"{e.get('reason', '')})")
+
 
 def _once_key(e: dict) -> Any:
     """What makes an event new for the story: the same failure seen by many survivors, the same

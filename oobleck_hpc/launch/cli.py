@@ -128,6 +128,7 @@ def _drain(args: argparse.Namespace) -> int:
         if not roster.exists():
             raise ValueError(f"no job is running in {run_dir} ({roster} is missing); give the "
                              "run directory of a running job, or its Slurm job id")
+        check_running(run_dir)
         request_drain(run_dir, args.nodes, args.force, known=Roster.load(roster).names)
     except (OobleckError, OSError, ValueError) as e:
         print(f"oobleck-hpc drain: error: {e}")
@@ -139,6 +140,9 @@ def _drain(args: argparse.Namespace) -> int:
     events = Tail(run_dir / "events.jsonl")
     waiting = set(args.nodes)
     while waiting and time.monotonic() < deadline:
+        if (why := not_running(run_dir)) is not None:
+            print(f"oobleck-hpc drain: {why}")
+            return 2
         for e in events.read():
             if e["t"] >= t0 and e.get("kind") in ("drain_agreed", "drain_refused"):
                 mine = waiting & set(e.get("nodes", []))
@@ -177,6 +181,7 @@ def _grow(args: argparse.Namespace) -> int:
 
             run_dir = run_dir_of_job(args.run_dir)
         roster = run_dir / "roster.json"
+        check_running(run_dir)
         before = set(Roster.load(roster).names) if roster.exists() else set()
         if (run_dir / "discovery.json").exists() and not (run_dir / "agents.json").exists():
             from oobleck_hpc.config import load_job
@@ -200,6 +205,9 @@ def _grow(args: argparse.Namespace) -> int:
     joined: set[str] = set()
     events = Tail(run_dir / "events.jsonl")  # each poll reads only what was appended
     while len(joined) < args.nodes and time.monotonic() < deadline:
+        if (why := not_running(run_dir)) is not None:
+            print(f"oobleck-hpc grow: {why}; {len(joined)} of {args.nodes} node(s) had joined")
+            return 2
         for e in events.read():
             if (e.get("kind") == "node_joined" and e.get("node") not in before | joined
                     and e["t"] >= t0):
@@ -214,12 +222,58 @@ def _grow(args: argparse.Namespace) -> int:
     return 0
 
 
+def not_running(run_dir) -> str | None:
+    """Why the job in RUN_DIR is not running ("the job in RUN_DIR is not running (ended at
+    step S: finished|failed)"), or None while it runs: a local job while `oobleck-hpc run`
+    holds RUN_DIR/job.lock or, started without it, while an agent of RUN_DIR/agents.json lives
+    and no exit.json is written; a Slurm job (RUN_DIR's run `slurm-ID`) while Slurm has it
+    pending or running."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from oobleck_hpc import runs
+    from oobleck_hpc.launch.watch import EXIT_RECORD, SLURM_ALIVE, lock_holder
+
+    run_dir = Path(run_dir)
+    run = runs.read_run_id(run_dir)
+    if run.startswith("slurm-"):
+        out = subprocess.run(["squeue", "-h", "-j", run.removeprefix("slurm-"), "-o", "%T"],
+                             capture_output=True, text=True, timeout=60)
+        if out.stdout.strip() in SLURM_ALIVE:
+            return None
+    elif lock_holder(run_dir / "job.lock") is not None:
+        return None
+    elif not (run_dir / EXIT_RECORD).exists():
+        try:
+            pids = json.loads((run_dir / "agents.json").read_text()).values()
+        except (OSError, ValueError):
+            pids = []
+        for pid in pids:
+            try:
+                os.kill(int(pid), 0)
+                return None
+            except (OSError, ValueError):
+                continue
+    out = runs.outcome(run_dir)
+    return (f"the job in {run_dir} is not running (ended at step {out.last_step}: "
+            f"{'finished' if out.finished else 'failed'})")
+
+
+def check_running(run_dir) -> None:
+    """Raise ValueError (the commands' exit 2) when the job in RUN_DIR is not running."""
+    why = not_running(run_dir)
+    if why is not None:
+        raise ValueError(why)
+
+
 def _run(args: argparse.Namespace) -> int:
     import os
     import sys
 
     from oobleck_hpc.config import load_job
-    from oobleck_hpc.launch.watch import JobLock, record_exit, write_run_record
+    from oobleck_hpc.launch.watch import JobLock, write_run_record
 
     overrides = {}
     if args.steps is not None:
@@ -247,8 +301,25 @@ def _run(args: argparse.Namespace) -> int:
         try:
             code = _launch_with_requeue(args, job, overrides, run_dir)
         finally:
-            record_exit(run_dir, code, _EXIT_REASONS.get(code, f"exit {code}"))
+            end_run(run_dir, code, args.metrics)
         return code
+
+
+def end_run(run_dir, code: int, metrics=None) -> None:
+    """Record how the run ended: RUN_DIR/exit.json (what `watch` reads) and a `run_ended` event
+    (the console tells a run that did not finish), both with the run's verdict
+    (oobleck_hpc/runs.py: finished only when its last step is committed)."""
+    from oobleck_hpc import runs
+    from oobleck_hpc.elastic.events import EventLog
+    from oobleck_hpc.launch.watch import record_exit
+
+    out = runs.outcome(run_dir, metrics=metrics)
+    reason = _EXIT_REASONS.get(code, f"exit {code}")
+    record_exit(run_dir, code, reason, out)
+    log = EventLog(run_dir / "events.jsonl", source="launcher")
+    log.emit("run_ended", code=code, reason=reason, finished=out.finished,
+             outcome=out.describe(), last_step=out.last_step, total=out.total)
+    log.close()
 
 
 def begin_run(run_dir) -> str:

@@ -95,11 +95,14 @@ def beat(run_dir: str | Path, step: int) -> None:
                                            "pid": os.getpid()}, durable=True, indent=None)
 
 
-def record_exit(run_dir: str | Path, code: int, reason: str = "") -> None:
-    """How the job ended (0 done; 2/3 do not requeue; 75 requeue)."""
-    write_json(Path(run_dir) / EXIT_RECORD, {"code": int(code), "reason": reason,
-                                             "time": time.time(), "pid": os.getpid()},
-               durable=True, indent=None)
+def record_exit(run_dir: str | Path, code: int, reason: str = "", outcome=None) -> None:
+    """How the job ended (0 done; 2/3 do not requeue; 75 requeue); with the run's `outcome`
+    (runs.Outcome: the verdict the code follows), whether and where it finished."""
+    record = {"code": int(code), "reason": reason, "time": time.time(), "pid": os.getpid()}
+    if outcome is not None:
+        record.update(finished=outcome.finished, outcome=outcome.describe(),
+                      last_step=outcome.last_step, total=outcome.total)
+    write_json(Path(run_dir) / EXIT_RECORD, record, durable=True, indent=None)
 
 
 class JobLock:
