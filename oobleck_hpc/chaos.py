@@ -9,8 +9,11 @@ drawn from the seed (same seed, same trials), and checks each trial against arit
   shares no code path with the distributed run (no plan, no pipeline, no reduce, no transfer),
   so a bug there cannot hide itself, and it costs one process for a few seconds instead of a
   full multi-process run.
-- Trials: the job with `train.steps = --steps`, `train.save_final_params`, a checkpoint every
-  --checkpoint-every steps, and its `faults:` replaced by the drawn set, run by `oobleck-hpc run`
+- Trials: the job with `train.steps = --steps + --tail-steps` (faults are drawn in the first
+  --steps; the tail makes every trial train on long enough after its last fault to outlive
+  every grace period twice: `longest_grace`, with the launcher's `cluster.kill_grace_s` set to
+  KILL_GRACE_S), `train.save_final_params`, a checkpoint every --checkpoint-every steps, and
+  its `faults:` replaced by the drawn set, run by `oobleck-hpc run`
   (launch/cli.py: the local launcher and its requeue loop, so a fallback exits 75, is started
   again on the survivors and resumes from the trial's checkpoint) as a subprocess in its own
   session, in CAMPAIGN/trial-<i>/{job.yaml,run,ckpt,out.log}. Its wall time is bounded
@@ -24,33 +27,21 @@ enough nodes) f+1..N-1: beyond the guarantee (one node always survives). After t
 "simultaneous" (same step and phase), "during recovery" (phase reconfiguration or transfer at
 the step of an earlier fault) or "later" (a later step, after a first recovery).
 
-Expected outcome (`expected_outcomes`): the faults that fired (the run's `fault_injected`
-events; a drawn fault whose phase the code does not fire is reported, not counted), each the loss
-of its node (a `crash` only before a step committed: later its worker is restarted in place,
-`restarted`; a `drain` only where the job accepts it, `judge`; a `slow` node never: the trials
-run with `straggler: none`), taken in membership rounds in time
-order (`round_orders`): a step's own failures, then one round per recovery phase a further node
-dies in, then a node lost after the step's commit, noticed while the next step runs (after the
-last step: when the survivors agree they reached the end). Each round must keep the quorum of
-the view before it (`elastic.membership.has_quorum`, the agents' rule), and the recovery, from
-the plan of the last commit, must find every layer on a survivor, at least n0 survivors and a
-plan (`planning.reconfigure`):
-then in place, else fallback (and the rest of the set never fires: a requeued job runs without
-faults). Where timing decides (did a vote complete before its node died; are nodes that fail in
-the same window, each when it gets there, agreed away in one round or one by one) every way
-counts, and any of their outcomes is expected.
+Expected outcome (`expected_outcomes`): see oobleck_hpc/chaos_oracle.py.
 
 Observed outcome: in_place (exit 0, no requeue, params equal), fallback (a requeue happened,
-exit 0, params equal), wrong_state (exit 0, params differ or missing), dead_end (exit != 0),
-hung (past the wall bound). Exit code: 0 when every trial ended as expected, else 1.
+exit 0, params equal), wrong_state (exit 0, but params differ or missing, or a step of 1..N
+missing from the metrics or twice in one attempt's, or the run's record -- runs.outcome, the
+verdict every command uses -- not finished: a silent end), dead_end (exit != 0), hung (past
+the wall bound). Each trial also records `tail_s`, how long the run trained on after its last
+fault fired (checked against twice the longest grace period: `short_tail`). Exit code: 0 when
+every trial ended as expected, else 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import os
 import random
 import shutil
@@ -63,22 +54,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from oobleck_hpc.chaos_oracle import (AFTER_STEP_PHASES, RECOVERY_PHASES, START_PHASES,
+                                      STEP_PHASES, expected_outcomes)
 from oobleck_hpc.config import FaultConfig, JobConfig
-from oobleck_hpc.elastic.faults import IN_STEP_PHASES
-from oobleck_hpc.elastic.membership import has_quorum
 
 PHASES: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["phase"])
 KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["kind"])
-START_PHASES = ("rendezvous", "restore")
-"""Fire before the first step of a run (`step` = the first step it trains: 1 for a trial)."""
-RECOVERY_PHASES = ("reconfiguration", "transfer")
-"""Fire only while the survivors recover from an earlier fault at the same step."""
-AFTER_STEP_PHASES = ("checkpoint",)
-"""Fire after the step committed (inside the periodic save)."""
-AFTER_VOTE_PHASES = ("optimizer", "commit")
-"""Fire after the commit vote completed: the step commits on every other node."""
-STEP_PHASES = IN_STEP_PHASES
-"""Fire inside a training step."""
+KILL_GRACE_S = 2.0
+"""The trials' `cluster.kill_grace_s` (the launcher's wait for the last nodes once the run
+finished): short, so that a tail of a few seconds outlives it twice."""
+AGENT_KILL_GRACE_S = 2.0
+"""What an agent gives its fenced or stopped workers (agent.py's --kill-grace-s default)."""
+
+
+def longest_grace(job: JobConfig) -> float:
+    """The longest grace period a trial of `job` could end a node or the run after: the
+    launcher's (KILL_GRACE_S in a trial), an agent's, and the lease of a silent node."""
+    return max(KILL_GRACE_S, AGENT_KILL_GRACE_S, job.fault_tolerance.lease_s)
 
 
 # ----------------------------------------------------------------------------- fault sets
@@ -126,150 +118,6 @@ def draw_campaign(seed: int, trials: int, nodes: int, steps: int, f: int,
             for i in range(trials)]
 
 
-def positions(x: FaultConfig, steps: int = 0) -> tuple[float, ...]:
-    """Where the survivors may notice the loss of a fired fault's node, in step units (module
-    docstring, "Expected outcome"). Step s (numbered from 1) fails at s; its recovery rounds are
-    at s + 0.1 (reconfiguration) and s + 0.2 (transfer); it commits at s + 0.3; a node lost
-    after that commit (optimizer, commit, a vote that completed elsewhere, the checkpoint after
-    step s) is noticed at s + 0.5, while step s + 1 runs or, after the last step, when the
-    survivors agree they reached the end (`ElasticDriver.finish`).
-
-    A drain (`steps`: the run's last step) leaves right after the commit of whichever step's
-    vote first carries its request -- step s or any later one, at s + 0.45 -- if the verdict
-    then accepts it (`judge`); or never (inf): the run ended first. A crashed worker restarted
-    in place (`restarted`) loses no node (inf)."""
-    s = x.step
-    if x.kind == "slow":  # the node stays (the trials run with `straggler: none`)
-        return (math.inf,)
-    if x.kind == "drain":
-        return tuple(c + 0.45 for c in range(max(1, s), steps + 1)) + (math.inf,)
-    if x.kind == "crash" and restarted(x) is not False:
-        return (math.inf,) if restarted(x) else _positions(x) + (math.inf,)
-    return _positions(x)
-
-
-def _positions(x: FaultConfig) -> tuple[float, ...]:
-    s = x.step
-    if x.phase in START_PHASES:
-        return (-1.0,)
-    if x.phase == "vote":
-        return (s, s + 0.5)
-    if x.phase in AFTER_VOTE_PHASES or x.phase == "checkpoint":
-        return (s + 0.5,)
-    if x.phase in RECOVERY_PHASES:
-        return (s + 0.1 * (1 + RECOVERY_PHASES.index(x.phase)),)
-    return (float(s),)
-
-
-def restarted(x: FaultConfig) -> bool | None:
-    """Whether a `crash` fault's worker is restarted in place (its node stays: no loss), which
-    its agent does once a step committed on the node (agent.py): True from step 2 on and after
-    step 1's commit (its checkpoint); None (either) in step 1's vote, optimizer and commit
-    windows, where a local peer may have committed first; False before."""
-    if x.step >= 2 and x.phase not in START_PHASES or (x.step, x.phase) == (1, "checkpoint"):
-        return True
-    return None if x.step == 1 and x.phase in ("vote", *AFTER_VOTE_PHASES) else False
-
-
-def round_orders(faults: Sequence[FaultConfig],
-                 steps: int = 0) -> list[list[tuple[float, list[FaultConfig]]]]:
-    """Every order the fired `faults` can be lost in: [(position, faults)] by position
-    (`positions`), one entry per way a vote fault can go (did its vote complete elsewhere?).
-    Faults at one position fire on each node when it gets there (the rendezvous seconds apart on
-    a loaded machine, a commit tens of ms apart) while a round is decided in milliseconds: they
-    may be agreed away in one round or several, in any order (`judge` counts every way). A node
-    lost after step s's commit is noticed while step s + 1 runs: it joins step s + 1's losses."""
-    orders = []
-    for pick in itertools.product(*(positions(x, steps) for x in faults)):
-        at: dict[float, list[FaultConfig]] = {}
-        for x, p in zip(faults, pick):
-            at.setdefault(p, []).append(x)
-        for p in [p for p in at if p % 1 == 0.5 and p + 0.5 in at]:
-            at[p + 0.5] = at.pop(p) + at[p + 0.5]
-        orders.append(sorted(at.items()))
-    return orders
-
-
-def layers_kept(plan, lost: set[str]) -> bool:
-    """Every layer of `plan` still has a holder on a node not in `lost`."""
-    kept = {layer for r in plan.ranks if r.node not in lost
-            for layer in range(r.layer_start, r.layer_end)}
-    return len(kept) == plan.num_layers
-
-
-def quorum_ways(view: Sequence[str], survivors: Sequence[str], quorum: str) -> set[bool]:
-    """Whether the `survivors` of `view` keep the quorum, over every way of losing the others:
-    in one round or several, in any order. At once is the strictest way (if it keeps the quorum,
-    every way does); one by one, the first node of the view last, the most lenient."""
-    at_once = has_quorum(view, survivors, quorum)
-    if at_once:
-        return {True}
-    # One by one: a view of 3 or more keeps a majority losing one node; from 2 to 1 only the
-    # view's first node may stay, so the last node lost must come after the survivor.
-    one_by_one = len(survivors) >= 2 or (
-        len(survivors) == 1 and view.index(survivors[0]) < len(view) - 1)
-    return {False, True} if one_by_one else {False}
-
-
-def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile, f: int,
-          quorum: str = "majority") -> set[str]:
-    """The outcomes ('in_place', 'fallback') of one order of losses on the job's initial `plan`.
-    Each round must keep the quorum of the view before it (`quorum_ways`); a recovery starts
-    from the plan of the last commit (its base: the driver reconfigures the base without every
-    node lost since, and moves layers only from the base's holders): every layer must keep a
-    holder on the base's surviving nodes, at least n0 of them, and the planner must have a plan
-    for them. A drain (only drains share its positions) happens only where the driver's
-    verdict accepts it (elastic/drain.py: the quorum kept at once and a plan without the nodes,
-    from the plan just committed); refused, nothing changes."""
-    from oobleck_hpc.errors import GuaranteeExceeded
-    from oobleck_hpc.planning.reconfigure import reconfigure
-
-    n0 = min(templates)
-    out: set[str] = set()
-    view, base, current, lost, last = list(plan.nodes), plan, plan, set(), None
-    for p, group in order:
-        gone = {f"node{x.node}" for x in group} & set(view)
-        if not gone or p == math.inf:
-            continue
-        if group[0].kind == "drain":
-            from oobleck_hpc.elastic.drain import verdict
-
-            if not verdict(current, sorted(gone), False, templates, profile, f, view).accepted:
-                continue
-        if last is not None and math.floor(p - 0.3) > math.floor(last - 0.3):
-            base, lost = current, set()  # a step committed on `current` in between
-        last = p
-        survivors = [n for n in view if n not in gone]
-        ways = quorum_ways(view, survivors, quorum)
-        if False in ways:
-            out.add("fallback")
-            if True not in ways:
-                return out
-        lost |= gone
-        if not layers_kept(base, lost) or len(base.nodes) - len(lost) < n0:
-            return out | {"fallback"}
-        try:
-            current = reconfigure(base, lost, templates, profile, f)
-        except GuaranteeExceeded:
-            return out | {"fallback"}
-        view = survivors
-    return out | {"in_place"}
-
-
-def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
-                      quorum: str = "majority", steps: int = 0) -> list[str]:
-    """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`
-    (`steps`: the run's last step, for drains). Crashed workers restarted in place cost a
-    retry generation each; more than MAX_RETRIES of them may end in the fallback."""
-    from oobleck_hpc.elastic.recovery import MAX_RETRIES
-
-    out = set().union(*(judge(order, plan, templates, profile, f, quorum)
-                        for order in round_orders(faults, steps)))
-    if sum(x.kind == "crash" and restarted(x) is not False for x in faults) >= MAX_RETRIES:
-        out.add("fallback")
-    return sorted(out)
-
-
 # ----------------------------------------------------------------------------- one trial
 
 
@@ -289,6 +137,14 @@ class Trial:
     fired: list[FaultConfig] = field(default_factory=list)
     requeues: int = 0
     wall_s: float = 0.0
+    steps_complete: bool = False
+    """Every step 1..N in the metrics, none twice within one attempt (`check_steps`)."""
+    finished: bool = False
+    """The run's record says finished (runs.outcome: the verdict behind exit 0)."""
+    tail_s: float | None = None
+    """Seconds the run trained on after its last fault fired (None: none fired)."""
+    short_tail: bool = False
+    """tail_s fell short of twice the longest grace period (`longest_grace`)."""
     dir: str = ""
 
     @property
@@ -305,11 +161,13 @@ class Trial:
 
 def trial_job(base: JobConfig, faults: Sequence[FaultConfig], trial_dir: Path, steps: int,
               checkpoint_every: int) -> dict[str, Any]:
-    """The job file of one trial: fp64, final parameters saved, its own run and checkpoint
-    directories, the drawn faults."""
+    """The job file of one trial: fp64, `steps` steps (the tail included), final parameters
+    saved, its own run and checkpoint directories, the launcher's KILL_GRACE_S, the drawn
+    faults."""
     d = base.to_dict()
     d["model"]["dtype"] = "float64"
     d["train"]["steps"] = steps
+    d["cluster"]["kill_grace_s"] = KILL_GRACE_S
     d["train"]["save_final_params"] = True
     d["run_dir"] = str(trial_dir / "run")
     d["checkpoint"].update(dir=str(trial_dir / "ckpt"), every_steps=checkpoint_every,
@@ -348,6 +206,17 @@ def kill_leftovers(launcher: subprocess.Popen, run_dir: Path) -> None:
                 pass
 
 
+def check_steps(rows: Sequence[dict[str, Any]], steps: int) -> bool:
+    """The metrics hold every step 1..`steps` and no step twice within one attempt (a step
+    replayed after a fallback is there once per attempt that ran it)."""
+    seen: dict[Any, list[int]] = {}
+    for r in rows:
+        seen.setdefault(r.get("attempt", 0), []).append(r.get("step"))
+    if any(len(got) != len(set(got)) for got in seen.values()):
+        return False
+    return {k for got in seen.values() for k in got} == set(range(1, steps + 1))
+
+
 def max_rel_diff(final_dir: Path, reference: dict[int, dict[str, Any]]) -> float | None:
     """Max relative difference of the run's final parameters to the reference; None when a
     layer file is missing."""
@@ -369,10 +238,13 @@ def max_rel_diff(final_dir: Path, reference: dict[int, dict[str, Any]]) -> float
 
 def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, templates,
               profile, steps: int, checkpoint_every: int, timeout_s: float, tol: float,
-              max_requeues: int) -> Trial:
+              max_requeues: int, grace_s: float = 0.0) -> Trial:
+    """Run one trial of `steps` steps (the tail included) and judge it (module docstring);
+    `grace_s`: the longest grace period, for `short_tail`."""
     import yaml
 
-    from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc import runs
+    from oobleck_hpc.elastic.events import read_events, read_jsonl
 
     trial_dir = campaign / f"trial-{trial.index:03d}"
     shutil.rmtree(trial_dir, ignore_errors=True)
@@ -406,13 +278,21 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
                                        base.fault_tolerance.f,  # the agents' default quorum
                                        steps=steps)
     trial.requeues = sum(e.get("kind") == "requeued" for e in events)  # the launcher's record
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    trial.steps_complete = check_steps(rows, steps)
+    trial.finished = runs.outcome(run_dir).finished
+    fired_at = [e["t"] for e in events if e.get("kind") == "fault_injected"]
+    if fired_at and rows:
+        trial.tail_s = round(max(r["time"] for r in rows) - max(fired_at), 2)
+        trial.short_tail = trial.tail_s < 2 * grace_s
     if trial.exit is None:
         trial.outcome = "hung"
     elif trial.exit != 0:
         trial.outcome = "dead_end"
     else:
         trial.max_rel_diff = max_rel_diff(run_dir / "final", reference)
-        if trial.max_rel_diff is None or not trial.max_rel_diff <= tol:
+        if (trial.max_rel_diff is None or not trial.max_rel_diff <= tol
+                or not trial.steps_complete or not trial.finished):
             trial.outcome = "wrong_state"
         else:
             trial.outcome = "fallback" if trial.requeues else "in_place"
@@ -433,6 +313,8 @@ def summarize(trials: Sequence[Trial]) -> dict[str, int]:
         "hung": sum(t.outcome == "hung" for t in trials),
         "unexpected": sum(not t.ok for t in trials),
         "faults_not_fired": sum(len(t.faults) - len(t.fired) for t in trials),
+        "steps_incomplete": sum(t.exit is not None and not t.steps_complete for t in trials),
+        "short_tail": sum(t.short_tail for t in trials),
     }
 
 
@@ -462,8 +344,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"comma-separated fault kinds to draw from (default {','.join(KINDS)})")
     p.add_argument("--steps", type=int, default=12,
-                   help="train.steps of every trial (default 12: a trial takes well under a "
-                        "minute on 2 cores)")
+                   help="the steps faults are drawn in (default 12)")
+    p.add_argument("--tail-steps", type=int, default=120, metavar="T",
+                   help="steps every trial trains after those (default 120: ~10 s on 2 cores, "
+                        "longer than twice every grace period; each trial checks it, "
+                        "short_tail). A trial takes well under a minute on 2 cores")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="checkpoint.every_steps of the trials (default: steps // 3)")
     p.add_argument("--trial-timeout", type=float, default=300.0, metavar="S",
@@ -487,7 +372,8 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_hpc.planning.cost import job_profile
     from oobleck_hpc.profiling import resolve_profile
 
-    base = load_job(args.job, {"model.dtype": "float64", "train.steps": args.steps, "faults": []})
+    total = args.steps + args.tail_steps
+    base = load_job(args.job, {"model.dtype": "float64", "train.steps": total, "faults": []})
     if base.cluster.launch != "local":
         raise ConfigError(base.source, "cluster.launch", f"value {base.cluster.launch!r}: chaos "
                           "trials run on this machine", "set cluster.launch: local")
@@ -496,8 +382,8 @@ def run(args: argparse.Namespace) -> int:
     if bad or not kinds:
         raise ConfigError("<command line>", "--kinds", f"value {args.kinds!r} names no fault kind "
                           f"or unknown ones {bad}", f"use some of {','.join(KINDS)}")
-    for key in ("trials", "steps", "max_requeues"):
-        if getattr(args, key) < (0 if key == "max_requeues" else 1):
+    for key in ("trials", "steps", "max_requeues", "tail_steps"):
+        if getattr(args, key) < (0 if key in ("max_requeues", "tail_steps") else 1):
             raise ConfigError("<command line>", f"--{key.replace('_', '-')}",
                               f"value {getattr(args, key)} is too small", "use a positive number")
     every = args.checkpoint_every or max(1, args.steps // 3)
@@ -508,14 +394,15 @@ def run(args: argparse.Namespace) -> int:
     nodes = [f"node{i}" for i in range(base.cluster.nodes)]
     _, templates, plan = plan_job(base, profile, nodes)
     profile = job_profile(base, profile)  # what plan_job planned with (reconfigure needs it)
-    _, reference = reference_run(base, args.steps)
+    grace = longest_grace(base)
+    _, reference = reference_run(base, total)
     f = base.fault_tolerance.f
     sets = draw_campaign(args.seed, args.trials, base.cluster.nodes, args.steps, f, kinds)
     trials = []
     for i, faults in enumerate(sets):
         t = run_trial(Trial(i, faults, beyond_f=len(faults) > f), base, campaign, reference,
-                      plan, templates, profile, args.steps, every, args.trial_timeout, args.tol,
-                      args.max_requeues)
+                      plan, templates, profile, total, every, args.trial_timeout, args.tol,
+                      args.max_requeues, grace)
         trials.append(t)
         if not args.json:
             print(f"trial {i}: {', '.join(map(_describe, faults))} -> {t.outcome} "

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck_hpc.chaos import (KINDS, PHASES, RECOVERY_PHASES, START_PHASES, STEP_PHASES,
-                               draw_campaign, expected_outcomes, has_quorum, quorum_ways,
-                               round_orders, trial_job)
+from oobleck_hpc.chaos import KILL_GRACE_S, KINDS, PHASES, check_steps, draw_campaign, trial_job
+from oobleck_hpc.chaos_oracle import (RECOVERY_PHASES, START_PHASES, STEP_PHASES,
+                                      expected_outcomes, has_quorum, positions, quorum_ways,
+                                      round_orders)
 from oobleck_hpc.config import FaultConfig, job_from_dict
 from oobleck_hpc.errors import GuaranteeExceeded
 from oobleck_hpc.planning.instantiate import instantiate
@@ -276,6 +277,30 @@ def test_trial_job_is_fp64_with_its_own_dirs_and_faults(tmp_path):
     assert job.run_dir == str(tmp_path / "trial-000" / "run")
     assert job.checkpoint.dir == str(tmp_path / "trial-000" / "ckpt")
     assert job.checkpoint.every_steps == 2
+    assert job.cluster.kill_grace_s == KILL_GRACE_S  # a short tail outlives it twice
+
+
+def test_steps_are_complete_only_with_every_step_once_per_attempt():
+    rows = [{"step": k, "attempt": 0} for k in (1, 2, 3)]
+    assert check_steps(rows, 3)
+    assert not check_steps(rows[:2], 3)                     # a silent end: step 3 missing
+    assert not check_steps(rows + [{"step": 3, "attempt": 0}], 3)   # twice in one attempt
+    assert check_steps(rows[:2] + [{"step": k, "attempt": 1} for k in (2, 3)], 3)  # replayed
+    assert not check_steps(rows + [{"step": 4, "attempt": 0}], 3)
+
+
+def test_a_grow_never_costs_a_node_and_may_keep_a_fallback_in_place():
+    """A grown node joins after a loss when it started in time: the set's fallback may then be
+    in place (`expected_outcomes`); on its own a grow is in place."""
+    F = FaultConfig
+    profile, templates, plan = _plan(0, 10**9, 1, 3)
+    assert positions(F(1, 3, "forward", "grow"), 12) == (math.inf,)
+    assert expected_outcomes([F(1, 3, "forward", "grow")], plan, templates, profile, 1) == [
+        "in_place"]
+    beyond = [F(i, 2, "backward", "kill") for i in range(len(plan.nodes) - 1)]
+    assert expected_outcomes(beyond, plan, templates, profile, 1) == ["fallback"]
+    assert expected_outcomes(beyond + [F(len(plan.nodes) - 1, 1, "forward", "grow")], plan,
+                             templates, profile, 1) == ["fallback", "in_place"]
 
 
 def _live_group_members(groups: set[int]) -> list[int]:
@@ -292,10 +317,11 @@ def _live_group_members(groups: set[int]) -> list[int]:
 
 @pytest.mark.timeout(600)
 def test_small_seeded_campaign_of_kills(tmp_path, capsys):
-    """Three seeded trials of kills on the 5-node gpt-tiny job, 4 steps each (seed 727: node0,
-    the store host, at step 0; two nodes at step 3, the second while the survivors reconfigure,
-    beyond f = 1; another node at step 0): every trial ends as expected with final parameters
-    equal to the fp64 reference, and leaves no process."""
+    """Three seeded trials of kills on the 5-node gpt-tiny job, drawn in 4 steps, then 150 more
+    (seed 727: node0, the store host, at step 0; two nodes at step 3, the second while the
+    survivors reconfigure, beyond f = 1; another node at step 0): every trial ends as expected
+    with final parameters equal to the fp64 reference, every step once, a finished record, and
+    leaves no process."""
     from oobleck_hpc.cli import main
 
     job = tmp_path / "job.yaml"
@@ -310,7 +336,8 @@ def test_small_seeded_campaign_of_kills(tmp_path, capsys):
         "profile": {"library": str(ROOT / "profiles")}}))
     out = tmp_path / "campaign"
     code = main(["chaos", str(job), "--trials", "3", "--seed", "727", "--kinds", "kill",
-                 "--steps", "4", "--trial-timeout", "150", "--out", str(out), "--json"])
+                 "--steps", "4", "--tail-steps", "150", "--trial-timeout", "150",
+                 "--out", str(out), "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result == json.loads((out / "result.json").read_text())
     assert len(result["trials"]) == 3
@@ -320,6 +347,8 @@ def test_small_seeded_campaign_of_kills(tmp_path, capsys):
         assert not _live_group_members(groups), f"processes left by {t['dir']}"
         assert t["ok"] and t["outcome"] in t["expected"], (t, f"logs: {t['dir']}/out.log")
         assert t["max_rel_diff"] is not None and t["max_rel_diff"] <= 1e-9, t
+        # every step once, the record finished, trained on past every grace period twice
+        assert t["steps_complete"] and t["finished"] and not t["short_tail"], t
         assert t["recovery_s"] or not t["fired"], t
         # a requeue counts as a fallback: the observer agrees with what the console told
         told = (Path(t["dir"]) / "out.log").read_text().count("\nrequeued: attempt ")

@@ -38,6 +38,10 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
   file that its agent watches, elastic/drain.py): it finishes the step, and at a step boundary
   soon after (the first commit vote its workers join once the agent told them) it leaves with
   nothing replayed. Nothing is killed.
+- grow: the node's worker asks the local launcher for one more node, as `oobleck-hpc grow
+  RUN_DIR --nodes 1` asks (a request file in RUN_DIR/grow/, launch/local.py), without waiting
+  for the answer: the new node joins at a step boundary while the job runs on fewer nodes than
+  it started with, else waits as a spare for the next loss. Nothing is lost.
 
 Each firing is written to the run's events first (`fault_injected`, with the time), so recovery
 can be timed from the fault.
@@ -161,7 +165,7 @@ class FaultInjector:
     def __call__(self, phase: str, step: int) -> None:
         for i, f in enumerate(self.faults):
             if i not in self.fired and f.phase == phase and f.step == step and (
-                    f.kind not in ("drain", "crash", "slow") or self.local_rank == 0):
+                    f.kind not in ("drain", "crash", "slow", "grow") or self.local_rank == 0):
                 self.fired.add(i)
                 self.fire(f)
 
@@ -198,5 +202,10 @@ class FaultInjector:
 
             if self.events is not None and self.events.path is not None:
                 request_drain(self.events.path.parent, [self.node], by="fault")
+        elif f.kind == "grow":
+            from oobleck_hpc.launch.local import request_grow
+
+            if self.events is not None and self.events.path is not None:
+                request_grow(self.events.path.parent, 1)
         else:  # config validation admits only the kinds above
             raise ValueError(f"unknown fault kind {f.kind!r}")
