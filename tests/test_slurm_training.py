@@ -315,20 +315,23 @@ def test_grow_by_job_id_adds_a_node_from_a_new_job(slurm_cluster, tmp_path, long
     print("kill n3, grow by job id:", figures)
 
 
-@pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
+@pytest.mark.timeout(180, func_only=True)  # setup may wait for the cluster lock
 def test_a_node_the_administrator_drains_leaves_at_a_step_boundary(slurm_cluster, tmp_path,
-                                                                   reference):
+                                                                   long_reference):
     """Issue 15: `scontrol update nodename=n3 state=drain` while the job trains. n3's agent sees
     the state (fault_tolerance.drain_poll_s), n3 leaves right after a commit; the others go on
     from that step (no step fails, none is replayed), the batch script gives n3 back to Slurm,
-    the job ends exact, COMPLETED, never requeued."""
+    the job ends exact, COMPLETED, never requeued. Issue 27: n3's agent exits 0 and the run
+    trains on for over twice every grace period (an agent's 2 s, the 3 s lease) after it:
+    every step 1..N once, the verdict 0 only then."""
     def drain(job_id: str, run_dir: Path) -> None:
         subprocess.run(["scontrol", "update", "nodename=n3", "state=drain",
                         "reason=oobleck test: maintenance"], check=True, capture_output=True)
 
     try:
-        figures = run_with_fault(slurm_cluster, tmp_path, reference, "drain", None, "n3",
-                                 then=drain, fault_tolerance={"drain_poll_s": 0.5})
+        figures = run_with_fault(slurm_cluster, tmp_path, long_reference, "drain", None, "n3",
+                                 then=drain, fault_tolerance={"drain_poll_s": 0.5},
+                                 train={"steps": LONG_STEPS})
     finally:
         subprocess.run(["scontrol", "update", "nodename=n3", "state=resume"],
                        capture_output=True)
@@ -340,7 +343,11 @@ def test_a_node_the_administrator_drains_leaves_at_a_step_boundary(slurm_cluster
     assert agreed and agreed[0]["nodes"] == ["n3"], agreed
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert recovered[-1]["drained"] == ["n3"] and recovered[-1]["step"] == agreed[0]["step"] + 1
-    print("drain n3:", figures)
+    left = [e for e in events if e["kind"] == "agent_exit" and e["source"] == "n3"]
+    assert left and left[0]["code"] == 0, left
+    tail = metrics(tmp_path / "drain")[-1]["time"] - left[0]["t"]
+    assert tail >= 2 * 3.0, f"the run trained only {tail:.1f} s after n3 left: make it longer"
+    print("drain n3:", figures, f"trained {tail:.1f} s after n3 left")
 
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
