@@ -90,3 +90,23 @@ def test_plan_shows_what_spares_buy(capsys, tmp_path):
     assert shrunk["relative_throughput"] < 1.0
     assert main(["plan", str(job), "--nodes", "6"]) == 0
     assert "with 1 spare: up to 1 loss over the run is replaced" in capsys.readouterr().out
+
+
+def test_wide_prints_every_layout_whole_and_the_phases_are_timed(capsys, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text((EXAMPLES / "gpt3-175b-1024nodes.yaml").read_text().replace("f: 3", "f: 1"))
+    assert main(["plan", str(job), "--nodes", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layouts = [t["layout"] for t in out["templates"]]
+    long = [x for x in layouts if len(x) > 70]
+    assert long, "the case needs a layout the table cuts"
+    assert set(out["seconds"]) == {"profile", "planning", "survivability"}
+    assert out["seconds"]["planning"] == out["planning_seconds"]
+    assert main(["plan", str(job), "--nodes", "64"]) == 0
+    cut = capsys.readouterr().out
+    assert not any(x in cut for x in long) and "--wide prints them whole" in cut
+    assert "relative: samples/s over the no-loss plan's" in cut
+    assert "took " in cut and "survivability table" in cut
+    assert main(["plan", str(job), "--nodes", "64", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert all(x in wide for x in layouts) and "--wide prints them whole" not in wide

@@ -266,6 +266,14 @@ def _partitions(most: int, largest: int, count: int) -> list[tuple[int, ...]]:
 def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Template],
                 profile: ModelProfile, f: int, joined: Sequence[str] = ()) -> Plan:
     """The next generation's plan after losing `lost` and adding `joined` (module docstring)."""
+    return reconfigure_moved(plan, lost, templates, profile, f, joined)[0]
+
+
+def reconfigure_moved(plan: Plan, lost: Collection[str], templates: Mapping[int, Template],
+                      profile: ModelProfile, f: int, joined: Sequence[str] = ()
+                      ) -> tuple[Plan, int]:
+    """reconfigure(), and the bytes its transfer plan moves (`moved_bytes`, which it computes
+    anyway to choose among the candidates)."""
     lost_set = set(lost)
     unknown = sorted(lost_set - set(plan.nodes))
     if unknown:
@@ -285,9 +293,16 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
     candidates: list[Plan] = []
     held = _held_by_node(plan)
     size = [l.state_bytes for l in profile.layers]
+    whole = {p.nodes: p.template for p in plan.pipelines}
+
+    def ordered(groups: list[list[str]]) -> list[list[str]]:
+        # a pipeline kept whole on its own template keeps everything already
+        return [g if whole.get(tuple(g)) == templates[len(g)]
+                else _order_nodes(g, templates[len(g)], held, size) for g in groups]
+
     groups = None if joined else _keep_groups(plan, lost_set, sizes, n0)
     if groups is not None and len(groups) >= need:
-        groups = [_order_nodes(g, templates[len(g)], held, size) for g in groups]
+        groups = ordered(groups)
         p = plan_from_groups(groups, templates, B, profile, gen)
         if p is not None:
             candidates.append(p)
@@ -296,8 +311,7 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
     except PlanningError:
         fresh = None
     if fresh is not None:
-        groups = [_order_nodes(g, templates[len(g)], held, size)
-                  for g in _fresh_groups(plan, fresh, lost_set, joined)]
+        groups = ordered(_fresh_groups(plan, fresh, lost_set, joined))
         p = plan_from_groups(groups, templates, B, profile, gen)
         if p is not None:
             candidates.append(p)
@@ -307,7 +321,8 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
             f"{min(templates)}..{max(templates)}: falling back to the last checkpoint")
     scored = [(round(c.predicted_iteration_ms, 9), moved_bytes(plan, c, profile), i)
               for i, c in enumerate(candidates)]
-    return candidates[min(scored)[2]]
+    _, moved, best = min(scored)
+    return candidates[best], moved
 
 
 def _held_by_node(plan: Plan) -> dict[str, list[tuple[int, int, int]]]:
