@@ -27,8 +27,8 @@ bytes_moved / (memory_bandwidth * 0.7); the embedding costs only that. `efficien
 fraction of the dense peak a training run reaches, per device (DeviceSpec.matmul_efficiency),
 each from a published measurement:
 
-    A100-80G   0.50    Megatron-LM (Narayanan et al., SC'21) reports a per-GPU throughput of
-                       52 % of the A100's peak training GPT models of 1.7B-1T parameters.
+    A100-80G   0.50    Megatron-LM (Narayanan et al., SC'21, arXiv 2104.04473): a 1-trillion-
+                       parameter GPT on 3,072 A100s at 52 % of peak per GPU.
     H100-80G   0.50    no measurement cited here: the A100 figure, carried over.
     A40        0.115   calibrated on the Oobleck artifact's measured GPT-3 6.7B throughput
                        (SymbioticLab/Oobleck, tools/simulator/oobleck_simulator.py at commit
