@@ -41,3 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except OobleckError as e:
         print(f"oobleck-hpc {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+
+
+if __name__ == "__main__":  # `python -m oobleck_hpc.cli` as well as `python -m oobleck_hpc`
+    raise SystemExit(main())

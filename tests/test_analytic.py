@@ -7,7 +7,7 @@ import pytest
 
 from oobleck_hpc.errors import ProfileError
 from oobleck_hpc.models.configs import GPT_CONFIGS
-from oobleck_hpc.profiling.analytic import DEVICES, MATMUL_EFFICIENCY, analytic_profile
+from oobleck_hpc.profiling.analytic import DEVICES, OOBLECK_GPT3_6_7B_A40, analytic_profile
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-small", "gpt3-175b"])
@@ -32,7 +32,8 @@ def test_gpt3_175b_totals_and_flops():
     b, s, d = 2, cfg.seq_len, cfg.d_model
     flops = 2 * b * s * 12 * d * d + 4 * b * s * s * d
     block = prof.layers[1]
-    compute_ms = 1000 * flops / (DEVICES["H100-80G"].bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+    h100 = DEVICES["H100-80G"]
+    compute_ms = 1000 * flops / (h100.bf16_tflops * 1e12 * h100.matmul_efficiency)
     assert compute_ms < block.forward_ms < 1.2 * compute_ms  # plus activation traffic
     assert block.backward_ms == pytest.approx(2 * block.forward_ms, rel=0.05)
     assert block.activation_bytes == 34 * b * s * d  # bf16: 34 b s d bytes (no score storage)
@@ -59,3 +60,38 @@ def test_faster_device_is_faster_and_llama_like_exists():
 def test_bad_inputs(args, words):
     with pytest.raises(ProfileError, match=words.replace("(", r"\(").replace(".", r"\.")):
         analytic_profile(*args)
+
+
+def test_the_paper_example_predicts_the_cited_measurement_within_25_percent(capsys):
+    """`oobleck-hpc plan examples/gpt3-6.7b-paper.yaml --nodes N`: the planner's samples/s,
+    with the A40 efficiency calibrated on 30 nodes only, against Oobleck's measured throughput
+    at every node count it published (16-30)."""
+    import json
+    from pathlib import Path
+
+    from oobleck_hpc.cli import main
+    from oobleck_hpc.config import load_job
+
+    m = OOBLECK_GPT3_6_7B_A40
+    example = Path(__file__).parent.parent / "examples" / "gpt3-6.7b-paper.yaml"
+    job = load_job(str(example))
+    assert (job.model.name, job.profile.device, job.cluster.gpus_per_node,
+            job.train.microbatch_size, job.train.global_microbatches, job.cluster.nodes) == \
+        (m.model, m.device, m.gpus_per_node, m.microbatch_size, m.global_microbatches,
+         m.fit_nodes)
+    errors = {}
+    for nodes, measured in m.samples_per_s.items():
+        assert main(["plan", str(example), "--nodes", str(nodes), "--json"]) == 0
+        predicted = json.loads(capsys.readouterr().out)["plan"]["samples_per_s"]
+        errors[nodes] = predicted / measured - 1
+    assert all(abs(e) <= 0.25 for e in errors.values()), errors
+
+
+def test_efficiency_is_the_device_s_unless_given():
+    a40 = analytic_profile("gpt3-1.3b", "A40", 1)
+    faster = analytic_profile("gpt3-1.3b", "A40", 1,
+                              matmul_efficiency=2 * DEVICES["A40"].matmul_efficiency)
+    assert faster.layers[1].forward_ms < a40.layers[1].forward_ms
+    assert faster.layers[0].forward_ms == a40.layers[0].forward_ms  # the embedding: memory traffic
+    with pytest.raises(ProfileError, match="matmul_efficiency 0 must be in"):
+        analytic_profile("gpt3-1.3b", "A40", 1, matmul_efficiency=0)

@@ -90,3 +90,56 @@ def test_plan_shows_what_spares_buy(capsys, tmp_path):
     assert shrunk["relative_throughput"] < 1.0
     assert main(["plan", str(job), "--nodes", "6"]) == 0
     assert "with 1 spare: up to 1 loss over the run is replaced" in capsys.readouterr().out
+
+
+def test_wide_prints_every_layout_whole_and_the_phases_are_timed(capsys, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text((EXAMPLES / "gpt3-175b-1024nodes.yaml").read_text().replace("f: 3", "f: 1"))
+    assert main(["plan", str(job), "--nodes", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layouts = [t["layout"] for t in out["templates"]]
+    long = [x for x in layouts if len(x) > 70]
+    assert long, "the case needs a layout the table cuts"
+    assert set(out["seconds"]) == {"profile", "planning", "survivability"}
+    assert out["seconds"]["planning"] == out["planning_seconds"]
+    assert main(["plan", str(job), "--nodes", "64"]) == 0
+    cut = capsys.readouterr().out
+    assert not any(x in cut for x in long) and "--wide prints them whole" in cut
+    assert "relative: samples/s over the no-loss plan's" in cut
+    assert "took " in cut and "survivability table" in cut
+    assert main(["plan", str(job), "--nodes", "64", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert all(x in wide for x in layouts) and "--wide prints them whole" not in wide
+
+
+def test_a_factory_that_cannot_be_imported_is_the_error_plan_and_run_report(capsys, tmp_path,
+                                                                             monkeypatch):
+    """Not 'no profile': the factory's own import error, with the file, the key and the fix,
+    exit 2, the same words `oobleck-hpc run` says before it starts anything. Three ways to
+    fail: no such module, a module whose own import fails, no such function."""
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.errors import ConfigError
+    from oobleck_hpc.launch.cli import check_local_inputs
+
+    (tmp_path / "mymodels_broken.py").write_text("import a_dependency_not_installed_xyz\n")
+    (tmp_path / "mymodels_ok.py").write_text("def build(cfg):\n    raise AssertionError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = {"absent_pkg_xyz.models:build": "ModuleNotFoundError: No module named 'absent_pkg_xyz'",
+             "mymodels_broken:build":
+                 "ModuleNotFoundError: No module named 'a_dependency_not_installed_xyz'",
+             "mymodels_ok:make": "has no function 'make'"}
+    for factory, why in cases.items():
+        job = tmp_path / "job.yaml"
+        job.write_text(f"model:\n  name: mine\n  factory: {factory}\ntrain:\n  microbatch_size: 1\n"
+                       f"  global_microbatches: 8\ncluster:\n  nodes: 2\n  gpus_per_node: 1\n"
+                       f"  device: cpu\n")
+        assert main(["plan", str(job)]) == 2
+        err = capsys.readouterr().err
+        assert f"{job}: key 'model.factory'" in err and why in err and "Fix: " in err, err
+        assert "no profile" not in err
+        try:
+            check_local_inputs(load_job(str(job)))
+        except ConfigError as e:
+            assert f"oobleck-hpc plan: error: {e}\n" == err
+        else:
+            raise AssertionError("run's check accepted an unimportable factory")

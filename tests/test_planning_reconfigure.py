@@ -5,6 +5,7 @@ lacks, from surviving replicas, in the new plan's rank space, balanced across no
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -173,3 +174,68 @@ def test_joined_nodes_restore_the_first_plans_speed_and_receive_all_their_layers
                 assert {l for d, l in received if d == r.rank} == set(range(r.layer_start, r.layer_end))
     with pytest.raises(PlanningError, match="new to the plan"):
         reconfigure(plan, [], templates, profile, f, joined=[plan.nodes[0]])
+
+
+# Hand-computed transfers. Four layers whose state (params + AdamW) is 1, 2, 4 and 8 units of
+# 4,000 bytes; 2 GPUs per node, every stage on both (each GPU holds, and receives, its own copy).
+UNIT = 4000
+_SIZES = (1, 2, 4, 8)
+
+
+def _hand_profile():
+    from oobleck_hpc.profiling.profile import (Fingerprint, LayerProfile, LinkCost,
+                                               MachineProfile, ModelProfile)
+    layers = tuple(LayerProfile(f"l{i}", 1.0, 2.0, 1000 * u, 1000 * u, 3000 * u, 100, 100)
+                   for i, u in enumerate(_SIZES))
+    link = LinkCost(0.01, 1e9)
+    machine = MachineProfile("hand", 10**9, 2, link, link, link, link)
+    fp = Fingerprint("hand", "x", 1, "float32", "hand", 2, "hand", source="analytic")
+    return ModelProfile(fp, machine, layers)
+
+
+def _hand_template(profile, node_layers: list[tuple[int, int]]):
+    """One stage per node, on both of its GPUs (peak memory left 0: reconfigure never reads it)."""
+    from oobleck_hpc.planning.plan import StageSpec, Template
+    stages = tuple(StageSpec(a, b, i, (0, 1)) for i, (a, b) in enumerate(node_layers))
+    t = Template(len(stages), 2, stages,
+                 tuple(cost.stage_forward_ms(profile, a, b, 2) for a, b in node_layers),
+                 tuple(cost.stage_backward_ms(profile, a, b, 2, 4) for a, b in node_layers),
+                 tuple(cost.send_ms(profile, b - 1, False) for _, b in node_layers[:-1]),
+                 (0,) * len(stages), microbatches=4)
+    return replace(t, iteration_ms=cost.pipeline_iteration_ms(t, 4))
+
+
+def test_survivability_moved_bytes_by_hand():
+    """Pipelines a0-a2 (layers 0 | 1-2 | 3) and b0-b1 (0-1 | 2-3). Losing b0 leaves 4 nodes:
+    two 2-node pipelines. b1 (held 2-3) keeps its place; a2 (held 3) becomes its first node
+    and receives layers 0 and 1; a0 and a1 (held 0, and 1-2) form the other pipeline, a0
+    receiving layer 1 and a1 layer 3. Bytes: (1 + 2) + 2 + 8 = 13 units per GPU, 2 GPUs per
+    node. Losing a0 moves less: a1 receives layer 0, a2 layer 2, (1 + 4) x 2 units."""
+    from oobleck_hpc.planning.cli import survivability
+    profile = _hand_profile()
+    templates = {2: _hand_template(profile, [(0, 2), (2, 4)]),
+                 3: _hand_template(profile, [(0, 1), (1, 3), (3, 4)])}
+    plan = build_plan(templates, [3, 2], ["a0", "a1", "a2", "b0", "b1"], 8, profile)
+    assert [p.nodes for p in plan.pipelines] == [("a0", "a1", "a2"), ("b0", "b1")]
+    rows = survivability(plan, templates, profile, 1, 1)
+    assert rows[0]["moved_bytes"] == 0
+    assert rows[1]["pattern"] == "1 of 2-node pipelines" and rows[1]["patterns"] == 2
+    assert rows[1]["moved_bytes"] == 13 * 2 * UNIT
+    assert sum(t.nbytes for t in transfer_plan(plan, reconfigure(plan, ["a0"], templates,
+                                                                 profile, 1), profile)) \
+        == (1 + 4) * 2 * UNIT
+
+
+def test_a_replacement_node_takes_the_lost_nodes_place():
+    """a0 (layer 0) is lost and spare s0 joins in the same round. The survivors a1 (layers 1-2)
+    and a2 (layer 3) keep their positions and s0 takes a0's: only layer 0 moves, 1 unit to each
+    of s0's 2 GPUs. (In the pipeline's old order, a1, a2, s0, every layer would move: 15 units
+    per GPU.)"""
+    profile = _hand_profile()
+    templates = {3: _hand_template(profile, [(0, 1), (1, 3), (3, 4)])}
+    plan = build_plan(templates, [3, 3], ["a0", "a1", "a2", "b0", "b1", "b2"], 8, profile)
+    new = reconfigure(plan, ["a0"], templates, profile, 1, joined=["s0"])
+    assert sorted(p.nodes for p in new.pipelines) == [("b0", "b1", "b2"), ("s0", "a1", "a2")]
+    transfers = check_transfers(plan, new, profile)
+    assert {(t.layer, new.ranks[t.dst_rank].node) for t in transfers} == {(0, "s0")}
+    assert sum(t.nbytes for t in transfers) == 1 * 2 * UNIT

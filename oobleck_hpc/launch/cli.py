@@ -340,19 +340,12 @@ def check_local_inputs(job) -> None:
     """What every worker of a local job would reject, checked here before any process starts:
     the parts of the job that name things on this machine (a model factory's module, a corpus
     path). load_job cannot check them, as a Slurm job is loaded where they may not exist."""
-    import importlib.util
     from pathlib import Path
 
-    if job.model.factory is not None:
-        module = job.model.factory.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ConfigError(job.source, "model.factory", f"value {job.model.factory!r}: module "
-                              f"{module!r} is not importable here",
-                              "put its package on PYTHONPATH (the workers inherit it)")
+    if job.model.factory is not None:  # the error every worker would raise, said once here
+        from oobleck_hpc.models.factory import load_factory
+
+        load_factory(job.model.factory, job.source)
     corpus = job.data.corpus
     if corpus != "stdlib" and not Path(corpus).expanduser().exists():
         raise ConfigError(job.source, "data.corpus", f"value {corpus!r} is neither 'stdlib' nor "

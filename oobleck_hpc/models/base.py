@@ -7,11 +7,11 @@ importable from here too: a user's factory subclasses `oobleck_hpc.models.base.L
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from oobleck_hpc.errors import ConfigError
 from oobleck_hpc.models.configs import GPT_CONFIGS
+from oobleck_hpc.models.factory import load_factory
 from oobleck_hpc.models.gpt import GPT
 from oobleck_hpc.models.interface import LayerModel, layer_generator
 
@@ -29,12 +29,7 @@ def build_model(cfg: ModelConfig, source: str = "<job>") -> LayerModel:
                               f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory")
         return GPT(GPT_CONFIGS[cfg.name], seed=cfg.seed)
 
-    module_name, _, attr = cfg.factory.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(source, "model.factory", f"value {cfg.factory!r} cannot be imported ({e})",
-                          "check the module is on PYTHONPATH and the function name is right") from e
+    factory = load_factory(cfg.factory, source)
     model = factory(cfg)
     if not isinstance(model, LayerModel):
         raise ConfigError(source, "model.factory",

@@ -14,7 +14,9 @@ new plan's time depends only on the survivors' count, and which plan is valid on
 nodes each pipeline loses, so one loss set per pattern of per-pipeline loss counts is
 tried (reconfigure.loss_patterns; `patterns` says how many; the bytes moved are those of that
 loss set, which loses each pipeline's first nodes). With --json: one object with keys
-templates, plan, survivability, planning_seconds.
+templates, plan, survivability, planning_seconds (templates and plan), survivability_seconds
+and seconds (the three phases: loading the job and its profile, planning, the table). --wide
+prints every template's layout whole.
 
 The profile comes from `oobleck_hpc.profiling.resolve_profile(job)` (explicit path, library,
 or analytic when the job sets profile.analytic).
@@ -35,7 +37,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job", help="YAML job file")
     p.add_argument("--nodes", type=int, default=None, help="plan for this many nodes (default: cluster.nodes)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    p.add_argument("--wide", action="store_true",
+                   help=f"print every template's layout whole (cut at {LAYOUT_WIDTH} characters "
+                        f"otherwise)")
     p.set_defaults(func=run)
+
+
+LAYOUT_WIDTH = 70
 
 
 def _layout(template) -> str:
@@ -54,7 +62,7 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int,
                    spares: int = 0) -> list[dict]:
     from oobleck_hpc.errors import GuaranteeExceeded
     from oobleck_hpc.planning.cost import predicted_step_ms, samples_per_second
-    from oobleck_hpc.planning.reconfigure import loss_patterns, moved_bytes, reconfigure
+    from oobleck_hpc.planning.reconfigure import loss_patterns, reconfigure, reconfigure_moved
 
     base = predicted_step_ms(plan, profile)
     rows = []
@@ -63,11 +71,11 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int,
         worst = None
         for name, lost in patterns:
             try:
-                new = plan if k == 0 else reconfigure(plan, lost, templates, profile, f)
+                new, moved = ((plan, 0) if k == 0
+                              else reconfigure_moved(plan, lost, templates, profile, f))
             except GuaranteeExceeded as e:
                 worst = {"lost": k, "pattern": name, "patterns": len(patterns), "error": str(e)}
                 break
-            moved = moved_bytes(plan, new, profile) if lost else 0
             if worst is None or (new.predicted_iteration_ms, moved) > (worst["objective_ms"],
                                                                         worst["moved_bytes"]):
                 step_ms = predicted_step_ms(new, profile)
@@ -118,8 +126,10 @@ def plan_report(job, profile, num_nodes: int) -> dict:
               "pipelines": [{"template_nodes": p.template.num_nodes, "microbatches": p.microbatches,
                              "nodes": [p.nodes[0], p.nodes[-1]]} for p in plan.pipelines]}
     # Reconfigure with the profile the templates were built from (core-scaled on a CPU host).
+    t1 = time.perf_counter()
     surv = survivability(plan, templates, scaled, job.fault_tolerance.f, mbs,
                          spares=job.cluster.spares)
+    surv_seconds = time.perf_counter() - t1
     return {"job": job.name, "model": job.model.name,
             "profile": {"source": profile.fingerprint.source, "device": profile.machine.device_name,
                         "layers": profile.num_layers,
@@ -127,14 +137,15 @@ def plan_report(job, profile, num_nodes: int) -> dict:
                         "note": sharing_note(job, profile)},
             "templates": tmpl, "plan": plan_d, "survivability": surv,
             "spares": job.cluster.spares,
-            "planning_seconds": seconds}
+            "planning_seconds": seconds,
+            "survivability_seconds": surv_seconds}
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.2f} MB"
 
 
-def _print(rep: dict) -> None:
+def _print(rep: dict, wide: bool = False) -> None:
     p = rep["plan"]
     print(f"job {rep['job']}: model {rep['model']} ({rep['profile']['layers']} layers, "
           f"{rep['profile']['source']} profile, {rep['profile']['device']}), {p['nodes']} nodes x "
@@ -145,10 +156,16 @@ def _print(rep: dict) -> None:
               f"pipeline most workers wait, and steps run faster)")
     print(f"\n{plural(len(rep['templates']), 'template')} (1F1B time for m microbatches):")
     print(f"{'nodes':>5} {'stages':>6} {'m':>4} {'time ms':>10} {'peak/GPU':>10}  layout [layers/GPUs]")
+    cut = False
     for t in rep["templates"]:
-        lay = t["layout"] if len(t["layout"]) <= 70 else t["layout"][:67] + "..."
+        lay = t["layout"]
+        if not wide and len(lay) > LAYOUT_WIDTH:
+            lay, cut = lay[:LAYOUT_WIDTH - 3] + "...", True
         print(f"{t['nodes']:>5} {t['stages']:>6} {t['microbatches']:>4} {t['iteration_ms']:>10.2f} "
               f"{_gb(t['peak_memory_bytes']):>10}  {lay}")
+    if cut:
+        print(f"(layouts longer than {LAYOUT_WIDTH} characters end in '...': --wide prints them "
+              f"whole, --json gives every stage)")
     groups: dict[tuple[int, int], int] = {}
     for x in p["pipelines"]:
         key = (x["template_nodes"], x["microbatches"])
@@ -180,7 +197,15 @@ def _print(rep: dict) -> None:
               f"job keeps its "
               f"{plural(rep['plan']['nodes'], 'node')}); losses spread over the run are survived "
               f"while spares last, at most f = {rep['plan']['f']} at once")
-    print(f"\nplanning took {rep['planning_seconds']:.2f} s")
+    print("relative: samples/s over the no-loss plan's (same global batch). Each row's plan is "
+          "the one the\n  planner's objective picks (planning/cost.py); step ms evaluates it as "
+          "the engine runs it, so a\n  plan on fewer nodes can be predicted slightly faster than "
+          "the first plan (relative > 1), and\n  rows need not decrease.\n"
+          "moved: layer state (parameters and AdamW moments) copied to every GPU that lacks it, "
+          "one copy\n  per GPU of a multi-GPU stage (copies inside a node included).")
+    t = rep["seconds"]
+    print(f"\ntook {sum(t.values()):.2f} s: job and profile {t['profile']:.2f} s, templates and "
+          f"plan {t['planning']:.2f} s, survivability table {t['survivability']:.2f} s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,14 +218,18 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--nodes", "--nodes", f"value {args.nodes} must be at least 1",
                               "pass a positive node count")
         overrides["cluster.nodes"] = args.nodes
+    t0 = time.perf_counter()
     job = load_job(args.job, overrides)
     from oobleck_hpc.profiling import resolve_profile
 
     profile = resolve_profile(job)
+    loading = time.perf_counter() - t0
     rep = plan_report(job, profile, job.cluster.nodes)
+    rep["seconds"] = {"profile": loading, "planning": rep["planning_seconds"],
+                      "survivability": rep["survivability_seconds"]}
     if args.json:
         json.dump(rep, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        _print(rep)
+        _print(rep, wide=args.wide)
     return 0

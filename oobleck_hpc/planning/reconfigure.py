@@ -38,6 +38,12 @@ planned (a failure there refuses the job before allocation, exit 2).
 Beyond the guarantee -- some layer has no surviving replica, or fewer than n0 nodes remain --
 GuaranteeExceeded is raised: the job falls back to its last checkpoint.
 
+Node order. Which node of a new pipeline runs which of its template's positions is free: every
+position of a template costs the same wherever it runs. Every candidate's groups are ordered by
+`_order_nodes` to keep the most layer state where it is: a pipeline that lost its node at
+position 0 takes its replacement node there, and its other nodes keep their layers (in their
+old order the survivors would all shift by one position and every layer would move).
+
 `transfer_plan(old, new, profile)`: for every (layer, destination rank) of the new plan whose GPU
 did not hold that layer in the old plan (a joined node's GPUs held none), one Transfer from a
 surviving GPU that held it. Both
@@ -260,6 +266,14 @@ def _partitions(most: int, largest: int, count: int) -> list[tuple[int, ...]]:
 def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Template],
                 profile: ModelProfile, f: int, joined: Sequence[str] = ()) -> Plan:
     """The next generation's plan after losing `lost` and adding `joined` (module docstring)."""
+    return reconfigure_moved(plan, lost, templates, profile, f, joined)[0]
+
+
+def reconfigure_moved(plan: Plan, lost: Collection[str], templates: Mapping[int, Template],
+                      profile: ModelProfile, f: int, joined: Sequence[str] = ()
+                      ) -> tuple[Plan, int]:
+    """reconfigure(), and the bytes its transfer plan moves (`moved_bytes`, which it computes
+    anyway to choose among the candidates)."""
     lost_set = set(lost)
     unknown = sorted(lost_set - set(plan.nodes))
     if unknown:
@@ -277,8 +291,18 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
     need = min_pipelines(len(survivors) + len(joined), n0, f)
     sizes = set(templates)
     candidates: list[Plan] = []
+    held = _held_by_node(plan)
+    size = [l.state_bytes for l in profile.layers]
+    whole = {p.nodes: p.template for p in plan.pipelines}
+
+    def ordered(groups: list[list[str]]) -> list[list[str]]:
+        # a pipeline kept whole on its own template keeps everything already
+        return [g if whole.get(tuple(g)) == templates[len(g)]
+                else _order_nodes(g, templates[len(g)], held, size) for g in groups]
+
     groups = None if joined else _keep_groups(plan, lost_set, sizes, n0)
     if groups is not None and len(groups) >= need:
+        groups = ordered(groups)
         p = plan_from_groups(groups, templates, B, profile, gen)
         if p is not None:
             candidates.append(p)
@@ -287,8 +311,8 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
     except PlanningError:
         fresh = None
     if fresh is not None:
-        p = plan_from_groups(_fresh_groups(plan, fresh, lost_set, joined), templates, B,
-                              profile, gen)
+        groups = ordered(_fresh_groups(plan, fresh, lost_set, joined))
+        p = plan_from_groups(groups, templates, B, profile, gen)
         if p is not None:
             candidates.append(p)
     if not candidates:
@@ -297,7 +321,51 @@ def reconfigure(plan: Plan, lost: Collection[str], templates: Mapping[int, Templ
             f"{min(templates)}..{max(templates)}: falling back to the last checkpoint")
     scored = [(round(c.predicted_iteration_ms, 9), moved_bytes(plan, c, profile), i)
               for i, c in enumerate(candidates)]
-    return candidates[min(scored)[2]]
+    _, moved, best = min(scored)
+    return candidates[best], moved
+
+
+def _held_by_node(plan: Plan) -> dict[str, list[tuple[int, int, int]]]:
+    """Node -> (local GPU, first layer, end layer) of every GPU of that node in `plan`."""
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for (node, g), (a, b) in _holdings(plan).items():
+        out.setdefault(node, []).append((g, a, b))
+    return out
+
+
+def _order_nodes(group: Sequence[str], template: Template,
+                 held: Mapping[str, Sequence[tuple[int, int, int]]],
+                 size: Sequence[int]) -> list[str]:
+    """The group's nodes in the order (node i runs the template's position i) that leaves the
+    most layer state in place (module docstring, "Node order").
+
+    kept(node, position) = state bytes of the layers a GPU of the node already holds and keeps
+    at that position. Greedy: the (position, node) pairs by kept bytes, largest first (ties:
+    position, then the node's place in the group), each taken while both are free; positions
+    left over get the remaining nodes in group order. The group's own order is kept unless the
+    greedy one keeps strictly more bytes."""
+    wants: dict[tuple[int, int], list[int]] = {}  # (GPU, layer) -> positions that hold it
+    for st in template.stages:
+        for g in st.gpus:
+            for l in st.layers:
+                wants.setdefault((g, l), []).append(st.node)
+    kept: dict[tuple[int, int], int] = {}  # (position, index in group) -> bytes kept
+    for i, node in enumerate(group):
+        for g, a, b in held.get(node, ()):
+            for l in range(a, b):
+                for pos in wants.get((g, l), ()):
+                    kept[(pos, i)] = kept.get((pos, i), 0) + size[l]
+    order: list[int | None] = [None] * len(group)
+    taken: set[int] = set()
+    for (pos, i), _ in sorted(kept.items(), key=lambda kv: (-kv[1], kv[0])):
+        if order[pos] is None and i not in taken:
+            order[pos] = i
+            taken.add(i)
+    rest = iter(i for i in range(len(group)) if i not in taken)
+    order = [i if i is not None else next(rest) for i in order]
+    greedy = sum(kept.get((pos, i), 0) for pos, i in enumerate(order))
+    as_is = sum(kept.get((pos, pos), 0) for pos in range(len(group)))
+    return [group[i] for i in order] if greedy > as_is else list(group)
 
 
 def _holdings(plan: Plan) -> dict[tuple[str, int], tuple[int, int]]:

@@ -95,9 +95,15 @@ def check_profile(profile: ModelProfile, job: JobConfig, origin: str) -> ModelPr
 
 
 def resolve_profile(job: JobConfig) -> ModelProfile:
-    """The job's profile: explicit path, else library, else analytic (if allowed); validated."""
+    """The job's profile: explicit path, else library, else analytic (if allowed); validated.
+    A job whose model.factory cannot be imported gets that error (ConfigError), not 'no
+    profile': the profile is checked against the factory's model."""
     from oobleck_hpc.profiling.store import load_profile
 
+    if job.model.factory is not None:
+        from oobleck_hpc.models.factory import load_factory
+
+        load_factory(job.model.factory, job.source)
     if job.profile.path:
         return check_profile(load_profile(job.profile.path), job, job.profile.path)
     path = library_file(job)
