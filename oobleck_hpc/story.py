@@ -10,6 +10,7 @@ The console of `oobleck-hpc run` and `oobleck-hpc submit --wait`, and the timeli
 `oobleck-hpc report`, are this one rendering of RUN_DIR/events.jsonl (written by every agent and
 worker: elastic/events.py), so a recovery is told once, with one time, wherever it is read:
 
+    starting 5 nodes x 2 workers on this machine: each worker imports torch, then they meet and plan (...)
     plan 89fdabc9 on 5 nodes x 2 GPUs: 4 pipelines of [2, 1, 1, 1] nodes, 4 microbatches, predicted step 66.3 ms
     fault injected: kill node3 during step 20 (backward)
     fault seen: node3 lost (connection lost, seen by node4)
@@ -101,8 +102,17 @@ class Story:
         return "\n".join([text] + [f"  {x}" for x in e.get("layout", [])])
 
     def _run_started(self, e: dict) -> str:
+        # Said at once: the plan comes only after every worker imported torch and the agents
+        # met (seconds; tens of them where many workers share a few cores).
         self.steps = e.get("steps", 0)
-        return ""
+        nodes = plural(e.get("nodes", 0), "node")
+        if e.get("launch") == "slurm":
+            where = f"{nodes} of Slurm job {e['job_id']}" if e.get("job_id") else nodes
+            return (f"starting on {where}: one agent per node starts its workers; each imports "
+                    "torch, then they meet and plan (the plan is the next line)")
+        return (f"starting {nodes} x {plural(e.get('gpus_per_node', 1), 'worker')} on this "
+                "machine: each worker imports torch, then they meet and plan (the plan is the "
+                "next line; longer where many workers share few cores)")
 
     def _restored(self, e: dict) -> str:
         return (f"restored: step {e['step']} from {e.get('path', 'the checkpoint')} in "

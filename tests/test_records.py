@@ -97,9 +97,12 @@ RUN = [
 
 def test_the_story_tells_each_transition_once_with_the_users_recovery_time():
     lines = tell(RUN)
-    assert lines[0].startswith("plan aaaaaaaa on 4 nodes x 2 GPUs: 3 pipelines of [2, 1, 1] "
+    # said at the launch: the plan comes only once every worker imported torch
+    assert lines[0].startswith("starting 4 nodes x 2 workers on this machine: each worker "
+                               "imports torch, then they meet and plan")
+    assert lines[1].startswith("plan aaaaaaaa on 4 nodes x 2 GPUs: 3 pipelines of [2, 1, 1] "
                                "nodes, 4 microbatches, predicted step 50.0 ms")
-    assert lines[1:] == [
+    assert lines[2:] == [
         "fault injected: kill node3 during step 4 (backward)",
         "fault seen: node3 lost (connection lost, seen by node1)",  # once, not per agent
         "agreed: generation 1 on 3 nodes, without node3",           # once, not per agent
@@ -120,6 +123,12 @@ def test_the_story_says_what_a_later_attempts_done_line_counts():
                                 first_loss=5.0, last_loss=4.0, samples_per_s=3.0), "attempt": 1})
     assert ("3.0 samples/s over the 4.0 s of attempt 1's training loop (its first step's "
             "warm-up included, the 6.0 s of start-up before it not;") in line, line
+
+
+def test_the_story_says_what_a_slurm_job_is_doing_before_its_plan():
+    (line,) = tell([ev(0.0, "run_started", "driver", launch="slurm", job_id="42", nodes=3)])
+    assert line.startswith("starting on 3 nodes of Slurm job 42: one agent per node starts its "
+                           "workers; each imports torch"), line
 
 
 def test_the_story_tells_the_plan_of_a_start_on_survivors():
@@ -159,7 +168,8 @@ def test_the_story_tells_a_slurm_jobs_replacement_and_a_node_given_back():
 
 def test_the_story_tells_a_loss_after_the_last_step_as_the_end_agreed():
     story = Story()
-    assert story.feed(ev(0.0, "run_started", "launcher", steps=12)) == []
+    (started,) = story.feed(ev(0.0, "run_started", "launcher", steps=12, nodes=3))
+    assert started.startswith("starting 3 nodes x 1 worker on this machine"), started
     (line,) = story.feed(ev(2.0, "recovered", step=13, generation=1, lost=["node2"],
                             seconds=0.1, plan="d" * 16))
     assert line.startswith("recovered: lost node2 after the last step; the end agreed on plan "
@@ -234,8 +244,8 @@ def test_report_tells_start_up_apart_from_training(tmp_path):
     assert rep["training_s"] == pytest.approx(1.5)
     assert rep["training_goodput_samples_per_s"] == pytest.approx(5 * 8 / 1.5, abs=0.01)
     kinds = [x["kind"] for x in rep["timeline"]]
-    assert kinds[:2] == ["plan_chosen", "startup"]  # in time order
-    assert rep["timeline"][1]["line"].startswith("start-up done: step 1 committed 1.20 s after "
+    assert kinds[:3] == ["run_started", "plan_chosen", "startup"]  # in time order
+    assert rep["timeline"][2]["line"].startswith("start-up done: step 1 committed 1.20 s after "
                                                  "the launch")
     out = text(rep)
     assert ("goodput 16.0 samples/s over the whole run (3.0 s, start-up 1.2 s included); "
