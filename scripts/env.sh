@@ -22,9 +22,10 @@ if ! (
         fi
         "$VENV/bin/pip" install -q --upgrade pip >/dev/null 2>&1 || true
         # torch first, pinned: this exact version is the CPU wheel that lies on the machine; an
-        # open range would pull a multi-GB CUDA build.
-        say "installing $TORCH (the largest step)"
-        "$VENV/bin/pip" install -q "$TORCH" 2>&1 | grep -v '^WARNING: Location' || true
+        # open range would pull a multi-GB CUDA build. A GPU node's CUDA build: TORCH_INDEX_URL
+        # (e.g. https://download.pytorch.org/whl/cu128) and TORCH_VERSION (slurm/README.md).
+        say "installing $TORCH${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL} (the largest step)"
+        "$VENV/bin/pip" install -q "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} 2>&1 | grep -v '^WARNING: Location' || true
         say "installing oobleck_hpc (editable) and its dependencies: numpy, h5py, pyyaml, tqdm, submitit, mpi4py, the Open MPI wheel, matplotlib; pytest for the tests"
         # PYTHONWARNINGS: setuptools' notice that an editable install is one (BuildBackendWarning)
         PYTHONWARNINGS=ignore "$VENV/bin/pip" install -q -e "$_oobleck_root[test]" 2>&1 | grep -v '^WARNING: Location' || true

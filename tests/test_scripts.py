@@ -61,3 +61,14 @@ done
     again = source()
     assert again.returncode == 0 and again.stderr == "", again  # current: not a word
     assert log.read_text().splitlines() == calls                 # and nothing run again
+
+    # a CUDA build of torch (slurm/README.md): the version and the index it comes from
+    (tmp_path / "pyproject.toml").write_text("# changed\n" + (ROOT / "pyproject.toml").read_text())
+    url = "https://download.pytorch.org/whl/cu128"
+    cuda = subprocess.run(["bash", "-c", "source scripts/env.sh"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake_python),
+                               "TORCH_VERSION": "2.13.0", "TORCH_INDEX_URL": url})
+    assert cuda.returncode == 0 and "updating" in cuda.stderr, cuda
+    assert f"installing torch==2.13.0 from {url}" in cuda.stderr, cuda.stderr
+    assert f"pip install -q torch==2.13.0 --index-url {url}" in log.read_text().splitlines()
