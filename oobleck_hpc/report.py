@@ -16,8 +16,16 @@ current run, RUN_DIR/history/ID/ for an earlier one) and tells:
   one step), `recovery` (each in-place recovery, less the one step it replays), `replayed`
   (steps computed again after a fallback: their first computation was thrown away), `requeue`
   (from the last step of an attempt to the first of the next, less one step);
-- goodput: samples of distinct committed steps per second of the run's wall time, next to the
-  throughput (every sample computed, replays included, per second of that same time).
+- start-up as a phase of its own: each attempt from its start (the launch, a requeue's
+  restart) to its first committed step -- processes starting, torch imported, the plan, the
+  process groups, the first step's warm-up -- in the timeline (`startups`, `startup_s`);
+- goodput: samples of distinct committed steps per second of the run's wall time, start-up
+  included, next to the throughput (every sample computed, replays included, per second of that
+  same time), and the goodput while training (`training_goodput_samples_per_s`): samples of
+  the distinct steps committed after the run's first committed step, per second from that
+  step's commit to the last (`training_s`; recoveries and requeues inside it count). The
+  console's `done:` line counts something else again: its attempt's training loop only (from
+  the start of its first step to the final parameters written, oobleck_hpc/story.py).
 
 `--plot FILE` draws loss and throughput per step against time, with the faults, recoveries,
 checkpoints and requeues marked (matplotlib, Agg). `--json` prints the report as one object.
@@ -162,6 +170,30 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
     wall = max(t_end - t_start, 1e-9)
     useful = sum(r["samples"] for r in final.values())
     computed = sum(r["samples"] for r in rows)
+
+    # Start-up, a phase of its own: each attempt's start to its first committed step.
+    startups = []
+    for a in attempts:
+        begun = [e["t"] for e in events if e.get("attempt", 0) == a
+                 and e["kind"] in ("run_started", "agent_started")]
+        if by_attempt[a] and begun:
+            first = by_attempt[a][0]
+            startups.append({"attempt": a, "t": round(min(begun) - t_start, 3),
+                             "t_first_step": round(first["time"] - t_start, 3),
+                             "first_step": first["step"],
+                             "seconds": round(first["time"] - min(begun), 3)})
+    for x in startups:
+        line = (f"start-up done: step {x['first_step']} committed {x['seconds']:.2f} s after "
+                + (f"attempt {x['attempt']} started" if x["attempt"] else "the launch")
+                + " (processes, torch, plan, groups, the first step's warm-up)")
+        timeline.append({"t": x["t_first_step"], "kind": "startup", "line": line})
+    timeline.sort(key=lambda x: x["t"])  # stable: the events' own order where times tie
+
+    # Goodput while training: from the run's first committed step to its last.
+    t_first = rows[0]["time"] if rows else t_start
+    t_last = max((r["time"] for r in rows), default=t_start)
+    training_s = t_last - t_first
+    trained = sum(r["samples"] for r in final.values() if r["time"] > t_first)
     return {
         "run": run_id, "run_dir": str(run_dir), "job": started.get("job"),
         "model": started.get("model") or (finished or {}).get("model"),
@@ -177,6 +209,11 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
         "throughput_samples_per_s": round(computed / wall, 2),
         "goodput_samples_per_s": round(useful / wall, 2),
         "goodput_fraction": round(useful / computed, 4) if computed else 0.0,
+        "startup_s": round(sum(x["seconds"] for x in startups), 3),
+        "startups": startups,
+        "training_s": round(training_s, 3),
+        "training_goodput_samples_per_s": (round(trained / training_s, 2)
+                                           if training_s > 0 else 0.0),
         "time_lost_s": {k: round(v, 3) for k, v in lost.items()},
         "recoveries": recoveries,
         "checkpoints": [{"step": e["step"], "t": round(e["t"] - t_start, 3),
@@ -205,9 +242,15 @@ def text(rep: dict[str, Any]) -> str:
         lines.append(f"loss {rep['loss']['first']:.4f} -> {rep['loss']['last']:.4f}; step time "
                      f"median {rep['step_time_s']['median'] * 1000:.1f} ms, p90 "
                      f"{rep['step_time_s']['p90'] * 1000:.1f} ms")
-    lines.append(f"goodput {rep['goodput_samples_per_s']:.1f} samples/s (throughput "
-                 f"{rep['throughput_samples_per_s']:.1f}; {plural(st['replayed'], 'step')} "
-                 "computed twice)")
+    starts = rep["startups"]
+    startup = (f"start-up {rep['startup_s']:.1f} s" if len(starts) < 2 else
+               "start-ups " + " + ".join(f"{x['seconds']:.1f}" for x in starts) + " s")
+    lines.append(f"goodput {rep['goodput_samples_per_s']:.1f} samples/s over the whole run "
+                 f"({rep['wall_s']:.1f} s, {startup} included); "
+                 f"{rep['training_goodput_samples_per_s']:.1f} samples/s while training (first "
+                 f"committed step to last, {rep['training_s']:.1f} s)")
+    lines.append(f"throughput {rep['throughput_samples_per_s']:.1f} samples/s over the whole run "
+                 f"(every sample computed; {plural(st['replayed'], 'step')} computed twice)")
     lost = rep["time_lost_s"]
     lines.append("time lost: " + ", ".join(f"{k} {v:.2f} s" for k, v in lost.items()))
     if rep["recoveries"]:
@@ -253,9 +296,22 @@ def plot(rep: dict[str, Any], rows: list[dict], path: str) -> None:
         label = f"attempt {a}" if rep["attempts"] > 1 else None
         ax_loss.plot(t, [r["loss"] for r in mine], ".-", ms=3, lw=1, label=label)
         ax_tp.plot(t, [r["samples"] / max(r["seconds"], 1e-9) for r in mine], ".", ms=3)
-    ax_tp.axhline(rep["goodput_samples_per_s"], color="k", ls="--", lw=1,
-                  label=f"goodput over the run: {rep['goodput_samples_per_s']:.1f} samples/s")
+    # The goodput over the whole run (start-up included) spans the whole run; the goodput
+    # while training spans the first committed step to the last.
+    ax_tp.hlines(rep["goodput_samples_per_s"], 0, rep["wall_s"], color="k", ls="--", lw=1,
+                 label=f"goodput over the whole run (start-up included): "
+                       f"{rep['goodput_samples_per_s']:.1f} samples/s")
+    if rows and rep["training_s"] > 0:
+        first = rows[0]["time"] - t0
+        ax_tp.hlines(rep["training_goodput_samples_per_s"], first, first + rep["training_s"],
+                     color="tab:green", ls="--", lw=1.2,
+                     label=f"goodput while training (first committed step to last): "
+                           f"{rep['training_goodput_samples_per_s']:.1f} samples/s")
     for ax in (ax_loss, ax_tp):
+        for i, x in enumerate(rep["startups"]):
+            ax.axvspan(x["t"], x["t_first_step"], color="tab:blue", alpha=0.12,
+                       label=("start-up (launch -> first committed step)"
+                              if ax is ax_tp and i == 0 else None))
         for i, r in enumerate(rep["recoveries"]):
             ax.axvspan(r["t_fault"], r["t"], color="tab:red", alpha=0.25,
                        label=("recovery (fault -> first committed step)"
@@ -267,6 +323,10 @@ def plot(rep: dict[str, Any], rows: list[dict], path: str) -> None:
         for i, q in enumerate(rep["requeues"]):
             ax.axvline(q["t"], color="tab:orange", lw=1.5,
                        label="fallback + requeue" if ax is ax_tp and i == 0 else None)
+    for x in rep["startups"]:
+        ax_loss.annotate(f"start-up\n{x['seconds']:.1f} s", (x["t"], 1),
+                         xycoords=("data", "axes fraction"), va="top", fontsize=8,
+                         color="tab:blue", xytext=(3, -3), textcoords="offset points")
     for r in rep["recoveries"]:
         ax_loss.annotate(f"lost {','.join(r['lost']) or '(retry)'}\n{r['recovery_s']:.2f} s",
                          (r["t_fault"], 1), xycoords=("data", "axes fraction"), va="top",
@@ -274,13 +334,17 @@ def plot(rep: dict[str, Any], rows: list[dict], path: str) -> None:
     ax_loss.set_ylabel("loss")
     ax_tp.set_ylabel("samples/s (per step)")
     ax_tp.set_xlabel("seconds since the run started")
-    ax_tp.legend(loc="lower right", fontsize=8)
+    ax_tp.set_xlim(0, rep["wall_s"] * 1.01)  # from the launch: start-up is part of the run
+    # Where start-up dominates the run its span is empty of points: the legend goes there.
+    startup_share = rep["startup_s"] / max(rep["wall_s"], 1e-9)
+    ax_tp.legend(loc="upper left" if startup_share > 0.4 else "lower right", fontsize=8)
     if rep["attempts"] > 1:
         ax_loss.legend(loc="upper right", fontsize=8)
     fig.suptitle(f"{rep['job'] or 'run'} {rep['run']}: {rep['steps']['committed']} steps, "
                  f"{plural(len(rep['recoveries']), 'recovery', 'recoveries')} in place, "
-                 f"{plural(len(rep['requeues']), 'requeue')}; "
-                 f"goodput {rep['goodput_samples_per_s']:.1f} samples/s")
+                 f"{plural(len(rep['requeues']), 'requeue')}\n"
+                 f"goodput {rep['goodput_samples_per_s']:.1f} samples/s over the whole run, "
+                 f"{rep['training_goodput_samples_per_s']:.1f} while training")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -10,6 +10,7 @@ The console of `oobleck-hpc run` and `oobleck-hpc submit --wait`, and the timeli
 `oobleck-hpc report`, are this one rendering of RUN_DIR/events.jsonl (written by every agent and
 worker: elastic/events.py), so a recovery is told once, with one time, wherever it is read:
 
+    starting 5 nodes x 2 workers on this machine: each worker imports torch, then they meet and plan (...)
     plan 89fdabc9 on 5 nodes x 2 GPUs: 4 pipelines of [2, 1, 1, 1] nodes, 4 microbatches, predicted step 66.3 ms
     fault injected: kill node3 during step 20 (backward)
     fault seen: node3 lost (connection lost, seen by node4)
@@ -18,7 +19,7 @@ worker: elastic/events.py), so a recovery is told once, with one time, wherever 
     checkpoint: step 12 written (2.4 MB, 0.05 s)
     fell back: layer 3 has no replica left (...); the job resumes from step 8
     requeued: attempt 1 on 3 nodes (alive: node0, node2, node4): ...
-    done: 60 steps of gpt-tiny in 5.4 s; loss 5.588 -> 3.379; 88.1 samples/s; 1 recovery
+    done: 60 steps of gpt-tiny; loss 5.5882 -> 3.3789; 89.8 samples/s over the 5.3 s of the training loop (...); 1 recovery
 
 The recovery time is the user's: from the first sign of the failure -- the injected fault or the
 `kill-node` (the moment of the kill), else the first survivor that noticed it -- to the first
@@ -64,9 +65,13 @@ class Story:
     requeues: int = 0
     steps: int = 0
     """The run's steps (its `run_started` event; 0: not seen)."""
+    began: dict[int, float] = field(default_factory=dict)
+    """attempt -> the time of its first event (its start, when fed from the beginning)."""
 
     def feed(self, e: dict[str, Any]) -> list[str]:
         kind, attempt = e.get("kind", ""), e.get("attempt", 0)
+        if "t" in e and (attempt not in self.began or e["t"] < self.began[attempt]):
+            self.began[attempt] = e["t"]
         if kind in SIGNS:
             t = e.get("t", 0.0)
             self.first_sign = t if self.first_sign is None else min(self.first_sign, t)
@@ -97,8 +102,17 @@ class Story:
         return "\n".join([text] + [f"  {x}" for x in e.get("layout", [])])
 
     def _run_started(self, e: dict) -> str:
+        # Said at once: the plan comes only after every worker imported torch and the agents
+        # met (seconds; tens of them where many workers share a few cores).
         self.steps = e.get("steps", 0)
-        return ""
+        nodes = plural(e.get("nodes", 0), "node")
+        if e.get("launch") == "slurm":
+            where = f"{nodes} of Slurm job {e['job_id']}" if e.get("job_id") else nodes
+            return (f"starting on {where}: one agent per node starts its workers; each imports "
+                    "torch, then they meet and plan (the plan is the next line)")
+        return (f"starting {nodes} x {plural(e.get('gpus_per_node', 1), 'worker')} on this "
+                "machine: each worker imports torch, then they meet and plan (the plan is the "
+                "next line; longer where many workers share few cores)")
 
     def _restored(self, e: dict) -> str:
         return (f"restored: step {e['step']} from {e.get('path', 'the checkpoint')} in "
@@ -239,13 +253,25 @@ class Story:
                 + f": {e.get('reason', 'exit 75')}")
 
     def _run_finished(self, e: dict) -> str:
+        # samples_per_s (oobleck_hpc/train.py): the samples rank 0 committed in this attempt
+        # over wall_s, its training loop -- from the start of its first step (that step's
+        # warm-up included) to the final parameters written; the start-up before it is not.
+        attempt = e.get("attempt", 0)
+        loop = f"attempt {attempt}'s training loop" if attempt else "the training loop"
+        wall = e.get("wall_s", 0.0)
+        startup = ""
+        if attempt in self.began and "t" in e:
+            before = e["t"] - wall - self.began[attempt]
+            startup = f", the {before:.1f} s of start-up before it not"
         extra = [plural(self.recoveries, "recovery", "recoveries")] if self.recoveries else []
         if self.requeues:
             extra.append(plural(self.requeues, "requeue"))
-        return (f"done: {e['steps']} steps of {e.get('model', 'the model')} in "
-                f"{e.get('wall_s', 0):.1f} s; loss {e.get('first_loss', float('nan')):.4f} -> "
+        return (f"done: {e['steps']} steps of {e.get('model', 'the model')}; loss "
+                f"{e.get('first_loss', float('nan')):.4f} -> "
                 f"{e.get('last_loss', float('nan')):.4f}; {e.get('samples_per_s', 0):.1f} "
-                f"samples/s" + "".join(f"; {x}" for x in extra))
+                f"samples/s over the {wall:.1f} s of {loop} (its first step's warm-up "
+                f"included{startup}; `oobleck-hpc report` counts the whole run)"
+                + "".join(f"; {x}" for x in extra))
 
     def _run_ended(self, e: dict) -> str:
         """The launcher's verdict (oobleck_hpc/runs.py), told when the run did not finish (a

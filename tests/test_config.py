@@ -36,7 +36,6 @@ def test_bundled_examples_load(path):
     ("model:\n  name: gpt-nonexistent\n", "model.name", "use one of: gpt-tiny, gpt-mini"),
     ("train: [1, 2]\n", "train", "not a mapping"),
     ("- just\n- a list\n", "<top>", "not a mapping"),
-    ("train: {lr: [\n", "<file>", "not valid YAML"),
 ])
 def test_bad_job_files_are_explained(tmp_path, text, key, words):
     path = tmp_path / "job.yaml"
@@ -46,6 +45,34 @@ def test_bad_job_files_are_explained(tmp_path, text, key, words):
     message = str(info.value)
     assert message.startswith(f"{path}: key '{key}'"), message
     assert words in message and "Fix:" in message
+
+
+@pytest.mark.parametrize("text, where, problem, fix", [
+    # a key indented deeper than its siblings: the caret under the colon YAML stopped at
+    ("name: x\ntrain:\n  steps: 5\n   lr: 1e-3\n", "4:6", "mapping values are not allowed here",
+     "indent this line like the keys beside it"),
+    ("name: x\n\tcluster: {}\n", "2:1", "found character '\\t' that cannot start any token",
+     "indent with spaces"),
+    ('name: "x\ntrain: {}\n', "3:1", "(while scanning a quoted scalar that begins at 1:7)",
+     "close the quote opened at 1:7"),
+    ("cluster: {nodes: [1, 2}\n", "1:23", "(while parsing a flow sequence that begins at 1:18)",
+     "close the bracket opened at 1:18"),
+])
+def test_yaml_syntax_errors_name_the_file_line_and_column(tmp_path, text, where, problem, fix):
+    """Issue 27: a syntax error was told as `key '<file>': is not valid YAML (... "<unicode
+    string>", line 13 ...)`. It is FILE:LINE:COLUMN, the problem, the line and the fix."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    first, *rest = str(info.value).split("\n")
+    assert first.startswith(f"{path}:{where}: not valid YAML: "), first
+    assert problem in first and "<unicode string>" not in str(info.value)
+    line, column = map(int, where.split(":"))
+    source_line = (text.splitlines() + [""])[line - 1]
+    assert rest[0].strip() == source_line.strip() and rest[1].index("^") == 4 + column - 1
+    assert rest[2].startswith(f"Fix: {fix}"), rest
+    assert info.value.exit_code == 2
 
 
 def test_missing_file_is_explained(tmp_path):

@@ -67,7 +67,8 @@ def ev(t: float, kind: str, source: str = "node0", **fields) -> dict:
 # A run as its agents and workers record it: node3 killed during step 4, seen by three agents,
 # agreed by four, recovered by rank 0; then a checkpoint and the end.
 RUN = [
-    ev(0.0, "run_started", "launcher", job="demo", model="gpt-tiny", steps=6, launch="local"),
+    ev(0.0, "run_started", "launcher", job="demo", model="gpt-tiny", steps=6, launch="local",
+       nodes=4, gpus_per_node=2),
     ev(0.1, "agent_started"),
     ev(1.0, "plan_chosen", "node0/0", generation=0, plan="aaaaaaaa11", pipelines=[2, 1, 1],
        microbatches=[2, 1, 1], nodes=4, gpus_per_node=2, predicted_step_ms=50.0, note="",
@@ -96,17 +97,38 @@ RUN = [
 
 def test_the_story_tells_each_transition_once_with_the_users_recovery_time():
     lines = tell(RUN)
-    assert lines[0].startswith("plan aaaaaaaa on 4 nodes x 2 GPUs: 3 pipelines of [2, 1, 1] "
+    # said at the launch: the plan comes only once every worker imported torch
+    assert lines[0].startswith("starting 4 nodes x 2 workers on this machine: each worker "
+                               "imports torch, then they meet and plan")
+    assert lines[1].startswith("plan aaaaaaaa on 4 nodes x 2 GPUs: 3 pipelines of [2, 1, 1] "
                                "nodes, 4 microbatches, predicted step 50.0 ms")
-    assert lines[1:] == [
+    assert lines[2:] == [
         "fault injected: kill node3 during step 4 (backward)",
         "fault seen: node3 lost (connection lost, seen by node1)",  # once, not per agent
         "agreed: generation 1 on 3 nodes, without node3",           # once, not per agent
         "recovered: lost node3; step 4 replayed on plan bbbbbbbb (pipelines of [1, 1, 1] "
         "nodes) 0.30 s after the fault; 3.00 MB of layer state moved",  # from the kill
         "checkpoint: step 4 written (12.00 MB, 0.05 s in the background)",
-        "done: 6 steps of gpt-tiny in 2.0 s; loss 5.5000 -> 4.0000; 10.0 samples/s; 1 recovery",
+        # what its samples/s counts: the loop ended at 3.0 after 2.0 s, the run began at 0.0
+        "done: 6 steps of gpt-tiny; loss 5.5000 -> 4.0000; 10.0 samples/s over the 2.0 s of the "
+        "training loop (its first step's warm-up included, the 1.0 s of start-up before it not; "
+        "`oobleck-hpc report` counts the whole run); 1 recovery",
     ]
+
+
+def test_the_story_says_what_a_later_attempts_done_line_counts():
+    story = Story()
+    story.feed({**ev(10.0, "agent_started"), "attempt": 1})
+    (line,) = story.feed({**ev(20.0, "run_finished", "node0/0", steps=6, model="m", wall_s=4.0,
+                                first_loss=5.0, last_loss=4.0, samples_per_s=3.0), "attempt": 1})
+    assert ("3.0 samples/s over the 4.0 s of attempt 1's training loop (its first step's "
+            "warm-up included, the 6.0 s of start-up before it not;") in line, line
+
+
+def test_the_story_says_what_a_slurm_job_is_doing_before_its_plan():
+    (line,) = tell([ev(0.0, "run_started", "driver", launch="slurm", job_id="42", nodes=3)])
+    assert line.startswith("starting on 3 nodes of Slurm job 42: one agent per node starts its "
+                           "workers; each imports torch"), line
 
 
 def test_the_story_tells_the_plan_of_a_start_on_survivors():
@@ -146,7 +168,8 @@ def test_the_story_tells_a_slurm_jobs_replacement_and_a_node_given_back():
 
 def test_the_story_tells_a_loss_after_the_last_step_as_the_end_agreed():
     story = Story()
-    assert story.feed(ev(0.0, "run_started", "launcher", steps=12)) == []
+    (started,) = story.feed(ev(0.0, "run_started", "launcher", steps=12, nodes=3))
+    assert started.startswith("starting 3 nodes x 1 worker on this machine"), started
     (line,) = story.feed(ev(2.0, "recovered", step=13, generation=1, lost=["node2"],
                             seconds=0.1, plan="d" * 16))
     assert line.startswith("recovered: lost node2 after the last step; the end agreed on plan "
@@ -203,8 +226,34 @@ def test_report_breaks_a_recovery_into_phases_and_counts_the_time_lost(tmp_path)
     assert "recovered: lost node3" in out and "goodput" in out
 
 
+def test_report_tells_start_up_apart_from_training(tmp_path):
+    """Issue 27: the console said 87 samples/s, the report 22 for the same run, and the plot
+    began at the first step. The report names start-up as a phase and gives both figures."""
+    from oobleck_hpc.report import build, text
+
+    rows = [row(1, 1.2), row(2, 1.4), row(3, 1.6), row(4, 2.3), row(5, 2.5), row(6, 2.7)]
+    write_run(tmp_path / "run", RUN, rows)
+    rep = build(tmp_path / "run")
+    # launch (run_started, 0.0) -> step 1 committed (1.2)
+    assert rep["startups"] == [{"attempt": 0, "t": 0.0, "t_first_step": 1.2, "first_step": 1,
+                                "seconds": 1.2}]
+    assert rep["startup_s"] == pytest.approx(1.2)
+    assert rep["wall_s"] == pytest.approx(3.0)  # until the last event (run_finished)
+    assert rep["goodput_samples_per_s"] == pytest.approx(6 * 8 / 3.0)
+    # steps 2..6 committed between step 1's commit (1.2) and the last (2.7)
+    assert rep["training_s"] == pytest.approx(1.5)
+    assert rep["training_goodput_samples_per_s"] == pytest.approx(5 * 8 / 1.5, abs=0.01)
+    kinds = [x["kind"] for x in rep["timeline"]]
+    assert kinds[:3] == ["run_started", "plan_chosen", "startup"]  # in time order
+    assert rep["timeline"][2]["line"].startswith("start-up done: step 1 committed 1.20 s after "
+                                                 "the launch")
+    out = text(rep)
+    assert ("goodput 16.0 samples/s over the whole run (3.0 s, start-up 1.2 s included); "
+            "26.7 samples/s while training (first committed step to last, 1.5 s)") in out, out
+
+
 def test_report_counts_replayed_steps_of_a_fallback_as_lost_work(tmp_path):
-    from oobleck_hpc.report import build
+    from oobleck_hpc.report import build, text
 
     events = [ev(0.0, "run_started", "launcher", job="demo", steps=5),
               ev(2.0, "fallback", "node0/0", reason="no replica", resume_from=2),
@@ -223,6 +272,14 @@ def test_report_counts_replayed_steps_of_a_fallback_as_lost_work(tmp_path):
     assert any(x["line"].startswith("fell back: no replica; the job resumes from step 2")
                for x in rep["timeline"])
     assert any(x["line"].startswith("requeued: attempt 1 on 2 nodes") for x in rep["timeline"])
+    # each attempt's start-up (the launch -> 1.0; attempt 1's agents at 3.0 -> 4.0)
+    assert [(x["attempt"], x["seconds"]) for x in rep["startups"]] == [(0, 1.0), (1, 1.0)]
+    assert rep["startup_s"] == pytest.approx(2.0)
+    # training: step 1's commit (1.0) to the last (4.2); steps 2..5 committed after it, step 3
+    # and 4 counted once (their last computation)
+    assert rep["training_s"] == pytest.approx(3.2)
+    assert rep["training_goodput_samples_per_s"] == pytest.approx(4 * 8 / 3.2)
+    assert "start-ups 1.0 + 1.0 s included" in text(rep)
 
 
 def test_report_refuses_what_is_not_a_run_directory(tmp_path):
