@@ -34,6 +34,47 @@ class ConfigError(OobleckError, ValueError):
         super().__init__(f"{source}: key '{key}': {problem}. Fix: {fix}")
 
 
+class YamlSyntaxError(ConfigError):
+    """A job file that is not YAML, told as compilers do: FILE:LINE:COLUMN (from 1), the
+    problem, the line with a caret under the place, and the fix."""
+
+    def __init__(self, source: str, line: int, column: int, problem: str, fix: str,
+                 snippet: str = ""):
+        self.source, self.key, self.problem, self.fix = source, "<file>", problem, fix
+        self.line, self.column = line, column
+        Exception.__init__(self, f"{source}:{line}:{column}: not valid YAML: {problem}"
+                           + (f"\n{snippet}" if snippet else "") + f"\nFix: {fix}")
+
+    @classmethod
+    def of(cls, source: str, e) -> YamlSyntaxError:
+        """From PyYAML's MarkedYAMLError `e` (its marks count from 0)."""
+        mark = e.problem_mark or e.context_mark
+        problem = e.problem or e.context or "unreadable"
+        opened = ""
+        if e.context_mark is not None and e.context and e.problem_mark is not None and \
+                (e.context_mark.line, e.context_mark.column) != (e.problem_mark.line,
+                                                                 e.problem_mark.column):
+            opened = f"{e.context_mark.line + 1}:{e.context_mark.column + 1}"
+            problem += f" ({e.context} that begins at {opened})"
+        context = e.context or ""
+        if "\\t" in problem or "\t" in problem:
+            fix = "indent with spaces: YAML does not allow tabs"
+        elif "quoted scalar" in context:
+            fix = f"close the quote opened at {opened or 'the start of its value'}"
+        elif "flow" in context:
+            fix = (f"close the bracket opened {'at ' + opened if opened else 'before it'} "
+                   "('[' with ']', '{' with '}') or write the list or mapping as indented lines")
+        elif "mapping values are not allowed" in problem:
+            fix = ("indent this line like the keys beside it (spaces), or quote a value that "
+                   "holds ': '")
+        else:
+            fix = ("correct the YAML there (spaces for indentation, 'key: value' with a space "
+                   "after the colon, brackets and quotes closed)")
+        snippet = mark.get_snippet() if mark is not None else None
+        return cls(source, mark.line + 1 if mark else 0, mark.column + 1 if mark else 0,
+                   problem, fix, snippet or "")
+
+
 class ProfileError(OobleckError, ValueError):
     """A profile file is missing, corrupt, of another schema, or does not match the job."""
 
