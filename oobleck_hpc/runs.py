@@ -166,7 +166,7 @@ def outcome(run_dir: str | os.PathLike[str], run: str | None = None,
     run_dir = Path(run_dir)
     run = read_run_id(run_dir) if run is None else run
     total, finished_at = 0, None
-    for e in _jsonl(run_dir / "events.jsonl"):
+    for e in read_jsonl(run_dir / "events.jsonl"):
         if run and e.get("run") != run:
             continue
         if e.get("kind") == "run_started" and e.get("steps"):
@@ -174,7 +174,7 @@ def outcome(run_dir: str | os.PathLike[str], run: str | None = None,
         elif is_finished_event(e, run):
             finished_at = int(e.get("steps") or 0)
             total = int(e.get("total") or total or finished_at)
-    steps = {int(r["step"]) for r in _jsonl(Path(metrics) if metrics else run_dir / "metrics.jsonl")
+    steps = {int(r["step"]) for r in read_jsonl(metrics or run_dir / "metrics.jsonl")
              if (not run or r.get("run") == run) and isinstance(r.get("step"), int)}
     last = max(steps, default=finished_at or 0)
     finished = finished_at is not None and (not steps or (total or finished_at) in steps)
@@ -196,15 +196,20 @@ def verdict(finished: bool, codes: Iterable[int]) -> int:
     return EXIT_UNRECOVERABLE
 
 
-def _jsonl(path: Path) -> Iterable[dict]:
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict]:
+    """The JSON objects of one file of JSON lines (events, per-step metrics) in file order; []
+    when the file does not exist (yet). A torn line (a writer killed, or still writing) is
+    skipped."""
+    rows = []
     try:
         with open(path, "rb") as f:
             for line in f:
                 try:
                     row = json.loads(line)
                 except ValueError:
-                    continue  # a torn line of a writer killed mid-write
+                    continue
                 if isinstance(row, dict):
-                    yield row
-    except OSError:
-        return
+                    rows.append(row)
+    except FileNotFoundError:
+        return []
+    return rows

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_hpc import runs
+from oobleck_hpc.runs import read_jsonl  # (re-exported: the readers import it from here)
 
 logger = logging.getLogger("oobleck_hpc.events")
 
@@ -88,22 +89,6 @@ class EventLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The JSON lines of one file (events, per-step metrics) in file order; [] when the file does
-    not exist yet. A torn last line (a writer killed, or still writing) is skipped."""
-    rows = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    except FileNotFoundError:
-        return []
-    return rows
 
 
 def read_events(pattern: str | os.PathLike[str]) -> list[dict[str, Any]]:
