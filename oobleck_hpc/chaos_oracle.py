@@ -181,9 +181,15 @@ def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f
                       quorum: str = "majority", steps: int = 0) -> list[str]:
     """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`
     (`steps`: the run's last step, for drains). Crashed workers restarted in place cost a
-    retry generation each; more than MAX_RETRIES of them may end in the fallback."""
+    retry generation each; more than MAX_RETRIES of them may end in the fallback.
+
+    A drain may leave after any step from its own to the last (`positions`), but every step
+    after the set's last fault orders the rounds alike (the drain comes last, after a commit):
+    the steps are cut there, so that a trial's tail of steps does not multiply the orders."""
     from oobleck_hpc.elastic.recovery import MAX_RETRIES
 
+    if faults:
+        steps = min(steps, max(x.step for x in faults) + 1)
     out = set().union(*(judge(order, plan, templates, profile, f, quorum)
                         for order in round_orders(faults, steps)))
     if sum(x.kind == "crash" and restarted(x) is not False for x in faults) >= MAX_RETRIES:

@@ -16,8 +16,8 @@ import yaml
 
 from oobleck_hpc.chaos import KILL_GRACE_S, KINDS, PHASES, check_steps, draw_campaign, trial_job
 from oobleck_hpc.chaos_oracle import (RECOVERY_PHASES, START_PHASES, STEP_PHASES,
-                                      expected_outcomes, has_quorum, positions, quorum_ways,
-                                      round_orders)
+                                      expected_outcomes, has_quorum, judge, positions,
+                                      quorum_ways, round_orders)
 from oobleck_hpc.config import FaultConfig, job_from_dict
 from oobleck_hpc.errors import GuaranteeExceeded
 from oobleck_hpc.planning.instantiate import instantiate
@@ -246,6 +246,11 @@ def test_a_drain_is_taken_only_where_the_verdict_accepts_it():
         except GuaranteeExceeded:
             both = "fallback"
         assert both in got, (i, j, got)
+        # a trial's tail of steps: the drain may leave after any of 30; judged on every order
+        # uncut, the outcomes are those of the orders cut after the last fault
+        uncut = set().union(*(judge(order, plan, templates, profile, 1)
+                              for order in round_orders(faults, 30)))
+        assert expected_outcomes(faults, plan, templates, profile, 1, steps=30) == sorted(uncut)
 
 
 def test_a_crashed_worker_is_a_loss_only_before_a_step_committed():
