@@ -97,14 +97,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _kill_node(args: argparse.Namespace) -> int:
     import signal
 
-    from oobleck_hpc.launch.local import kill_node
+    from oobleck_hpc.launch.kill import kill_node  # (only these: it acts at once)
+    from oobleck_hpc.story import KILLED
 
+    sig = f"SIG{args.signal}"
     try:
-        kill_node(args.run_dir, args.node, getattr(signal, f"SIG{args.signal}"))
+        kill_node(args.run_dir, args.node, getattr(signal, sig))
     except (FileNotFoundError, KeyError, ProcessLookupError) as e:
         print(f"oobleck-hpc kill-node: error: {e}")
         return 2
-    print(f"sent SIG{args.signal} to {args.node} of {args.run_dir}")
+    print(f"{args.node} of {args.run_dir} {KILLED[sig]} ({sig} to its agent and workers)")
     return 0
 
 
