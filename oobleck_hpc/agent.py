@@ -107,6 +107,9 @@ class AgentOptions:
     """How often to ask slurmctld whether this node is set to DRAIN (0: never; elastic/drain.py)."""
     job: Path | None = None
     """The job file, passed to the workers as OOBLECK_JOB."""
+    join_at_start: bool = False
+    """A node outside the view asks to join as soon as its agent is up, not once its workers
+    are ready (`--join-at-start`: the local launcher's grown nodes; see Agent.run)."""
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -164,6 +167,14 @@ class Agent:
                          port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
         if self.cp.core.joined:  # a spare's workers wait until a round swaps it in
             self._tell_membership(self.cp.decided)
+        elif self.opts.join_at_start:
+            # A node that shares its cores with the members (local pretend nodes) starts its
+            # workers only while the members wait for it: as long as they train, the starting
+            # workers get a small share of the cores (issue 27: 25-35 s to import torch and
+            # plan with 8-10 workers training on 2 cores, under 2 s once the members wait in
+            # the join round). A node with cores of its own asks once its workers are ready
+            # ("waiting"), so that the members never idle through its start.
+            self.cp.request_join("grown")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward_signal)
         watch = DrainWatch(self.opts.run_dir, self.opts.node,
@@ -494,6 +505,11 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
     p.add_argument("--drain-poll-s", type=float, default=None,
                    help="ask slurmctld this often whether this node is set to DRAIN (default: "
                    "fault_tolerance.drain_poll_s of --job under Slurm, else never)")
+    p.add_argument("--join-at-start", action="store_true",
+                   help="a node outside the view (spare, grown) asks to join at once, not once "
+                   "its workers are ready: where it shares its cores with the members, its "
+                   "workers start only while the members wait for it (the local launcher's "
+                   "grown nodes)")
     p.add_argument("--join", action="store_true",
                    help="this node is not in the roster: add it (this host's address, a free "
                    "port) and join the running job like a spare (a replacement job's agents)")
@@ -537,7 +553,7 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
         agreement_timeout_s=a.agreement_timeout_s, startup_s=a.startup_s, quorum=a.quorum,
         kill_grace_s=a.kill_grace_s,
         drain_poll_s=a.drain_poll_s if a.drain_poll_s is not None else drain_poll_s,
-        job=Path(a.job) if a.job else None)
+        job=Path(a.job) if a.job else None, join_at_start=a.join_at_start)
 
 
 def main(argv: list[str] | None = None) -> int:
