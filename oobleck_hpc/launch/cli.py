@@ -170,6 +170,7 @@ def _grow(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     t0 = time.time()
+    local = False
     if args.nodes < 1:
         print(f"oobleck-hpc grow: error: --nodes {args.nodes}: grow by at least one node")
         return 2
@@ -191,6 +192,7 @@ def _grow(args: argparse.Namespace) -> int:
         else:
             from oobleck_hpc.launch.local import grow
 
+            local = True
             names = grow(run_dir, args.nodes)
             print(f"started {', '.join(names)} for the job in {run_dir}: each joins while the "
                   "job runs on fewer nodes than it started with, else waits as a spare for the "
@@ -208,12 +210,34 @@ def _grow(args: argparse.Namespace) -> int:
                 print(f"{e['node']} joined: generation {e['generation']}, from step {e['step']}, "
                       f"{e['seconds']:.2f} s after the agreement")
                 joined.add(e["node"])
+        ended = _local_job_ended(run_dir) if local and len(joined) < args.nodes else ""
+        if ended:
+            print(f"{len(joined)} of {args.nodes} node(s) joined: the job in {run_dir} ended "
+                  f"({ended}) before (a grown node joins while the job runs on fewer nodes than "
+                  "it started with, else it waits as a spare for the next loss)")
+            return 1
         time.sleep(0.2)
     if len(joined) < args.nodes and args.wait > 0:
         print(f"{len(joined)} of {args.nodes} node(s) joined within {args.wait:.0f} s (see "
               f"{run_dir / 'events.jsonl'})")
         return 1
     return 0
+
+
+def _local_job_ended(run_dir) -> str:
+    """'' while the local job in `run_dir` runs (its `oobleck-hpc run` holds RUN_DIR/job.lock,
+    across requeues; the kernel drops it when that process dies), else how it ended."""
+    import json
+
+    from oobleck_hpc.launch.watch import EXIT_RECORD, JOB_LOCK, lock_holder
+
+    if lock_holder(run_dir / JOB_LOCK) is not None:
+        return ""
+    try:
+        record = json.loads((run_dir / EXIT_RECORD).read_text())
+        return f"exit {record['code']}: {record.get('reason') or 'no reason given'}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its launcher is gone without {EXIT_RECORD}"
 
 
 def _run(args: argparse.Namespace) -> int:
