@@ -59,7 +59,6 @@ Every transition goes to `<run_dir>/events.jsonl` (events.py) and a short line o
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import queue
@@ -70,15 +69,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from oobleck_hpc.agent_options import AgentOptions, parse_args  # (re-exported: its command line)
 from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.drain import POLL_S, SHARED_POLL_S, DrainWatch
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.faults import DutyCycle
 from oobleck_hpc.elastic.membership import Decision
-from oobleck_hpc.elastic.wire import ConnectionClosed, Roster, join_roster_file, recv_msg, send_msg
+from oobleck_hpc.elastic.wire import ConnectionClosed, recv_msg, send_msg
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 MAX_WORKER_CRASHES = 3
@@ -87,27 +86,6 @@ crashes are restarted in place)."""
 EXIT_NODE_LOST = EXIT_UNRECOVERABLE
 """Exit code of an agent whose node failed, left early or was excluded (the job goes on
 without it)."""
-
-
-@dataclass
-class AgentOptions:
-    node: str
-    roster: Roster
-    command: list[str]
-    workers: int = 1
-    run_dir: Path = Path("runs/job")
-    heartbeat_s: float = 0.5
-    lease_s: float = 3.0
-    probe_s: float | None = None
-    agreement_timeout_s: float | None = None
-    startup_s: float = 60.0
-    quorum: str = "majority"
-    kill_grace_s: float = 2.0
-    drain_poll_s: float = 0.0
-    """How often to ask slurmctld whether this node is set to DRAIN (0: never; elastic/drain.py)."""
-    job: Path | None = None
-    """The job file, passed to the workers as OOBLECK_JOB."""
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -164,6 +142,8 @@ class Agent:
                          port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
         if self.cp.core.joined:  # a spare's workers wait until a round swaps it in
             self._tell_membership(self.cp.decided)
+        elif self.opts.join_at_start:  # (AgentOptions.join_at_start says why)
+            self.cp.request_join("grown")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward_signal)
         watch = DrainWatch(self.opts.run_dir, self.opts.node,
@@ -471,73 +451,6 @@ def _describe(code: int) -> str:
 
 
 # ---------------------------------------------------------------------- command line
-
-
-def parse_args(argv: list[str] | None = None) -> AgentOptions:
-    p = argparse.ArgumentParser(prog="python -m oobleck_hpc.agent", description=__doc__.splitlines()[0])
-    p.add_argument("--node", help="this node's name in the roster (default: $SLURMD_NODENAME, "
-                   "else the short host name)")
-    p.add_argument("--roster", help="roster JSON file (see oobleck_hpc/elastic/wire.py; default: "
-                   "RUN_DIR/roster.json)")
-    p.add_argument("--job", help="YAML job file: fault_tolerance, cluster.gpus_per_node and run_dir "
-                   "are read from it (the flags below override)")
-    p.add_argument("--workers", type=int, help="worker processes on this node (default: "
-                   "cluster.gpus_per_node of --job, else 1)")
-    p.add_argument("--run-dir", help="run directory (default: the job's run_dir, else runs/job)")
-    for flag in ("--heartbeat-s", "--lease-s", "--probe-s", "--agreement-timeout-s"):
-        p.add_argument(flag, type=float)  # (default: the job's fault_tolerance, else control.py)
-    p.add_argument("--startup-s", type=float, default=60.0,
-                   help="how long to wait for the other agents to come up")
-    p.add_argument("--quorum", choices=["majority", "none"], default="majority")
-    p.add_argument("--kill-grace-s", type=float, default=2.0,
-                   help="time fenced workers get to exit before they are killed")
-    p.add_argument("--drain-poll-s", type=float, default=None,
-                   help="ask slurmctld this often whether this node is set to DRAIN (default: "
-                   "fault_tolerance.drain_poll_s of --job under Slurm, else never)")
-    p.add_argument("--join", action="store_true",
-                   help="this node is not in the roster: add it (this host's address, a free "
-                   "port) and join the running job like a spare (a replacement job's agents)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- worker command and arguments")
-    a = p.parse_args(argv)
-    command = a.command[1:] if a.command[:1] == ["--"] else a.command
-    if not command:
-        if not a.job:
-            p.error("give the worker command after --, or --job (worker: python -m oobleck_hpc.train)")
-        command = [sys.executable, "-m", "oobleck_hpc.train"]
-    heartbeat_s, lease_s, workers, run_dir = 0.5, 3.0, 1, Path("runs/job")
-    drain_poll_s = 0.0
-    if a.job:
-        from oobleck_hpc.config import load_job
-
-        job = load_job(a.job)
-        heartbeat_s, lease_s = job.fault_tolerance.heartbeat_s, job.fault_tolerance.lease_s
-        workers, run_dir = job.cluster.gpus_per_node, job.resolved_run_dir
-        if os.environ.get("SLURM_JOB_ID"):
-            drain_poll_s = job.fault_tolerance.drain_poll_s
-    heartbeat_s = a.heartbeat_s if a.heartbeat_s is not None else heartbeat_s
-    lease_s = a.lease_s if a.lease_s is not None else lease_s
-    if not 0 < heartbeat_s < lease_s:
-        p.error(f"need 0 < --heartbeat-s ({heartbeat_s}) < --lease-s ({lease_s})")
-    run_dir = Path(a.run_dir) if a.run_dir else run_dir
-    roster_path = a.roster or str(run_dir / "roster.json")
-    node = a.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    if a.join:
-        from oobleck_hpc.bootstrap.environment import node_address
-
-        node, roster = join_roster_file(roster_path, node, node_address())
-    else:
-        roster = Roster.load(roster_path)
-    if node not in roster.names:
-        p.error(f"node {node!r} is not in the roster {roster_path} (nodes: {', '.join(roster.names)}); "
-                "pass --node NAME")
-    return AgentOptions(
-        node=node, roster=roster, command=command,
-        workers=a.workers if a.workers is not None else workers, run_dir=run_dir,
-        heartbeat_s=heartbeat_s, lease_s=lease_s, probe_s=a.probe_s,
-        agreement_timeout_s=a.agreement_timeout_s, startup_s=a.startup_s, quorum=a.quorum,
-        kill_grace_s=a.kill_grace_s,
-        drain_poll_s=a.drain_poll_s if a.drain_poll_s is not None else drain_poll_s,
-        job=Path(a.job) if a.job else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,28 +14,35 @@ import sys
 
 from oobleck_hpc.errors import OobleckError
 
-COMMAND_MODULES = [
-    "oobleck_hpc.planning.cli",  # plan
-    "oobleck_hpc.profiling.cli",  # profile, profiles
-    "oobleck_hpc.sim.cli",  # simulate
-    "oobleck_hpc.launch.cli_watch",  # watch
-    "oobleck_hpc.launch.cli_slurm",  # submit
-    "oobleck_hpc.launch.cli",  # run
-    "oobleck_hpc.chaos",  # chaos
-    "oobleck_hpc.report",  # report
-]
+COMMANDS = {
+    "plan": "oobleck_hpc.planning.cli",
+    "profile": "oobleck_hpc.profiling.cli", "profiles": "oobleck_hpc.profiling.cli",
+    "simulate": "oobleck_hpc.sim.cli",
+    "watch": "oobleck_hpc.launch.cli_watch",
+    "submit": "oobleck_hpc.launch.cli_slurm",
+    "run": "oobleck_hpc.launch.cli", "kill-node": "oobleck_hpc.launch.cli",
+    "drain": "oobleck_hpc.launch.cli", "grow": "oobleck_hpc.launch.cli",
+    "chaos": "oobleck_hpc.chaos",
+    "report": "oobleck_hpc.report",
+}
+"""Each command and the module that registers it (and runs it). A command given on the command
+line imports its own module only: `kill-node` must act at once, also on a machine whose cores
+the job's workers keep busy, where each module imported costs ten times its CPU time."""
+COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or only of `command`'s module when it is a known one."""
     parser = argparse.ArgumentParser(prog="oobleck-hpc", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in [COMMANDS[command]] if command in COMMANDS else COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except OobleckError as e:
@@ -43,5 +50,5 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
 
-if __name__ == "__main__":  # `python -m oobleck_hpc.cli` as well as `python -m oobleck_hpc`
+if __name__ == "__main__":  # `python -m oobleck_hpc.cli ...`, as `python -m oobleck_hpc ...`
     raise SystemExit(main())

@@ -37,6 +37,10 @@ from typing import Any, Iterator
 
 SIGNS = ("fault_injected", "node_killed", "failure_detected", "step_failed")
 """Events that mark the start of a failure (the earliest one times the recovery)."""
+KILLED = {"SIGKILL": "killed", "SIGSTOP": "hung", "SIGTERM": "asked to stop"}
+"""What `oobleck-hpc kill-node --signal` did to a node (its agent and workers), by signal:
+SIGKILL a crash, SIGSTOP a hang (frozen, not dead: the others exclude it once its lease
+expires), SIGTERM a stop request."""
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
@@ -122,7 +126,8 @@ class Story:
         return f"fault injected: {e['fault']} {e['node']} during step {e['step']} ({e['phase']})"
 
     def _node_killed(self, e: dict) -> str:
-        return f"node killed: {e['node']} (SIG{e.get('signal', 'KILL').removeprefix('SIG')} from kill-node)"
+        sig = "SIG" + str(e.get("signal", "KILL")).removeprefix("SIG")
+        return f"node {KILLED.get(sig, 'signalled')}: {e['node']} ({sig} from kill-node)"
 
     def _nodes_added(self, e: dict) -> str:
         self.grown = e["t"]

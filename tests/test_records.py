@@ -131,6 +131,26 @@ def test_the_story_says_what_a_slurm_job_is_doing_before_its_plan():
                            "workers; each imports torch"), line
 
 
+def test_the_story_tells_a_hang_by_kill_node_as_a_hang_not_a_kill():
+    """`oobleck-hpc kill-node --signal STOP` freezes the node (issue 27: the console said
+    "node killed"); SIGKILL kills it, SIGTERM asks it to stop."""
+    said = [Story().feed(ev(1.0, "node_killed", "kill-node", node="node2", signal=sig, pid=7))
+            for sig in ("SIGSTOP", "SIGKILL", "SIGTERM")]
+    assert said == [["node hung: node2 (SIGSTOP from kill-node)"],
+                    ["node killed: node2 (SIGKILL from kill-node)"],
+                    ["node asked to stop: node2 (SIGTERM from kill-node)"]]
+    # The hang's recovery is timed from the stop, as a kill's is from the kill.
+    story = Story()
+    for e in (ev(1.0, "node_killed", "kill-node", node="node2", signal="SIGSTOP", pid=7),
+              ev(4.1, "failure_detected", "node1", node="node2", how="lease expired", gen=0),
+              ev(4.2, "agreement_reached", "node0", gen=1, nodes=["node0", "node1"],
+                 lost=["node2"])):
+        story.feed(e)
+    (line,) = story.feed(ev(4.5, "recovered", step=9, generation=1, lost=["node2"],
+                            seconds=0.3, plan="f" * 16))
+    assert "3.50 s after the fault" in line, line
+
+
 def test_the_story_tells_the_plan_of_a_start_on_survivors():
     """A node lost while the job starts: no recovery follows (nothing trained yet), the new
     plan is the start's own (chaos seed 7007, trial 6: the console said nothing of it)."""

@@ -140,7 +140,8 @@ def test_kill_one_node_in_each_phase(tmp_path, reference, phase, node, step):
     assert moved > 0, "no layer state was transferred"
 
 
-# Growth: a node that joins must be up (torch imported) before it is added, which takes
+# Growth: a node that joins must be up (torch imported) before it trains -- a spare before it
+# asks to join, a grown node while the members wait in the round that adds it -- which takes
 # seconds while the members train 10-20 steps a second here. So this run is long (it ends
 # ~5x the time a join takes after its last growth here), and its faults come from the test at
 # the moment it needs them, never from a step number.

@@ -85,19 +85,21 @@ class LocalAgents:
             raise
         return agents
 
-    def _spawn(self, node: str) -> None:
+    def _spawn(self, node: str, *flags: str) -> None:
         log = open(self.run_dir / "logs" / f"agent-{node}.log", "w")
         self.logs.append(log)
         self.procs[node] = subprocess.Popen(
-            [*self.argv, "--node", node, *self.tail], stdout=None if self.console else log,
+            [*self.argv, *flags, "--node", node, *self.tail], stdout=None if self.console else log,
             stderr=log if self.console else subprocess.STDOUT, env=self.env,
             start_new_session=True)
 
     def add(self, count: int) -> list[str]:
         """Grow the running job: `count` new nodes (named after the last one), appended to the
-        roster file as spares, each with its agent. They ask to join at once and are added by
-        the members while the view is smaller than the job (membership.py, step 7); the
-        members learn their addresses from their first message. Returns their names."""
+        roster file as spares, each with its agent. They ask to join as soon as their agents
+        are up (`--join-at-start`: their workers, which share the cores with the members',
+        start while the members wait in the round that adds them) and are added by the
+        members while the view is smaller than the job (membership.py, step 7); the members
+        learn their addresses from their first message. Returns their names."""
         if count < 1:
             raise ValueError(f"count={count}: grow by at least one node")
         used = {int(n[4:]) for n in self.names if n.startswith("node") and n[4:].isdigit()}
@@ -107,7 +109,7 @@ class LocalAgents:
             self.roster = self.roster.with_node(NodeAddress(name, "127.0.0.1", port))
         self.roster.write(self.run_dir / "roster.json")  # atomically, before any agent reads it
         for name in new:
-            self._spawn(name)
+            self._spawn(name, "--join-at-start")
         return new
 
     @property

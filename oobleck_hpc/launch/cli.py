@@ -97,14 +97,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _kill_node(args: argparse.Namespace) -> int:
     import signal
 
-    from oobleck_hpc.launch.local import kill_node
+    from oobleck_hpc.launch.kill import kill_node  # (only these: it acts at once)
+    from oobleck_hpc.story import KILLED
 
+    sig = f"SIG{args.signal}"
     try:
-        kill_node(args.run_dir, args.node, getattr(signal, f"SIG{args.signal}"))
+        kill_node(args.run_dir, args.node, getattr(signal, sig))
     except (FileNotFoundError, KeyError, ProcessLookupError) as e:
         print(f"oobleck-hpc kill-node: error: {e}")
         return 2
-    print(f"sent SIG{args.signal} to {args.node} of {args.run_dir}")
+    print(f"{args.node} of {args.run_dir} {KILLED[sig]} ({sig} to its agent and workers)")
     return 0
 
 
@@ -206,8 +208,10 @@ def _grow(args: argparse.Namespace) -> int:
     events = Tail(run_dir / "events.jsonl")  # each poll reads only what was appended
     while len(joined) < args.nodes and time.monotonic() < deadline:
         if (why := not_running(run_dir)) is not None:
-            print(f"oobleck-hpc grow: {why}; {len(joined)} of {args.nodes} node(s) had joined")
-            return 2
+            print(f"{len(joined)} of {args.nodes} node(s) joined: {why} (a grown node joins "
+                  "while the job runs on fewer nodes than it started with, else it waits as a "
+                  "spare for the next loss)")
+            return 1
         for e in events.read():
             if (e.get("kind") == "node_joined" and e.get("node") not in before | joined
                     and e["t"] >= t0):

@@ -269,23 +269,11 @@ def bad_input_message(run_dir: Path, since: float = 0.0) -> str:
 
 
 def kill_node(run_dir: str | Path, node: str, sig: int = signal.SIGKILL) -> float:
-    """Kill one node of a running local job from another shell: `sig` to its agent's process
-    group (agent + workers). Returns the time it was sent (also written to the events)."""
-    from oobleck_hpc.elastic.events import EventLog
+    """Kill (or hang: SIGSTOP) one node of a running local job from another shell; returns the
+    time the signal was sent. The command's own light module does it (launch/kill.py)."""
+    from oobleck_hpc.launch.kill import kill_node as send
 
-    path = Path(run_dir) / "agents.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is a local job running with run dir "
-                                f"{run_dir}? (`oobleck-hpc run` writes it at start)")
-    pids = json.loads(path.read_text())
-    if node not in pids:
-        raise KeyError(f"node {node!r} is not part of the job in {run_dir} (nodes: "
-                       f"{', '.join(pids)})")
-    log = EventLog(Path(run_dir) / "events.jsonl", source="kill-node")
-    t = time.time()
-    log.emit("node_killed", node=node, signal=signal.Signals(sig).name, pid=pids[node])
-    os.killpg(pids[node], sig)
-    return t
+    return send(run_dir, node, sig)
 
 
 def launch_local(job: JobConfig, job_path: str | Path, metrics: str | Path | None = None,

@@ -1,0 +1,63 @@
+"""The `oobleck-hpc` command table (oobleck_hpc/cli.py): each command imports only its own
+module, so the table must name every command its modules register, and the right module."""
+
+from __future__ import annotations
+
+import argparse
+
+from oobleck_hpc import cli
+
+
+def _commands(parser: argparse.ArgumentParser) -> set[str]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return set(sub.choices)
+
+
+def test_the_command_table_names_every_command_with_the_module_that_registers_it():
+    assert _commands(cli.build_parser()) == set(cli.COMMANDS)
+    for command, module in cli.COMMANDS.items():
+        assert command in _commands(cli.build_parser(command)), (command, module)
+
+
+def test_grow_answers_a_job_that_ended_at_once_and_returns_when_it_ends_while_waiting(
+        tmp_path, monkeypatch, capsys):
+    """`oobleck-hpc grow RUN_DIR --wait S` (issue 27): while the job runs (its `oobleck-hpc run`
+    holds RUN_DIR/job.lock) it waits; a job that ends while it waits ends the wait then, not
+    after S seconds (this test would take 60 s); a job that ended already is refused at once
+    (exit 2), naming the step it ended at and whether it finished."""
+    import json
+    import threading
+    import time
+
+    from oobleck_hpc.launch import local
+    from oobleck_hpc.launch.watch import JobLock, record_exit
+
+    monkeypatch.setattr(local, "grow", lambda run_dir, count: ["node5"])  # the launcher's answer
+    run_dir = tmp_path / "run"
+    with JobLock(run_dir):  # running: no node_joined event within --wait
+        assert cli.main(["grow", str(run_dir), "--nodes", "1", "--wait", "0.5"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("0 of 1 node(s) joined within")
+
+    def finish_in(seconds: float, lock: JobLock, started: threading.Event) -> None:
+        with lock:
+            started.set()
+            time.sleep(seconds)
+            (run_dir / "events.jsonl").write_text(json.dumps(
+                {"t": time.time(), "kind": "run_finished", "steps": 3, "total": 3}) + "\n")
+            record_exit(run_dir, 0, "finished")
+
+    started = threading.Event()
+    job = threading.Thread(target=finish_in, args=(1.0, JobLock(run_dir), started))
+    job.start()
+    started.wait(10)
+    t0 = time.monotonic()
+    assert cli.main(["grow", str(run_dir), "--nodes", "1", "--wait", "60"]) == 1
+    job.join()
+    assert time.monotonic() - t0 < 30
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        f"0 of 1 node(s) joined: the job in {run_dir} is not running (ended at step 3: "
+        "finished)")
+    assert cli.main(["grow", str(run_dir), "--nodes", "1", "--wait", "60"]) == 2
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"oobleck-hpc grow: error: the job in {run_dir} is not running (ended at step 3: "
+        "finished)")
