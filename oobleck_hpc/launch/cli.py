@@ -316,14 +316,17 @@ def end_run(run_dir, code: int, metrics=None) -> None:
     from oobleck_hpc import runs
     from oobleck_hpc.elastic.events import EventLog
     from oobleck_hpc.launch.watch import record_exit
+    from oobleck_hpc.story import Story
 
     out = runs.outcome(run_dir, metrics=metrics)
     reason = _EXIT_REASONS.get(code, f"exit {code}")
     record_exit(run_dir, code, reason, out)
     log = EventLog(run_dir / "events.jsonl", source="launcher")
-    log.emit("run_ended", code=code, reason=reason, finished=out.finished,
-             outcome=out.describe(), last_step=out.last_step, total=out.total)
+    event = log.emit("run_ended", code=code, reason=reason, finished=out.finished,
+                     outcome=out.describe(), last_step=out.last_step, total=out.total)
     log.close()
+    for line in Story().feed(event):  # the console's last line (after its last poll)
+        print(line, flush=True)
 
 
 def begin_run(run_dir) -> str:
