@@ -343,6 +343,8 @@ class Agent:
                 self.cp.leave(how, code, "; ".join(x.reason for x in self.workers if x.reason))
                 self.events.emit("agent_finished", codes=codes, how=how)
                 return code
+            if w.done_code == EXIT_REQUEUE:
+                self._stop_siblings(w)
             return None
         how = f"worker {w.local_rank} (pid {w.proc.pid}) exited with {_describe(code)} without 'done'"
         crashes = self._crashes[w.local_rank] = self._crashes.get(w.local_rank, 0) + 1
@@ -365,6 +367,20 @@ class Agent:
                          crashes=crashes)
         self.cp.fail_self(how)
         return None  # the 'fenced' note that fail_self produced ends the loop
+
+    def _stop_siblings(self, w: _Worker) -> None:
+        """`w` stopped for a requeue (its checkpoint fallback, which each rank decides from its
+        own failed rounds, or a stop signal) while other workers of this node still run: the
+        node can no longer take part in the job -- an exchange needs every local worker, so the
+        others' would wait out their timeouts round after round (a chaos trial did, until its
+        wall bound). They stop for the requeue too: each falls back at its next wait, after any
+        checkpoint it is writing; the node then leaves like any node whose workers are done."""
+        for x in self.workers:
+            if x.exit_code is None and x.done_code is None:
+                x.done_code, x.reason = EXIT_REQUEUE, (f"node {self.opts.node}: worker "
+                                                       f"{w.local_rank} stopped for a requeue "
+                                                       f"({w.reason or 'exit 75'})")
+                self._send(x, {"type": "fenced", "exit_code": EXIT_REQUEUE, "reason": x.reason})
 
     def _stop_node(self, how: str, code: int, reason: str) -> int:
         """This node stops on purpose while others may go on: tell the peers (BYE `how`), tell

@@ -459,6 +459,24 @@ def test_a_node_grown_into_the_running_job_is_added_by_a_round_of_its_own(cluste
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_that_stops_for_a_requeue_stops_its_node(cluster_factory):
+    """A worker of node1 falls back (done 75: each rank decides it from its own failed rounds)
+    while its sibling still takes part: the node cannot serve an exchange any more, so its
+    agent stops the sibling for the requeue too (fenced, 75) and the node leaves with 75; the
+    others go on without it. (A chaos trial's node once kept its other worker in the job, and
+    every exchange waited out its timeout until the trial's wall bound.)"""
+    c = cluster_factory(3, workers=2)
+    c.wait_workers(c.names, 0, timeout=40)
+    leave_file(c, "node1", 0, {"how": "done", "code": 75, "reason": "fell back"})
+    assert c.wait_exit("node1") == 75
+    fenced = [r for r in c.worker_records("node1", 1) if r["kind"] == "fenced"]
+    assert fenced and fenced[0]["exit_code"] == 75 and "stopped for a requeue" in \
+        fenced[0]["reason"], c.worker_records("node1", 1)
+    assert all(c.procs[m].poll() is None for m in ("node0", "node2")), c.dump()
+    (c.run_dir / "ctl" / "STOP").write_text("")
+    assert {m: c.wait_exit(m) for m in ("node0", "node2")} == {"node0": 0, "node2": 0}
+
+
 def test_retry_in_place_early_leave_and_bad_input(cluster_factory):
     """4 nodes x 2 workers, no dead node each time:
     1. a worker's collective fails, every peer answers the probe: a retry round decides the same
