@@ -206,6 +206,11 @@ def test_a_grown_node_joins_after_a_loss_and_the_run_trains_every_step(tmp_path)
     added = first(events, "nodes_added", how="grow")
     joined = first(events, "node_joined", node=added["nodes"][0])
     check_finished(code, events, rows, run_dir, joined["t"], steps)
+    # the round that took it in is told with its plan and the node it added, whoever tells it
+    # (the joiner itself may be rank 0 of the new plan: its record once had neither)
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert all(e["plan"] for e in recovered), recovered
+    assert any(added["nodes"][0] in e["joined"] for e in recovered), recovered
 
 
 @pytest.mark.timeout(240)

@@ -218,9 +218,12 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                 self.base = self._joining_base(m.gen)
                 self.base_plan = self.base.plan
                 rec.step = self.base.state.step + 1
-                new_plan, _ = self._replan(m, rec, "join")
+                new_plan, lost = self._replan(m, rec, "join")
                 comm, groups = self._regroup_round(m, new_plan, rec)
                 engine = self._transfer(m, new_plan, comm, groups, rec)
+                # (as the members' record of the round: the joiner may be rank 0, the teller)
+                rec.joined = tuple(n for n in new_plan.nodes if n not in self.base_plan.nodes)
+                rec.lost, rec.plan = tuple(sorted(lost)), new_plan.digest()
             except (Superseded, RuntimeError, TimeoutError, ValueError) as e:
                 if isinstance(e, RecoveryError):
                     raise
