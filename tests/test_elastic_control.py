@@ -615,18 +615,18 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
 @pytest.mark.timeout(120)
 def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_path, monkeypatch):
     """40 control planes in this process with the socket caps lowered to a few (links.py:
-    OUT_CAP, IN_CAP), so that a round's messages to and from every member must queue for
-    slots, close links after use, and ask senders to close (DROP): a kill is still agreed by
+    OUT_CAP; inbound.py: IN_CAP), so that a round's messages to and from every member must
+    queue for slots, close links after use, and ask senders to close (DROP): a kill is agreed by
     every survivor on the same view, then a second kill too, and no agent ever held more
     sockets than its caps allow or more threads than its loop and the one that checks lost
     connections."""
-    from oobleck_hpc.elastic import control, links
+    from oobleck_hpc.elastic import control, inbound, links
     from oobleck_hpc.elastic.control import ControlPlane
 
     monkeypatch.setattr(links, "OUT_CAP", 3)
     monkeypatch.setattr(control, "OUT_CAP", 3)
-    monkeypatch.setattr(links, "IN_CAP", 4)
-    monkeypatch.setattr(links, "DROP_ASKED", 2)
+    monkeypatch.setattr(inbound, "IN_CAP", 4)
+    monkeypatch.setattr(inbound, "DROP_ASKED", 2)
     ports = free_ports(41)  # distinct: free_port() twice may return one port twice
     roster = Roster(tuple(NodeAddress(f"n{i}", "127.0.0.1", p) for i, p in enumerate(ports[:-1])),
                     ports[-1])

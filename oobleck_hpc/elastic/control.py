@@ -15,7 +15,7 @@ sockets, with stdlib only. Per agent:
   `startup_s` has passed for a peer never reached. Links to nodes that are not this agent's
   observers close after `IDLE_CLOSE_S` idle, or at once after use in a job larger than
   links.OUT_CAP, so that in steady state an agent holds links only along its monitoring edges
-  (topology.py), and never more than links.OUT_CAP outgoing and links.IN_CAP accepted
+  (topology.py), and never more than links.OUT_CAP outgoing and inbound.IN_CAP accepted
   connections. A failed send is retried on a fresh connection (links.py) before it becomes a
   suspicion, so one flaky TCP connection does not exclude a healthy peer; a refused connection
   ends the retries at once (nobody listens on the peer's port: its agent is gone).
@@ -83,6 +83,9 @@ HOLD_S = 0.01
 twice as long each time, at most lease_s / 2), so that suspicions arriving together or in a
 stream (a switch, a partition) cost a few broadcasts to every member, not one each
 (membership.py: hold_rebroadcasts). A round's first broadcast is not held."""
+REJECTS_LOGGED = 100
+"""Rejected frames recorded as events one by one (then every 1000th): a flood of garbage does
+not fill the run's event log."""
 CONFIRM_S = 0.1
 """How long a connection opened to check a peer must stay open (and silent) to prove the peer
 alive."""
@@ -122,6 +125,8 @@ class ControlPlane:
         self.monitor = Monitor(self.core, heartbeat_s, lease_s, startup_s, monitors,
                                self.agreement_timeout_s, emit=self.events.emit)
         self.detector = self.monitor.detector
+        self.rejected = 0
+        """Frames rejected (connections closed for them): links.py, `_frame_rejected`."""
         self.sent = self.received = 0
         """Messages sent and received (HELLOs included): the control plane's load."""
         self._t0 = time.monotonic()
@@ -144,7 +149,7 @@ class ControlPlane:
             sock.close()
             raise OSError(e.errno, f"agent {self.me}: cannot listen on port {self.addr.port} "
                           f"({e.strerror}); the roster gives this port, pick a free one") from e
-        sock.listen(4096)  # a round's messages from every member wait here (links.py: IN_CAP)
+        sock.listen(4096)  # a round's messages from every member wait here (inbound.py: IN_CAP)
         self._loop = EventLoop(self, sock, IDLE_CLOSE_S)
         self._links = self._loop.links
 
@@ -347,6 +352,23 @@ class ControlPlane:
             self.events.emit("connection_reopened", node=peer)
             return
         self._link_failed(peer, "connection_lost")
+
+    def _frame_rejected(self, src: str | None, peer: str, reason: str) -> None:
+        """The event loop closed a connection whose frame could not be acted on (links.py).
+        Recorded, but not every one of a flood: the first REJECTS_LOGGED, then every 1000th."""
+        self.rejected += 1
+        if self.rejected <= REJECTS_LOGGED or self.rejected % 1000 == 0:
+            self.events.emit("frame_rejected", node=src, peer=peer, reason=reason[:200],
+                             count=self.rejected)
+
+    def _loop_died(self, error: BaseException) -> None:
+        """The event loop thread ends on an exception (a bug): this node can no longer hear or
+        tell its peers, so it fences itself at once -- its agent exits, and its peers see its
+        connections close and its port refuse (a clean loss) instead of an agent lingering
+        until its lease runs out."""
+        self.events.emit("control_loop_died", error=f"{type(error).__name__}: {error}"[:300])
+        self._run(lambda: self.core.fence(f"control plane event loop died "
+                                          f"({type(error).__name__}: {error})"))
 
     def _known(self, src: Any, hello: dict[str, Any]) -> bool:
         """Whether `src` is a roster node; a node outside it that gives its address is added

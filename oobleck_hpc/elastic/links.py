@@ -15,12 +15,7 @@ open, however large the job:
   written, and, when another link waits for a free slot, least recently used first. A
   coordinator's message to every member of a 1,000-node job goes out OUT_CAP connections at a
   time. Closing sends UNLINK first, so that the reader knows the peer is not gone.
-- accepted: at `IN_CAP` the loop stops accepting (new connections wait in the kernel's listen
-  backlog, which holds no descriptor of this process) and asks the senders of the least
-  recently heard connections (`DROP_ASKED` at a time) to close theirs (DROP on that
-  connection). A sender finishes what it queued, sends UNLINK and closes; its later messages
-  open a new connection. No message is lost: the reader closes only after UNLINK (or, for a
-  sender that has not answered within lease_s, once its lease has judged it).
+- accepted: at most `IN_CAP` (inbound.py, which reads and checks what they send).
 
 Delivery. Messages to a peer go in order over one connection at a time. A failed connection is
 retried on a fresh one (`SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart; a refused connection ends
@@ -43,7 +38,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from oobleck_hpc.elastic.wire import ConnectionClosed, decode_msgs, encode_msg
+from oobleck_hpc.elastic.inbound import Acceptor, Inbound
+from oobleck_hpc.elastic.messages import BadMessage, parse
+from oobleck_hpc.elastic.wire import ConnectionClosed, decode_frames, encode_msg
 
 SEND_ATTEMPTS = 3
 """Tries of one message (or one liveness check) on fresh connections before the peer is
@@ -53,12 +50,6 @@ RETRY_PAUSE_S = 0.05
 heartbeat."""
 OUT_CAP = 24
 """Outgoing connections one agent holds open at most."""
-IN_CAP = 32
-"""Accepted connections one agent holds open at most."""
-DROP_ASKED = 32
-"""Accepted connections whose senders are asked to close at once when IN_CAP is reached."""
-
-_DROP = encode_msg({"type": "drop"})
 
 
 class Link:
@@ -96,45 +87,28 @@ class Link:
         return self.failed or not (self.pending or self.later)
 
 
-class _Inbound:
-    """An accepted connection: its sender (after HELLO) and the bytes read so far."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.src: str | None = None
-        self.rbuf = bytearray()
-        self.heard = time.monotonic()
-        self.drop_asked = 0.0
-        """When its sender was asked to close it (0: not asked)."""
-
-
 class EventLoop:
     """One agent's sockets and timers in one thread (module docstring)."""
 
     def __init__(self, cp: Any, listener: socket.socket, idle_close_s: float):
         """`cp`: the owning ControlPlane (its lock, clock, timeouts and callbacks)."""
         self.cp = cp
-        self.listener = listener
         self.idle_close_s = idle_close_s
         self.sel = selectors.DefaultSelector()
         self.links: dict[str, Link] = {}
-        self.inbound: dict[socket.socket, _Inbound] = {}
         self.pinned: frozenset[str] = frozenset()
         self.one_shot = False
         self._dirty: set[Link] = set()
         self._waiting: dict[Link, None] = {}  # ordered: links waiting for a free outgoing slot
         self._open: dict[Link, None] = {}  # links with a connection (at most OUT_CAP)
         self._framed: tuple[dict[str, Any] | None, bytes] = (None, b"")
-        self._listening = False
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._wake_r, self._wake_w = socket.socketpair()
-        for s in (self._wake_r, self._wake_w, listener):
+        for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._listen(True)
-        self.helpers = 0  # the thread checking lost connections (`_checks`), while it runs
-        self._checks: deque[str] = deque()
+        self.acceptor = Acceptor(self, listener)
         self.peak = {"sockets": 0, "threads": 0}
         self.thread = threading.Thread(target=self._run, name=f"cp-{cp.me}-loop", daemon=True)
 
@@ -186,9 +160,7 @@ class EventLoop:
         is written."""
         self.pinned = frozenset(peers)
         self.one_shot = one_shot
-        for conn in list(self.inbound.values()):
-            if conn.drop_asked and now - conn.drop_asked > self.cp.lease_s:
-                self._close_inbound(conn, lost=False)  # its sender is hung or gone: the lease
+        self.acceptor.expire(now)
         for peer, link in list(self.links.items()):
             if peer in self.pinned or not link.drained or now - link.used <= self.idle_close_s:
                 continue
@@ -200,33 +172,41 @@ class EventLoop:
     def resources(self) -> dict[str, int]:
         """Sockets open now (listener, wake-up pair, outgoing, accepted, helpers' checks) and
         threads (the loop, helpers)."""
-        return {"sockets": 3 + len(self._open) + len(self.inbound) + self.helpers,
-                "threads": 1 + self.helpers}
+        acc = self.acceptor
+        return {"sockets": 3 + len(self._open) + len(acc.conns) + acc.helpers,
+                "threads": 1 + acc.helpers}
 
     # ------------------------------------------------------------------ the loop
 
     def _run(self) -> None:
         stop = self.cp._stop
         try:
-            while not stop.is_set():
-                timeout = 0.0 if self._dirty else self.cp.heartbeat_s / 2
-                if self._timers:
-                    timeout = min(timeout, max(0.0, self._timers[0][0] - time.monotonic()))
-                events = self.sel.select(timeout)
-                with self.cp._lock:
-                    if stop.is_set():
-                        break
-                    for key, mask in events:
-                        self._dispatch(key, mask)
-                    now = time.monotonic()
-                    while self._timers and self._timers[0][0] <= now:
-                        heapq.heappop(self._timers)[2]()
-                    self._service(now)
-                    res = self.resources()
-                    for k in self.peak:
-                        self.peak[k] = max(self.peak[k], res[k])
+            self._loop(stop)
+        except BaseException as e:  # a bug: this node can no longer take part in the job
+            if not stop.is_set():
+                self.cp._loop_died(e)
+            raise
         finally:
             self._close_all()
+
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            timeout = 0.0 if self._dirty else self.cp.heartbeat_s / 2
+            if self._timers:
+                timeout = min(timeout, max(0.0, self._timers[0][0] - time.monotonic()))
+            events = self.sel.select(timeout)
+            with self.cp._lock:
+                if stop.is_set():
+                    break
+                for key, mask in events:
+                    self._dispatch(key, mask)
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    heapq.heappop(self._timers)[2]()
+                self._service(now)
+                res = self.resources()
+                for k in self.peak:
+                    self.peak[k] = max(self.peak[k], res[k])
 
     def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
         data = key.data
@@ -236,10 +216,10 @@ class EventLoop:
             except OSError:
                 pass
         elif data == "listen":
-            self._accept()
-        elif isinstance(data, _Inbound):
-            if self.inbound.get(data.sock) is data:  # not closed earlier in this batch
-                self._read_inbound(data)
+            self.acceptor.accept()
+        elif isinstance(data, Inbound):
+            if self.acceptor.conns.get(data.sock) is data:  # not closed earlier in this batch
+                self.acceptor.read(data)
         elif isinstance(data, Link) and data.sock is key.fileobj:
             if data.connecting and mask & selectors.EVENT_WRITE:
                 self._connected(data)
@@ -367,10 +347,12 @@ class EventLoop:
             return
         link.rbuf += data
         try:
-            msgs = decode_msgs(link.rbuf)
-        except (ConnectionClosed, ValueError):
-            msgs = []
-        if any(m.get("type") == "drop" for m in msgs) and not link.closing:
+            msgs = [parse(body) for body in decode_frames(link.rbuf)]
+        except (ConnectionClosed, BadMessage) as e:
+            self.cp._frame_rejected(link.peer, f"{link.addr[0]}:{link.addr[1]}", str(e))
+            link.rbuf.clear()
+            return
+        if any(m["type"] == "drop" for m in msgs) and not link.closing:
             self._close_after_queue(link)
 
     def _close_after_queue(self, link: Link) -> None:
@@ -426,104 +408,14 @@ class EventLoop:
         else:
             self.after(RETRY_PAUSE_S, lambda: self._dirty.add(link))
 
-    # ------------------------------------------------------------------ inbound
-
-    def _listen(self, on: bool) -> None:
-        if on and not self._listening:
-            self.sel.register(self.listener, selectors.EVENT_READ, "listen")
-        elif not on and self._listening:
-            self.sel.unregister(self.listener)
-        self._listening = on
-
-    def _accept(self) -> None:
-        while len(self.inbound) < IN_CAP:
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = self.inbound[sock] = _Inbound(sock)
-            self.sel.register(sock, selectors.EVENT_READ, conn)
-            self._read_inbound(conn)  # what was sent with the connection is often there
-        # Full: stop accepting until a connection closes, and ask the senders of the least
-        # recently heard ones to close theirs (DROP_ASKED at a time).
-        self._listen(False)
-        conns = self.inbound.values()
-        want = DROP_ASKED - sum(1 for c in conns if c.drop_asked)
-        if want > 0:
-            idle = [c for c in conns if c.src is not None and not c.drop_asked]
-            for conn in sorted(idle, key=lambda c: c.heard)[:want]:
-                conn.drop_asked = time.monotonic()
-                try:
-                    conn.sock.send(_DROP)
-                except OSError:
-                    pass
-
-    def _read_inbound(self, conn: _Inbound) -> None:
-        try:
-            data = conn.sock.recv(1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._close_inbound(conn, lost=True)
-            return
-        conn.rbuf += data
-        conn.heard = time.monotonic()
-        try:
-            msgs = decode_msgs(conn.rbuf)
-        except (ConnectionClosed, ValueError):
-            self._close_inbound(conn, lost=True)
-            return
-        for msg in msgs:
-            if conn.src is None:
-                src = msg.get("src")
-                if msg.get("type") != "hello" or src == self.cp.me or not self.cp._known(src, msg):
-                    self._close_inbound(conn, lost=False)
-                    return
-                conn.src = src
-            elif msg.get("type") == "unlink":
-                self._close_inbound(conn, lost=False)  # the sender closed an idle link
-                return
-            self.cp._on_message(conn.src, msg)
-
-    def _close_inbound(self, conn: _Inbound, lost: bool) -> None:
-        """Close an accepted connection; one that ended without UNLINK is checked (a helper
-        thread: ControlPlane._connection_lost)."""
-        self.sel.unregister(conn.sock)
-        conn.sock.close()
-        del self.inbound[conn.sock]
-        self._listen(True)
-        if lost and conn.src is not None and not self.cp._stop.is_set():
-            self._checks.append(conn.src)
-            if not self.helpers:  # one helper checks them in turn (it waits on the network)
-                self.helpers = 1
-                threading.Thread(target=self._check, daemon=True,
-                                 name=f"cp-{self.cp.me}-check").start()
-
-    def _check(self) -> None:
-        while True:
-            with self.cp._lock:
-                if not self._checks or self.cp._stop.is_set():
-                    self.helpers = 0
-                    return
-                peer = self._checks.popleft()
-            self.cp._connection_lost(peer)
-
     def _close_all(self) -> None:
         for link in self._open:
             if link.sock is not None:
                 link.sock.close()
                 link.sock = None
         self._open.clear()
-        for conn in self.inbound.values():
-            conn.sock.close()
-        self.inbound.clear()
-        for s in (self.listener, self._wake_r, self._wake_w):
+        self.acceptor.close_all()
+        for s in (self._wake_r, self._wake_w):
             try:
                 s.close()
             except OSError:

@@ -48,19 +48,20 @@ def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(encode_msg(msg))
 
 
-def decode_msgs(buf: bytearray) -> list[dict[str, Any]]:
-    """The whole messages at the start of `buf` (a non-blocking reader's bytes so far), removed
-    from it; a partial message stays. Raises ConnectionClosed on a corrupt length."""
-    msgs = []
+def decode_frames(buf: bytearray, limit: int = MAX_MESSAGE) -> list[bytes]:
+    """The bodies of the whole frames at the start of `buf` (a non-blocking reader's bytes so
+    far), removed from it; a partial frame stays. Raises ConnectionClosed on a length above
+    `limit` (a corrupt stream, or more than the reader accepts yet)."""
+    bodies = []
     while len(buf) >= _HEADER.size:
         (size,) = _HEADER.unpack_from(buf)
-        if size > MAX_MESSAGE:
-            raise ConnectionClosed(f"message of {size} bytes exceeds {MAX_MESSAGE}: corrupt stream")
+        if size > limit:
+            raise ConnectionClosed(f"message of {size} bytes exceeds {limit}: corrupt stream")
         if len(buf) < _HEADER.size + size:
             break
-        msgs.append(json.loads(bytes(buf[_HEADER.size:_HEADER.size + size])))
+        bodies.append(bytes(buf[_HEADER.size:_HEADER.size + size]))
         del buf[:_HEADER.size + size]
-    return msgs
+    return bodies
 
 
 def recv_msg(sock: socket.socket) -> dict[str, Any]:
