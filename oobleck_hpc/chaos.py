@@ -281,9 +281,13 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
     rows = read_jsonl(run_dir / "metrics.jsonl")
     trial.steps_complete = check_steps(rows, steps)
     trial.finished = runs.outcome(run_dir).finished
-    fired_at = [e["t"] for e in events if e.get("kind") == "fault_injected"]
+    fired_at: dict[tuple, float] = {}  # each fault's first firing (another local rank of a
+    for e in events:                   # hung node may fire it again once it is let go)
+        if e.get("kind") == "fault_injected":
+            key = (e.get("node"), e.get("step"), e.get("phase"), e.get("fault"))
+            fired_at[key] = min(fired_at.get(key, e["t"]), e["t"])
     if fired_at and rows:
-        trial.tail_s = round(max(r["time"] for r in rows) - max(fired_at), 2)
+        trial.tail_s = round(max(r["time"] for r in rows) - max(fired_at.values()), 2)
         trial.short_tail = trial.tail_s < 2 * grace_s
     if trial.exit is None:
         trial.outcome = "hung"
@@ -345,10 +349,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated fault kinds to draw from (default {','.join(KINDS)})")
     p.add_argument("--steps", type=int, default=12,
                    help="the steps faults are drawn in (default 12)")
-    p.add_argument("--tail-steps", type=int, default=120, metavar="T",
-                   help="steps every trial trains after those (default 120: ~10 s on 2 cores, "
-                        "longer than twice every grace period; each trial checks it, "
-                        "short_tail). A trial takes well under a minute on 2 cores")
+    p.add_argument("--tail-steps", type=int, default=200, metavar="T",
+                   help="steps every trial trains after those (default 200: 9-20 s on 2 cores, "
+                        "longer than twice every grace period even on the fewest nodes; each "
+                        "trial checks it, short_tail). A trial takes well under a minute on 2 "
+                        "cores")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="checkpoint.every_steps of the trials (default: steps // 3)")
     p.add_argument("--trial-timeout", type=float, default=300.0, metavar="S",

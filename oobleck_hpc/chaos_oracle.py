@@ -186,7 +186,7 @@ def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f
     A drain may leave after any step from its own to the last (`positions`), but every step
     after the set's last fault orders the rounds alike (the drain comes last, after a commit):
     the steps are cut there, so that a trial's tail of steps does not multiply the orders."""
-    from oobleck_hpc.elastic.recovery import MAX_RETRIES
+    from oobleck_hpc.elastic.recovery import MAX_RETRIES, MAX_ROUNDS
 
     if faults:
         steps = min(steps, max(x.step for x in faults) + 1)
@@ -194,6 +194,23 @@ def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f
                         for order in round_orders(faults, steps)))
     if sum(x.kind == "crash" and restarted(x) is not False for x in faults) >= MAX_RETRIES:
         out.add("fallback")
+    if rounds_at_one_step(faults) > MAX_ROUNDS:
+        out.add("fallback")  # (`rounds_at_one_step`)
     if any(x.kind == "grow" for x in faults):
         out.add("in_place")  # (module docstring: a node more only adds survivors and replicas)
     return sorted(out)
+
+
+def rounds_at_one_step(faults: Sequence[FaultConfig]) -> int:
+    """The most membership rounds the fired `faults` can open while the job recovers one step:
+    one per fault at that step in the step or one of its recovery's windows (faults in one
+    window may be agreed away one by one), a crashed worker's retry round and a grown node's
+    join round included. A recovery falls back after MAX_ROUNDS + 1 failed rounds
+    (elastic/recovery.py, each rank counting its own): k rounds fail k - 1 times by the faults
+    alone, and a round also fails when a peer's restarted worker or a joiner drops a
+    connection, so from MAX_ROUNDS + 1 faults at one step on, the fallback is expected too."""
+    at: dict[int, int] = {}
+    for x in faults:
+        if x.kind not in ("slow", "drain") and x.phase in STEP_PHASES + RECOVERY_PHASES:
+            at[x.step] = at.get(x.step, 0) + 1
+    return max(at.values(), default=0)
