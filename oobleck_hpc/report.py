@@ -137,6 +137,7 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
         if e["kind"] == "recovered":
             t0 = sign if sign is not None else e["t"] - e.get("seconds", 0.0)
             recoveries.append({"step": e["step"], "lost": e.get("lost", []),
+                               "joined": e.get("joined", []), "drained": e.get("drained", []),
                                "generation": e.get("generation"), "plan": e.get("plan"),
                                "t": round(e["t"] - t_start, 3), "t_fault": round(t0 - t_start, 3),
                                "recovery_s": round(e["t"] - t0, 4),
@@ -226,6 +227,16 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
     }
 
 
+def what(r: dict[str, Any]) -> str:
+    """What a recovery was about: 'lost node2', 'drained node3', '+node5' (joined), or
+    '(retry)' when no node left or came (a retry in place, a restarted worker)."""
+    lost = [n for n in r["lost"] if n not in r.get("drained", [])]
+    parts = ([f"lost {','.join(lost)}"] if lost else []) + (
+        [f"drained {','.join(r.get('drained', []))}"] if r.get("drained") else []) + (
+        [f"+{','.join(r.get('joined', []))}"] if r.get("joined") else [])
+    return " ".join(parts) or "(retry)"
+
+
 def _quantile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -255,10 +266,10 @@ def text(rep: dict[str, Any]) -> str:
     lines.append("time lost: " + ", ".join(f"{k} {v:.2f} s" for k, v in lost.items()))
     if rep["recoveries"]:
         lines.append("\nrecoveries (seconds from the fault):")
-        lines.append(f"{'step':>5} {'lost':<14} {'total':>6}  "
+        lines.append(f"{'step':>5} {'what':<14} {'total':>6}  "
                      + " ".join(f"{p:>10}" for p in PHASES) + "  moved")
         for r in rep["recoveries"]:
-            lines.append(f"{r['step']:>5} {','.join(r['lost']) or '(retry)':<14} "
+            lines.append(f"{r['step']:>5} {what(r):<14} "
                          f"{r['recovery_s']:>6.2f}  "
                          + " ".join(f"{r['phases'][p]:>10.3f}" for p in PHASES)
                          + f"  {r['bytes_moved'] / 1e6:.2f} MB")
@@ -328,7 +339,7 @@ def plot(rep: dict[str, Any], rows: list[dict], path: str) -> None:
                          xycoords=("data", "axes fraction"), va="top", fontsize=8,
                          color="tab:blue", xytext=(3, -3), textcoords="offset points")
     for r in rep["recoveries"]:
-        ax_loss.annotate(f"lost {','.join(r['lost']) or '(retry)'}\n{r['recovery_s']:.2f} s",
+        ax_loss.annotate(f"{what(r)}\n{r['recovery_s']:.2f} s",
                          (r["t_fault"], 1), xycoords=("data", "axes fraction"), va="top",
                          fontsize=8, color="tab:red", xytext=(3, -3), textcoords="offset points")
     ax_loss.set_ylabel("loss")

@@ -356,3 +356,14 @@ def test_metrics_lines_count_steps_from_one_and_name_their_attempt(tmp_path, cap
                                                          (4, 1)]
     assert capsys.readouterr().out.splitlines()[0].startswith("step 2/4")
     assert all(math.isfinite(r.get("loss", 0.0)) for r in rows)
+
+
+def test_a_recovery_is_named_by_what_left_or_came():
+    from oobleck_hpc.report import what
+
+    assert what({"lost": ["node2"], "joined": [], "drained": []}) == "lost node2"
+    assert what({"lost": ["node3"], "joined": [], "drained": ["node3"]}) == "drained node3"
+    assert what({"lost": ["node4"], "joined": ["node5"], "drained": []}) == "lost node4 +node5"
+    assert what({"lost": [], "joined": ["node5"], "drained": []}) == "+node5"  # a grow
+    assert what({"lost": [], "joined": [], "drained": []}) == "(retry)"
+    assert what({"lost": ["node1"]}) == "lost node1"  # a report of records before joins
