@@ -10,7 +10,9 @@
                                   published port, records its NodeEnvironment in
                                   DIR/probe/NODE.json, then beats (DIR/probe/NODE.beats, one line
                                   every 0.2 s) for S seconds, noting any SIGUSR2/SIGTERM it gets;
-                                  exits CODE on a job's first run (restart 0), else 0
+                                  exits CODE on a job's first run (restart 0), else 0 -- and
+                                  then, as a training run's rank 0 does, records the run
+                                  finished (its `run_finished` event: the verdict, runs.py)
     discover-step --run-dir DIR --nodes A,B,.. [--min-nodes K] [--members K] [--mpi M] [--log F]
                                   run the discovery step from the batch script, leaving out
                                   nodes that cannot run a step (discovery.run_discovery_step);
@@ -81,6 +83,11 @@ def _probe(args: argparse.Namespace) -> int:
         record["signals"] = signals
         (out / f"{env.node}.json").write_text(json.dumps(record, indent=1) + "\n")
     code = args.first_run_exit if env.restart_count == 0 else 0
+    if code == 0:  # the job's verdict is its record (oobleck_hpc/runs.py), not this exit code
+        from oobleck_hpc.elastic.events import EventLog
+
+        EventLog(Path(args.run_dir) / "events.jsonl", source=f"{env.node}/probe").emit(
+            "run_finished", steps=1, total=1, model="probe")
     print(f"probe {env.node}: done (restart {env.restart_count}), exit {code}", flush=True)
     return code
 

@@ -10,7 +10,9 @@ Used by the control-plane tests and as a template for a real worker, with no tor
 - polls `<run_dir>/ctl/`: a file `<node>.<local_rank>.report` (JSON {kind, detail, suspects})
   makes it report an in-band failure once; a file `<node>.<local_rank>.exit` (JSON {how:
   "leave"} or {how: "done", code, reason}) makes it leave the job early (`client.leave()`, exit
-  0) or exit on purpose with `code`; a file `STOP` makes it say "done" and exit 0;
+  0) or exit on purpose with `code`; a file `STOP` makes it say "done" and exit 0, after
+  recording the run finished as a training run's rank 0 does (its `run_finished` event: the
+  job's verdict is its record, oobleck_hpc/runs.py);
 - exits with the fencing's exit code when fenced (3 excluded, 75 requeue, 2 bad input).
 
 Run it under an agent:  python -m oobleck_hpc.agent ... -- python -m oobleck_hpc.testing.echo_worker
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 from oobleck_hpc.elastic.client import AgentClient, Membership
+from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.membership import Fenced, Superseded
 
 
@@ -51,6 +54,8 @@ def main() -> int:
         while True:
             if (ctl / "STOP").exists():
                 record("stop")
+                EventLog(run_dir / "events.jsonl", source=me).emit(
+                    "run_finished", steps=max(gen, 0), total=max(gen, 0), model="echo")
                 client.done(0)
                 return 0
             leave = ctl / f"{me}.exit"
