@@ -34,7 +34,9 @@ from oobleck_hpc.errors import (
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train a job on this machine (launch: local)",
-                       description="Train a job on this machine (cluster.launch: local): start its nodes as local processes, tell the run on the console, and start it again from its checkpoint when it exits 75.")
+                       description="Train a job on this machine (cluster.launch: local): "
+                       "start its nodes as local processes, tell the run on the console, and "
+                       "start it again from its checkpoint when it exits 75.")
     p.add_argument("job", help="YAML job file")
     p.add_argument("--metrics", default=None,
                    help="append one JSON line per step here (step, loss, samples, seconds, "
