@@ -37,11 +37,11 @@ TOL = 1e-5
 
 def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0,
              steps: int = STEPS, lease_s: float = 3.0, straggler: str = "none",
-             microbatches: int = 4, gpus: int = 2) -> dict:
+             microbatches: int = 4, gpus: int = 2, microbatch_size: int = 2) -> dict:
     return {
         "name": "recovery-test",
         "model": {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
-        "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": microbatches,
+        "train": {"steps": steps, "microbatch_size": microbatch_size, "global_microbatches": microbatches,
                   "lr": 1e-3,
                   "warmup_steps": 2, "log_every": 1, "save_final_params": True},
         "cluster": {"launch": "local", "nodes": nodes, "gpus_per_node": gpus, "device": "cpu",
@@ -326,11 +326,15 @@ def test_a_slowed_node_gets_fewer_microbatches_and_the_run_stays_exact(tmp_path)
     baseline is taken (steps 2-6). The vote's compute figures find it within a window of 5
     steps; `straggler: rebalance` re-splits the batch (node1's pipeline gets fewer
     microbatches), every rank switches to that plan after the same step with nothing moved,
-    and the run ends equal to the fp64 reference."""
+    and the run ends equal to the fp64 reference. Microbatches of 16: the fault stops the worker
+    every 20 ms (DutyCycle.PERIOD_S) for what it owes, so a rank's compute per step must be well
+    over that for every step to be slowed alike -- with microbatches of 2 (~1 ms per
+    computation) a stop landed in a computation or in a wait by chance, and the window's median
+    stayed under the ratio for up to 4 steps more (found at step 15 once in 4 runs)."""
     from oobleck_hpc.engine import reference_run
 
     steps = 20
-    extra = {"nodes": 4, "steps": steps, "microbatches": 8, "gpus": 1}
+    extra = {"nodes": 4, "steps": steps, "microbatches": 8, "gpus": 1, "microbatch_size": 16}
     ref = reference_run(job_from_dict(job_dict(Path("/nonexistent"), **extra)), steps)
     code, rows, run_dir = run_job(tmp_path, straggler="rebalance", **extra, faults=[
         {"node": 1, "step": 8, "phase": "forward", "kind": "slow", "factor": 4.0}])
