@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import shutil
 import signal
@@ -65,6 +66,9 @@ from oobleck_hpc.elastic.events import read_events
 from oobleck_hpc.elastic.local import LocalAgents
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
 from oobleck_hpc.testing.netsim import Sim, scenarios
+
+SECRET = os.urandom(32)
+"""The run secret of the in-process control planes (every connection proves it: auth.py)."""
 
 
 def wait_view(run_dir: Path, nodes: list[str], timeout: float) -> list[dict]:
@@ -131,7 +135,7 @@ def planes(n: int, heartbeat_s: float, lease_s: float, on_decided=None) -> list[
     def note(me):
         return lambda kind, f: on_decided(me, f["gen"], tuple(f["nodes"])) \
             if kind == "decided" and on_decided else None
-    cps = [ControlPlane(m, roster, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120,
+    cps = [ControlPlane(m, roster, secret=SECRET, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120,
                         on_note=note(m)) for m in roster.names]
     for cp in cps:
         cp.start()
@@ -172,7 +176,7 @@ def serve(roster_path: str, first: int, last: int, heartbeat_s: float, lease_s: 
                     t=time.monotonic())
         return on_note
 
-    cps = [ControlPlane(m, roster, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120,
+    cps = [ControlPlane(m, roster, secret=SECRET, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120,
                         on_note=note(m)) for m in names]
     for cp in cps:
         cp.start()

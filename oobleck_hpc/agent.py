@@ -46,7 +46,9 @@ Worker environment (what `oobleck_hpc.bootstrap.detect()` reads, source 'local')
 OOBLECK_NODES (generation 0: the roster), OOBLECK_LOCAL_RANK, OOBLECK_NODE_ADDR, and as `extra`:
 OOBLECK_JOB (with --job), OOBLECK_RUN_DIR, OOBLECK_STORE (generation 0's store host:port, to be
 hosted by local rank 0 of the first roster node), OOBLECK_AGENT_FD, OOBLECK_LOCAL_WORLD,
-OOBLECK_NODE_INDEX (see oobleck_hpc/elastic/client.py for the link itself).
+OOBLECK_NODE_INDEX (see oobleck_hpc/elastic/client.py for the link itself). The run's secret,
+which every control-plane connection proves (elastic/auth.py), is read from $OOBLECK_SECRET_FILE
+(inherited by the workers), else RUN_DIR/secret: an agent without it exits 2.
 
 Under Slurm the launcher runs `python -m oobleck_hpc.agent --job JOB --run-dir RUN_DIR`: the node
 name then defaults to $SLURMD_NODENAME (else the short host name), the roster to
@@ -72,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oobleck_hpc.agent_options import AgentOptions, parse_args  # (re-exported: its command line)
+from oobleck_hpc.elastic.auth import run_secret
 from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.drain import POLL_S, SHARED_POLL_S, DrainWatch
 from oobleck_hpc.elastic.events import EventLog
@@ -115,8 +118,9 @@ class Agent:
         self.opts = opts
         self.events = EventLog(opts.run_dir / "events.jsonl", source=opts.node)
         self.inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
-        self.cp = ControlPlane(opts.node, opts.roster, heartbeat_s=opts.heartbeat_s,
-                               lease_s=opts.lease_s, probe_s=opts.probe_s,
+        self.cp = ControlPlane(opts.node, opts.roster, secret=run_secret(opts.run_dir),
+                               heartbeat_s=opts.heartbeat_s, lease_s=opts.lease_s,
+                               probe_s=opts.probe_s,
                                agreement_timeout_s=opts.agreement_timeout_s,
                                startup_s=opts.startup_s, quorum=opts.quorum,  # type: ignore[arg-type]
                                open_to_joins=False, events=self.events,

@@ -90,10 +90,14 @@ def run_id(run_dir: str | os.PathLike[str] | None = None) -> str:
 def begin(run_dir: str | os.PathLike[str], new_id: str) -> str | None:
     """Make `new_id` RUN_DIR's current run. If another run's records are there, move them to
     RUN_DIR/history/<its id>/ first and return that id; None when there was nothing to move
-    (a requeued attempt of the same run keeps its records)."""
+    (a requeued attempt of the same run keeps its records). A new run gets a new secret
+    (RUN_DIR/secret: elastic/auth.py); a requeued attempt keeps its run's."""
+    from oobleck_hpc.elastic.auth import write_secret
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     old = read_run_id(run_dir)
+    write_secret(run_dir, fresh=old != new_id)
     if old == new_id:
         return None
     present = sorted({p for pattern in PER_RUN for p in run_dir.glob(pattern)})

@@ -24,6 +24,9 @@ from oobleck_hpc.elastic.events import read_events
 from oobleck_hpc.elastic.local import LocalAgents
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port, free_ports
 
+SECRET = bytes(range(32))
+"""The run secret of the control planes built here (their tests are not about it)."""
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -538,7 +541,7 @@ def test_flaky_connection_is_retried_and_a_dead_peer_still_detected_at_once(tmp_
     pa, pb, store = free_ports(3)  # distinct (free_port() twice may return one port twice)
     roster = Roster((NodeAddress("a", "127.0.0.1", pa), NodeAddress("b", "127.0.0.1", pb)), store)
     log = tmp_path / "events.jsonl"
-    cps = {m: ControlPlane(m, roster, heartbeat_s=0.1, lease_s=5.0, startup_s=10, quorum="none",
+    cps = {m: ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.1, lease_s=5.0, startup_s=10, quorum="none",
                            events=EventLog(log, source=m)) for m in roster.names}
     try:
         for cp in cps.values():
@@ -583,7 +586,7 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
     *ports, store = free_ports(4)
     roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip("abc", ports)), store)
     log = tmp_path / "events.jsonl"
-    cps = {m: ControlPlane(m, roster, heartbeat_s=0.1, lease_s=5.0, probe_s=0.3, startup_s=10,
+    cps = {m: ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.1, lease_s=5.0, probe_s=0.3, startup_s=10,
                            events=EventLog(log, source=m)) for m in roster.names}
     try:
         for cp in cps.values():
@@ -634,7 +637,7 @@ def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_
     ports = free_ports(41)  # distinct: free_port() twice may return one port twice
     roster = Roster(tuple(NodeAddress(f"n{i}", "127.0.0.1", p) for i, p in enumerate(ports[:-1])),
                     ports[-1])
-    cps = [ControlPlane(m, roster, heartbeat_s=0.25, lease_s=3.0, startup_s=30)
+    cps = [ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.25, lease_s=3.0, startup_s=30)
            for m in roster.names]
     try:
         for cp in cps:

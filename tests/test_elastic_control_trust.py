@@ -17,6 +17,7 @@ from helpers import wait_until
 from test_elastic_control import Cluster
 
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
+from test_elastic_control import SECRET
 
 pytestmark = pytest.mark.slow
 
@@ -114,7 +115,7 @@ def test_an_event_loop_that_dies_fences_its_node_at_once(tmp_path):
     pa, pb, store = free_ports(3)
     roster = Roster((NodeAddress("a", "127.0.0.1", pa), NodeAddress("b", "127.0.0.1", pb)), store)
     log = tmp_path / "events.jsonl"
-    cps = {m: ControlPlane(m, roster, heartbeat_s=0.1, lease_s=30.0, startup_s=10, quorum="none",
+    cps = {m: ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.1, lease_s=30.0, startup_s=10, quorum="none",
                            events=EventLog(log, source=m)) for m in roster.names}
     try:
         for cp in cps.values():

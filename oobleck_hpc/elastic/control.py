@@ -7,9 +7,13 @@ sockets, with stdlib only. Per agent:
   agent's roster port, the accepted connections, the outgoing links, and the ticker. What
   arrives is handed to the core under one lock (the core is single-threaded by construction);
   nothing ever blocks the core: sends are queued and written by the loop.
-- the first message on a connection is HELLO {src, host, port}. A HELLO from a node outside the
-  roster adds it (with a link to its address): a node grown into the running job, which joins
-  like a spare. What the core addressed to it before (a peer's round that adds it reached this
+- the listening socket is bound to the interface of this node's roster address (not every
+  interface). A connection proves the run's secret (auth.py): its first frame is a HELLO {src,
+  to, host, port, nonce, ts} sealed with keys derived from the secret, and every frame after it,
+  both ways, carries a MAC bound to the sender's name and its place on that connection; a frame
+  that does not verify or validate (messages.py) closes its connection (inbound.py). A verified
+  HELLO from a node outside the roster adds it (with a link to its address): a node grown into
+  the running job (it read the run's secret), which joins like a spare. What the core addressed to it before (a peer's round that adds it reached this
   agent first) is sent then.
 - one outgoing link per peer it sends to, opened on the first message (lazily), retried until
   `startup_s` has passed for a peer never reached. Links to nodes that are not this agent's
@@ -94,7 +98,8 @@ alive."""
 class ControlPlane:
     """One agent's end of the control plane (see module docstring)."""
 
-    def __init__(self, me: str, roster: Roster, *, heartbeat_s: float = 0.5, lease_s: float = 3.0,
+    def __init__(self, me: str, roster: Roster, *, secret: bytes,
+                 heartbeat_s: float = 0.5, lease_s: float = 3.0,
                  probe_s: float | None = None, agreement_timeout_s: float | None = None,
                  startup_s: float = 60.0, quorum: Quorum = "majority",
                  open_to_joins: bool = True, monitors: int = MONITORS,
@@ -103,6 +108,8 @@ class ControlPlane:
         if lease_s <= heartbeat_s:
             raise ValueError(f"lease_s={lease_s} must exceed heartbeat_s={heartbeat_s}")
         self.me = me
+        self.secret = secret
+        """The run's secret (auth.py): every connection proves it."""
         self.roster = roster
         self.addr = roster.address(me)
         self.heartbeat_s = heartbeat_s
@@ -144,11 +151,12 @@ class ControlPlane:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("", self.addr.port))
+            sock.bind((self.addr.host, self.addr.port))
         except OSError as e:
             sock.close()
-            raise OSError(e.errno, f"agent {self.me}: cannot listen on port {self.addr.port} "
-                          f"({e.strerror}); the roster gives this port, pick a free one") from e
+            raise OSError(e.errno, f"agent {self.me}: cannot listen on {self.addr.host}:"
+                          f"{self.addr.port} ({e.strerror}); the roster gives this address: "
+                          f"pick a free port on an interface of this host") from e
         sock.listen(4096)  # a round's messages from every member wait here (inbound.py: IN_CAP)
         self._loop = EventLoop(self, sock, IDLE_CLOSE_S)
         self._links = self._loop.links
@@ -262,7 +270,7 @@ class ControlPlane:
         threads (the event loop; helpers checking a lost connection)."""
         with self._lock:
             if self._loop is None:
-                return {"sockets": 0, "threads": 0}
+                return {"sockets": 0, "strangers": 0, "threads": 0}
             return dict(self._loop.peak) if peak else self._loop.resources()
 
     def store_host(self, node: str) -> str:

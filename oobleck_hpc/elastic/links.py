@@ -17,6 +17,10 @@ open, however large the job:
   time. Closing sends UNLINK first, so that the reader knows the peer is not gone.
 - accepted: at most `IN_CAP` (inbound.py, which reads and checks what they send).
 
+Authenticated (auth.py): a connection's first frame is the connector's HELLO, and every frame
+both ways is sealed with that connection's keys when it is written (a message queued once is
+sealed again on the connection that takes it after a failure).
+
 Delivery. Messages to a peer go in order over one connection at a time. A failed connection is
 retried on a fresh one (`SEND_ATTEMPTS` tries, `RETRY_PAUSE_S` apart; a refused connection ends
 them at once: nobody listens on the peer's port, its agent is gone) before the peer is suspected,
@@ -38,9 +42,10 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from oobleck_hpc.elastic.auth import AuthFailed, Sealer, hello
 from oobleck_hpc.elastic.inbound import Acceptor, Inbound
 from oobleck_hpc.elastic.messages import BadMessage, parse
-from oobleck_hpc.elastic.wire import ConnectionClosed, decode_frames, encode_msg
+from oobleck_hpc.elastic.wire import ConnectionClosed, decode_frames, encode_body, frame
 
 SEND_ATTEMPTS = 3
 """Tries of one message (or one liveness check) on fresh connections before the peer is
@@ -58,11 +63,16 @@ class Link:
     def __init__(self, loop: EventLoop, peer: str, addr: tuple[str, int]):
         self.loop, self.peer, self.addr = loop, peer, addr
         self.pending: deque[bytes] = deque()
-        """Frames not yet wholly written; `offset` bytes of the first one are."""
+        """Bodies of the messages not yet wholly written; `offset` bytes of the first one's
+        sealed frame (`wire`) are."""
         self.offset = 0
+        self.wire: bytes | None = None
         self.later: deque[bytes] = deque()
-        """Frames queued while the connection closes (after its UNLINK): for the next one."""
+        """Bodies queued while the connection closes (after its UNLINK): for the next one."""
         self.sock: socket.socket | None = None
+        self.sealer: Sealer | None = None
+        """The connection's keys (auth.py): what this side writes, what it reads."""
+        self.opener: Sealer | None = None
         self.connecting = False
         self.closing = False
         self.connected_once = False
@@ -109,7 +119,7 @@ class EventLoop:
             s.setblocking(False)
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.acceptor = Acceptor(self, listener)
-        self.peak = {"sockets": 0, "threads": 0}
+        self.peak = {"sockets": 0, "strangers": 0, "threads": 0}
         self.thread = threading.Thread(target=self._run, name=f"cp-{cp.me}-loop", daemon=True)
 
     # ------------------------------------------------------------------ owner's side
@@ -141,10 +151,10 @@ class EventLoop:
         return link
 
     def frame(self, msg: dict[str, Any]) -> bytes:
-        """`msg` framed, with this agent as its source; a message the core addressed to many
-        peers (one dict) is encoded once."""
+        """`msg`'s body, with this agent as its source; a message the core addressed to many
+        peers (one dict) is encoded once (each connection seals it: `_write`)."""
         if self._framed[0] is not msg:
-            self._framed = (msg, encode_msg({**msg, "src": self.cp.me}))
+            self._framed = (msg, encode_body({**msg, "src": self.cp.me}))
         return self._framed[1]
 
     def after(self, delay: float, fn: Callable[[], None]) -> None:
@@ -170,11 +180,12 @@ class EventLoop:
                 self._close_after_queue(link)
 
     def resources(self) -> dict[str, int]:
-        """Sockets open now (listener, wake-up pair, outgoing, accepted, helpers' checks) and
-        threads (the loop, helpers)."""
+        """Sockets open now (listener, wake-up pair, outgoing, accepted, helpers' checks),
+        strangers (accepted connections not authenticated yet) and threads (the loop,
+        helpers)."""
         acc = self.acceptor
         return {"sockets": 3 + len(self._open) + len(acc.conns) + acc.helpers,
-                "threads": 1 + acc.helpers}
+                "strangers": len(acc.strangers), "threads": 1 + acc.helpers}
 
     # ------------------------------------------------------------------ the loop
 
@@ -299,20 +310,24 @@ class EventLoop:
         link.connecting = False
         link.connected_once = True
         cp = self.cp
-        link.pending.appendleft(encode_msg({"type": "hello", "src": cp.me, "host": cp.addr.host,
-                                            "port": cp.addr.port}))
+        body, link.sealer, link.opener = hello(cp.secret, cp.me, link.peer, cp.addr.host,
+                                               cp.addr.port)
+        link.pending.appendleft(body)
         self._watch(link)
 
     def _write(self, link: Link) -> None:
         assert link.sock is not None
+        assert link.sealer is not None
         try:
             while link.pending:
-                n = link.sock.send(memoryview(link.pending[0])[link.offset:])
+                if link.wire is None:
+                    link.wire = frame(link.sealer.seal(link.pending[0]))
+                n = link.sock.send(memoryview(link.wire)[link.offset:])
                 link.offset += n
-                if link.offset < len(link.pending[0]):
+                if link.offset < len(link.wire):
                     break  # the kernel's buffer is full: wait until writable
                 link.pending.popleft()
-                link.offset = 0
+                link.offset, link.wire = 0, None
                 link.attempts = 0
         except BlockingIOError:
             pass
@@ -346,11 +361,13 @@ class EventLoop:
                 self._disconnect(link)
             return
         link.rbuf += data
+        assert link.opener is not None
         try:
-            msgs = [parse(body) for body in decode_frames(link.rbuf)]
-        except (ConnectionClosed, BadMessage) as e:
+            msgs = [parse(link.opener.open(p)) for p in decode_frames(link.rbuf)]
+        except (ConnectionClosed, BadMessage, AuthFailed) as e:
+            # (not its peer's agent: another process on its port, or a corrupt stream)
             self.cp._frame_rejected(link.peer, f"{link.addr[0]}:{link.addr[1]}", str(e))
-            link.rbuf.clear()
+            self._attempt_failed(link, ConnectionResetError(f"bad frame from {link.addr}"))
             return
         if any(m["type"] == "drop" for m in msgs) and not link.closing:
             self._close_after_queue(link)
@@ -359,7 +376,7 @@ class EventLoop:
         """Send UNLINK after what is queued, then close; later messages wait for a new
         connection."""
         link.closing = True
-        link.pending.append(encode_msg({"type": "unlink", "src": self.cp.me}))
+        link.pending.append(encode_body({"type": "unlink", "src": self.cp.me}))
         if link.sock is not None and not link.connecting:
             self._write(link)
         else:
@@ -383,6 +400,7 @@ class EventLoop:
             link.sock.close()
             del self._open[link]
         link.sock, link.connecting, link.closing, link.offset, link.events = None, False, False, 0, 0
+        link.wire = link.sealer = link.opener = None
         link.rbuf.clear()
 
     def _attempt_failed(self, link: Link, error: OSError) -> None:

@@ -12,7 +12,8 @@ What the local launcher, the tests and the benchmarks need to run the control pl
 Each agent runs `python -m oobleck_hpc.agent` in its own session (process group), so a node
 failure is one `killpg`: the agent and its workers vanish together, as when a machine dies. The
 roster (nodes on 127.0.0.1, free ports, generation 0's store port) is written to
-RUN_DIR/roster.json; agent output goes to RUN_DIR/logs/agent-<node>.log; events to
+RUN_DIR/roster.json, the run's secret to RUN_DIR/secret (kept if the launcher wrote it:
+auth.py), handed to the agents in $OOBLECK_SECRET_FILE; agent output goes to RUN_DIR/logs/agent-<node>.log; events to
 RUN_DIR/events.jsonl.
 """
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Sequence
 
+from oobleck_hpc.elastic.auth import SECRET_ENV, write_secret
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
 
 
@@ -64,6 +66,7 @@ class LocalAgents:
         roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)),
                         store_port, spares)
         roster.write(run_dir / "roster.json")
+        secret = write_secret(run_dir, fresh=False)  # (the launcher's, if it began the run)
         argv = [sys.executable, "-m", "oobleck_hpc.agent", "--roster", str(run_dir / "roster.json"),
                 "--run-dir", str(run_dir), "--workers", str(workers), "--quorum", quorum,
                 "--startup-s", str(startup_s), "--kill-grace-s", str(kill_grace_s)]
@@ -76,7 +79,8 @@ class LocalAgents:
         argv += list(extra_args)
         tail = ["--", *command] if command else []
         agents = cls(run_dir, roster, workers, {}, argv=argv, tail=tail,
-                     env={**os.environ, **(env or {})}, console=console)
+                     env={**os.environ, SECRET_ENV: str(secret), **(env or {})},
+                     console=console)
         try:
             for m in names:
                 agents._spawn(m)

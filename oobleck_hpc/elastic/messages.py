@@ -27,6 +27,10 @@ def _str(v: Any) -> bool:
     return type(v) is str
 
 
+def _num(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
 def _names(v: Any) -> bool:
     return type(v) is list and all(type(x) is str for x in v)
 
@@ -53,8 +57,9 @@ def _decision(v: Any) -> bool:
 
 
 MESSAGES: dict[str, dict[str, Check]] = {
-    # links.py: the first message on a connection, its end, and the reader's request to close it
-    "hello": {"src": _str, "host": _str, "port": _int},
+    # links.py: the first message on a connection (auth.py), its end, and the reader's request
+    # to close it
+    "hello": {"src": _str, "to": _str, "host": _str, "port": _int, "nonce": _str, "ts": _num},
     "unlink": {},
     "drop": {},
     # control.py / topology.py: liveness

@@ -38,22 +38,32 @@ class ConnectionClosed(ConnectionError):
     """The peer closed the connection (or died): no more messages will come."""
 
 
+def encode_body(msg: dict[str, Any]) -> bytes:
+    """`msg` as compact JSON (a frame's body)."""
+    return json.dumps(msg, separators=(",", ":"), default=str).encode()
+
+
+def frame(payload: bytes) -> bytes:
+    """`payload` framed: its length, then itself."""
+    return _HEADER.pack(len(payload)) + payload
+
+
 def encode_msg(msg: dict[str, Any]) -> bytes:
     """`msg` framed: its length, then its JSON."""
-    data = json.dumps(msg, separators=(",", ":"), default=str).encode()
-    return _HEADER.pack(len(data)) + data
+    return frame(encode_body(msg))
 
 
 def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(encode_msg(msg))
 
 
-def decode_frames(buf: bytearray, limit: int = MAX_MESSAGE) -> list[bytes]:
+def decode_frames(buf: bytearray, limit: int = MAX_MESSAGE, most: int = -1) -> list[bytes]:
     """The bodies of the whole frames at the start of `buf` (a non-blocking reader's bytes so
-    far), removed from it; a partial frame stays. Raises ConnectionClosed on a length above
-    `limit` (a corrupt stream, or more than the reader accepts yet)."""
-    bodies = []
-    while len(buf) >= _HEADER.size:
+    far; at most `most` of them if >= 0), removed from it; a partial frame stays. Raises
+    ConnectionClosed on a length above `limit` (a corrupt stream, or more than the reader
+    accepts yet)."""
+    bodies: list[bytes] = []
+    while len(buf) >= _HEADER.size and len(bodies) != most:
         (size,) = _HEADER.unpack_from(buf)
         if size > limit:
             raise ConnectionClosed(f"message of {size} bytes exceeds {limit}: corrupt stream")
