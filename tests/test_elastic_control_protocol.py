@@ -320,6 +320,44 @@ def test_exchange_gathers_one_value_per_node_and_is_superseded_by_a_round():
     assert (failed["gen"], failed["key"]) == (0, "late") and "moved on" in failed["reason"]
 
 
+def test_a_vote_takes_one_value_per_member_from_members_for_open_keys_only():
+    """What a member that misbehaves (it holds the run's secret) can do to a vote is bounded:
+    its second value for a key, a value from a non-member, a value for a generation two
+    ahead, a fifth open key, and gathered values from another than the coordinator are all
+    ignored (issue 28: forged values became every member's result of the exchange)."""
+    from oobleck_hpc.elastic.exchange import OPEN_PER_NODE
+
+    coordinator = MembershipCore("n0", ("n0", "n1", "n2", "n3"), 999, lambda: 1,
+                                 members0=("n0", "n1", "n2"))
+    x = lambda key, value, gen=0: {"type": "exchange", "xgen": gen, "key": key, "value": value}
+    coordinator.handle("n1", x("step-1", "n1's"))
+    coordinator.handle("n1", x("step-1", "forged"))  # a second value
+    coordinator.handle("n3", x("step-1", "not a member's"))
+    coordinator.handle("n2", x("step-1", "too far ahead", gen=2))
+    for i in range(OPEN_PER_NODE + 2):
+        coordinator.handle("n2", x(f"k-{i}", i))
+    coordinator.exchange("step-1", "n0's")
+    coordinator.handle("n2", x("step-1", "n2's"))  # (n2's keys are full, step-1 was not open)
+    assert not [n for n in coordinator.notes if n[0] == "exchange_done"]
+    for i in range(OPEN_PER_NODE):  # (its open keys complete: room for step-1)
+        coordinator.exchange(f"k-{i}", i)
+        coordinator.handle("n1", x(f"k-{i}", i))
+    coordinator.handle("n2", x("step-1", "n2's"))
+    done = [f for k, f in coordinator.notes if k == "exchange_done" and f["key"] == "step-1"]
+    assert done and done[0]["values"] == {"n0": "n0's", "n1": "n1's", "n2": "n2's"}, done
+
+    member = MembershipCore("n1", ("n0", "n1", "n2"), 999, lambda: 1)
+    member.exchange("step-1", "n1's")
+    values = {"n0": "a", "n1": "n1's", "n2": "c"}
+    member.handle("n2", {"type": "exchange_done", "xgen": 0, "key": "step-1",
+                         "values": {**values, "n0": "forged"}})  # not the coordinator
+    assert not [n for n in member.notes if n[0] == "exchange_done"]
+    member.handle("n0", {"type": "exchange_done", "xgen": 0, "key": "step-1",
+                         "values": {**values, "mallory": "x"}})
+    (done,) = [f for k, f in member.notes if k == "exchange_done"]
+    assert done["values"] == values
+
+
 def test_retry_in_place_decides_the_same_nodes_on_a_fresh_store():
     """A failure with no dead node: one agent opens a retry round, the others join it, and all
     decide the next generation with the same nodes, nothing lost and a fresh store port."""

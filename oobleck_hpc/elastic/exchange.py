@@ -1,7 +1,13 @@
 """The all-gathers among a generation's nodes that ride on the control plane
 (`MembershipCore.exchange`: the commit vote, plan digests, a recovery's reconcile). Bookkeeping
 only: the core decides when one completes (this node's value and every node of the current view's
-are in, no round open) and when it fails (a round opened first, this node was fenced)."""
+are in, no round open) and when it fails (a round opened first, this node was fenced).
+
+What it takes (a vote carries the drain, stop and straggler decisions): one value per node per
+key, the first (a second is ignored); values only at the coordinator of the current generation
+and only from its members, or for the next generation (a member that decided it first); at
+most OPEN_PER_NODE keys open per node and generation; the gathered values only from the
+coordinator of the current generation, for its members."""
 
 from __future__ import annotations
 
@@ -10,6 +16,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     from oobleck_hpc.elastic.decision import Decision
 
+OPEN_PER_NODE = 4
+"""Exchanges one node may have values in, per generation, that have not completed here: a
+member is at most a step ahead (its vote, a drain's exchange); more is not a member's."""
+
 
 class Exchanges:
     def __init__(self) -> None:
@@ -17,10 +27,15 @@ class Exchanges:
         self._mine: set[tuple[int, str]] = set()
 
     def put(self, gen: int, key: str, node: str, value: Any, mine: bool = False) -> None:
-        """`node`'s value for exchange `key` of generation `gen` (`mine`: this node's own)."""
+        """`node`'s value for exchange `key` of generation `gen` (`mine`: this node's own);
+        ignored if `node` gave one already, or has OPEN_PER_NODE other keys open."""
         if mine:
             self._mine.add((gen, key))
-        self._values.setdefault((gen, key), {})[node] = value
+        values = self._values.get((gen, key), {})
+        if node in values or sum(1 for (g, _), v in self._values.items()
+                                 if g == gen and node in v) >= OPEN_PER_NODE:
+            return
+        self._values.setdefault((gen, key), values)[node] = value
 
     def put_all(self, gen: int, key: str, values: dict[str, Any], but: str) -> None:
         """Every node's value but this node's own (`but`): a coordinator's gathered values."""
@@ -85,15 +100,17 @@ class ExchangeSteps:
         self._check_exchange(gen, key)
 
     def _on_exchange(self, src: str, msg: dict[str, Any]) -> None:
-        if msg["xgen"] >= self.decided.gen:
-            self._x.put(msg["xgen"], msg["key"], src, msg["value"])
-            self._check_exchange(msg["xgen"], msg["key"])
+        gen, d = msg["xgen"], self.decided
+        if gen == d.gen + 1 or (gen == d.gen and d.nodes[0] == self.me and src in d.nodes):
+            self._x.put(gen, msg["key"], src, msg["value"])
+            self._check_exchange(gen, msg["key"])
 
     def _on_exchange_done(self, src: str, msg: dict[str, Any]) -> None:
         """The coordinator's gathered values (step 8)."""
-        gen = msg["xgen"]
-        if gen == self.decided.gen:  # (it needed this node's value: no later generation)
-            self._x.put_all(gen, msg["key"], msg["values"], but=self.me)
+        gen, d = msg["xgen"], self.decided
+        if gen == d.gen and src == d.nodes[0]:  # (it needed this node's value: not later)
+            values = {n: v for n, v in msg["values"].items() if n in d.nodes}
+            self._x.put_all(gen, msg["key"], values, but=self.me)
             self._check_exchange(gen, msg["key"])
 
     def _check_exchange(self, gen: int, key: str) -> None:
