@@ -185,10 +185,9 @@ def test_an_event_loop_that_dies_fences_its_node_at_once(tmp_path):
             cp.close()
 
 
-def forged(c: Cluster) -> list[tuple[str, dict]]:
-    """The messages that stopped, split or joined a job from a stranger's connection (issue 28),
-    each as the sender it poses as would send it."""
-    n = c.names
+def forged(n: list[str]) -> list[tuple[str, dict]]:
+    """The messages that stopped, split or joined a job of nodes `n` from a stranger's
+    connection (issue 28), each as the sender it poses as would send it."""
     d0 = {"gen": 0, "nodes": n, "lost": [], "store_node": n[0], "store_port": 1, "joined": []}
     fake = {**d0, "gen": 1, "nodes": n[:1], "lost": n[1:]}
     return [
@@ -225,7 +224,7 @@ def test_strangers_without_the_secret_change_nothing(tmp_path):
         sent = 0
         for node in c.names:
             to = c.agents.roster.address(node)
-            for poser, msg in forged(c):
+            for poser, msg in forged(c.names):
                 if poser == node:
                     continue
                 send_raw(to, jframe(plain_hello(poser, node)) + jframe({**msg, "src": poser}),
