@@ -33,6 +33,7 @@ from oobleck_hpc.elastic.events import read_events
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
 TOL = 1e-5
+SECRET = bytes(range(32))
 
 
 def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0,
@@ -395,7 +396,7 @@ def test_guarantee_exceeded_raises_at_once():
             pass
 
     driver = ElasticDriver(job, None, profile, None, torch.device("cpu"), FakeClient(),
-                           events=_NullEvents())
+                           events=_NullEvents(), secret=SECRET)
     driver.plan, driver.templates, driver.gen, driver.engine = plan, templates, 0, FakeEngine()
     t0 = time.monotonic()
     with pytest.raises(GuaranteeExceeded):
@@ -433,7 +434,7 @@ def test_a_recovery_that_rolls_the_last_step_forward_runs_no_further_step():
             return StepResult(step=self.state.step, ok=True)
 
     driver = ElasticDriver(job, None, resolve_profile(job), None, torch.device("cpu"),
-                           FakeClient(), events=_NullEvents())
+                           FakeClient(), events=_NullEvents(), secret=SECRET)
     driver.engine, driver.gen = FakeEngine(), 0
     rolled = StepResult(step=STEPS - 1, ok=True, loss=1.0)
 
@@ -481,7 +482,7 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
             return {"node0": [value], "node1": [committed]}
 
     driver = ElasticDriver(job, None, None, None, torch.device("cpu"), FakeClient(),
-                           events=_NullEvents())
+                           events=_NullEvents(), secret=SECRET)
     held = Held()
     driver.base, driver.base_plan = held, plan
     driver._pending = Recovery(19, (), 0, "", 0.0)  # failed in step 19's vote
@@ -516,7 +517,7 @@ def test_generations_without_a_loss_end_in_the_fallback_even_after_a_reconfigura
         state = TrainState(step=3)
 
     driver = ElasticDriver(job, None, profile, None, torch.device("cpu"), FakeClient(),
-                           events=_NullEvents())
+                           events=_NullEvents(), secret=SECRET)
     driver.templates, driver.base, driver.base_plan = templates, FakeEngine(), base
     rec = Recovery(4, (), 0, "", 0.0)
     survivors = tuple(n for n in nodes if n != "node2")
@@ -576,7 +577,7 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
     try:
         with pytest.raises(Superseded):
             open_store("127.0.0.1", server.getsockname()[1], False, 20.0,
-                        abort=lambda: time.monotonic() > opened)
+                       abort=lambda: time.monotonic() > opened, prefix="p")
         assert time.monotonic() - t0 < 2.0
     finally:
         server.close()
