@@ -26,13 +26,14 @@ What a stranger who reaches the port can and cannot do, then (torch 2.13):
   differs per run and per generation, and 128 bits are not guessed -- so it cannot read them,
   nor overwrite, add to or delete them, by name;
 - but it CAN LIST them: `TCPStore.list_keys()` answers any client with every key, the prefix
-  included. Having listed them, a stranger can read the ranks' gloo addresses and overwrite or
-  delete a rendezvous key: the rendezvous then fails (a retry round, and at worst the
-  checkpoint fallback) or a rank connects its gloo pair to an address the stranger chose. The
-  prefix stops blind writers (another job's torch clients, a stale worker of an earlier run or
-  generation on a reused port), not a client that reads the store's listing; only a store
-  that authenticates its clients would, and torch's does not. The gloo/NCCL data plane itself
-  is unauthenticated too (README, "Security model").
+  included. Having listed them, a stranger can read what they hold (the ranks' gloo
+  addresses; with NCCL, the communicators' unique ids) and overwrite or delete a rendezvous
+  key: the rendezvous then fails (a retry round, and at worst the checkpoint fallback) or a
+  rank connects its gloo pair to an address the stranger chose. The prefix stops blind
+  writers (another job's torch clients, a stale worker of an earlier run or generation on a
+  reused port), not a client that reads the store's listing; only a store that authenticates
+  its clients would, and torch's does not. The gloo/NCCL data plane is not authenticated
+  either: a stranger who reaches those ports needs no store.
 
 torch APIs: TCPStore (public: constructor with is_master / wait_for_workers / timeout /
 master_listen_fd, add), PrefixStore.
