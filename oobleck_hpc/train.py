@@ -62,6 +62,7 @@ def main() -> int:
     from oobleck_hpc.checkpoint import read_latest_pointer
     from oobleck_hpc.config import load_job
     from oobleck_hpc.data import dataset_for
+    from oobleck_hpc.elastic.auth import run_secret
     from oobleck_hpc.elastic.client import AgentClient
     from oobleck_hpc.elastic.driver import Drained, ElasticDriver, RecoveryError
     from oobleck_hpc.elastic.events import EventLog
@@ -78,6 +79,7 @@ def main() -> int:
     client = _client = AgentClient.from_env()  # first: bad input below is reported through it
     job = load_job(env.extra["job"])
     run_dir = Path(env.extra.get("run_dir") or job.resolved_run_dir)
+    secret = run_secret(run_dir)  # (the store's key prefix; none readable: exit 2, naming it)
     device = pick_device(job, env)
     if job.model.dtype == "float64":  # exact comparisons with the fp64 reference
         import torch
@@ -94,7 +96,8 @@ def main() -> int:
     # Profile, plan, rendezvous (generation 0: every rank computes the same plan from the same
     # inputs; the store is hosted by the node the membership names).
     profile = resolve_profile(job)
-    driver = ElasticDriver(job, model, profile, dataset, device, client, events, faults)
+    driver = ElasticDriver(job, model, profile, dataset, device, client, events, faults,
+                           secret=secret)
     client._on_notice = driver.on_notice
     first_step = (read_latest_pointer(job.checkpoint.dir) or 0) if job.checkpoint.dir else 0
     code = EXIT_OK

@@ -10,8 +10,8 @@ error in the replayed step, the re-split batch or the copied optimizer state sho
 
 Cases: one node killed in each window of the transactional step, and one lost in the last
 step's vote; f = 2 nodes killed at once; the node that hosts the store and coordinates
-generation 0 (node0) killed; a node killed while the survivors reconfigure; a node hung
-(SIGSTOP); growth: a spare swapped in by a loss's recovery, a second loss, and a node grown
+generation 0 (node0) killed, while a stranger's torch client works on every store (issue
+28); a node killed while the survivors reconfigure; a node hung (SIGSTOP); growth: a spare swapped in by a loss's recovery, a second loss, and a node grown
 back by `oobleck-hpc grow` (one long run). Exceeding the guarantee raises the typed error at once (a unit test of the driver:
 with gpt-tiny's n0 = 1 no local job can lose every replica and keep a quorum). Every job runs
 under a hard timeout and its processes are killed by pid at the end.
@@ -33,6 +33,7 @@ from oobleck_hpc.elastic.events import read_events
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
 TOL = 1e-5
+SECRET = bytes(range(32))
 
 
 def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0,
@@ -247,14 +248,90 @@ def test_kill_two_nodes_at_once(tmp_path, reference):
     check_equal_to_reference(code, rows, run_dir, reference, {"node1", "node3"})
 
 
+def guessed_keys(gen: int, world: int = 10) -> list[str]:
+    """The rendezvous keys a stranger can name without the run's secret: those of an
+    un-prefixed run (the driver's arrival counter, gloo's address of every rank in the world
+    and in the first subgroups, as torch 2.13 names them), with and without the engine's
+    generation prefix."""
+    ranks = range(world)
+    plain = ["arrived"] + [f"0//cpu//0/{r}" for r in ranks] + [
+        f"0//{g}//cpu//0/{r}" for g in range(1, 9) for r in ranks]
+    return plain + [f"oobleck/gen{gen}/{k}" for k in plain]
+
+
+class StoreStranger:
+    """Another process's torch client on the run's stores (issue 28, "store clients"): it
+    connects to every generation's store as soon as the store is up (generation 0's port from
+    the roster, later ones from the agents' agreement events), and until the run ends keeps
+    reading the keys it can guess (`guessed_keys`), overwriting them with garbage, and adding
+    -1000 to the arrival counters -- each of which stalled or broke a run whose keys had no
+    secret prefix. `found`: guessed keys that held a value the stranger did not write."""
+
+    GARBAGE = b"stranger"
+
+    def __init__(self):
+        self.found: list[tuple[int, str]] = []
+        self.connected: list[int] = []
+
+    def __call__(self, run_dir: Path, stop) -> None:
+        import datetime
+        import time
+
+        import torch.distributed as dist
+
+        stores: dict[int, object] = {}
+        mine: dict[int, dict[str, bytes]] = {}  # what the stranger last wrote there
+        while not stop.is_set():
+            targets = {}
+            if (run_dir / "roster.json").exists():
+                roster = json.loads((run_dir / "roster.json").read_text())
+                targets[0] = f"127.0.0.1:{roster['store_port']}"
+            if (run_dir / "events.jsonl").exists():
+                targets.update({e["gen"]: e["store_addr"] for e in read_events(
+                    run_dir / "events.jsonl") if e["kind"] == "agreement_reached"})
+            for gen, addr in targets.items():
+                if gen in self.connected:
+                    continue
+                host, port = addr.rsplit(":", 1)
+                try:
+                    store = dist.TCPStore(host, int(port), is_master=False,
+                                          wait_for_workers=False,
+                                          timeout=datetime.timedelta(seconds=1))
+                    mine[gen] = {}
+                    for key in ("arrived", f"oobleck/gen{gen}/arrived"):
+                        if store.check([key]):
+                            self.found.append((gen, key))
+                        mine[gen][key] = str(store.add(key, -1000)).encode()
+                except RuntimeError:
+                    continue  # not up yet, or gone already
+                self.connected.append(gen)
+                stores[gen] = store
+            for gen, store in list(stores.items()):
+                try:
+                    for key in guessed_keys(gen):
+                        if store.check([key]) and store.get(key) != mine[gen].get(key):
+                            self.found.append((gen, key))
+                        store.set(key, self.GARBAGE)
+                        mine[gen][key] = self.GARBAGE
+                except RuntimeError:
+                    del stores[gen]  # its host left
+            time.sleep(0.02)
+
+
 @pytest.mark.timeout(150)
 def test_kill_store_host_and_coordinator(tmp_path, reference):
-    """node0 hosts generation 0's store and is the first node of the roster (rank 0)."""
-    code, rows, run_dir = run_job(tmp_path, faults=[
+    """node0 hosts generation 0's store and is the first node of the roster (rank 0). A
+    stranger's client on the stores meanwhile (`StoreStranger`) finds none of the run's keys
+    and changes nothing: every key of the run lives under a prefix derived from the run's
+    secret and the generation (elastic/rendezvous.py)."""
+    stranger = StoreStranger()
+    code, rows, run_dir = run_job(tmp_path, during=stranger, faults=[
         {"node": 0, "step": 3, "phase": "forward", "kind": "kill"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, {"node0"})
     agreed = [e for e in events if e["kind"] == "membership_agreed"]
     assert agreed and not agreed[-1]["store"].endswith(":0")
+    assert stranger.found == []
+    assert 0 in stranger.connected and len(stranger.connected) >= 2, stranger.connected
 
 
 @pytest.mark.timeout(150)
@@ -395,7 +472,7 @@ def test_guarantee_exceeded_raises_at_once():
             pass
 
     driver = ElasticDriver(job, None, profile, None, torch.device("cpu"), FakeClient(),
-                           events=_NullEvents())
+                           events=_NullEvents(), secret=SECRET)
     driver.plan, driver.templates, driver.gen, driver.engine = plan, templates, 0, FakeEngine()
     t0 = time.monotonic()
     with pytest.raises(GuaranteeExceeded):
@@ -433,7 +510,7 @@ def test_a_recovery_that_rolls_the_last_step_forward_runs_no_further_step():
             return StepResult(step=self.state.step, ok=True)
 
     driver = ElasticDriver(job, None, resolve_profile(job), None, torch.device("cpu"),
-                           FakeClient(), events=_NullEvents())
+                           FakeClient(), events=_NullEvents(), secret=SECRET)
     driver.engine, driver.gen = FakeEngine(), 0
     rolled = StepResult(step=STEPS - 1, ok=True, loss=1.0)
 
@@ -481,7 +558,7 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
             return {"node0": [value], "node1": [committed]}
 
     driver = ElasticDriver(job, None, None, None, torch.device("cpu"), FakeClient(),
-                           events=_NullEvents())
+                           events=_NullEvents(), secret=SECRET)
     held = Held()
     driver.base, driver.base_plan = held, plan
     driver._pending = Recovery(19, (), 0, "", 0.0)  # failed in step 19's vote
@@ -516,7 +593,7 @@ def test_generations_without_a_loss_end_in_the_fallback_even_after_a_reconfigura
         state = TrainState(step=3)
 
     driver = ElasticDriver(job, None, profile, None, torch.device("cpu"), FakeClient(),
-                           events=_NullEvents())
+                           events=_NullEvents(), secret=SECRET)
     driver.templates, driver.base, driver.base_plan = templates, FakeEngine(), base
     rec = Recovery(4, (), 0, "", 0.0)
     survivors = tuple(n for n in nodes if n != "node2")
@@ -576,7 +653,7 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
     try:
         with pytest.raises(Superseded):
             open_store("127.0.0.1", server.getsockname()[1], False, 20.0,
-                        abort=lambda: time.monotonic() > opened)
+                       abort=lambda: time.monotonic() > opened, prefix="p")
         assert time.monotonic() - t0 < 2.0
     finally:
         server.close()

@@ -64,8 +64,9 @@ A worker's life with this link (the shape train.py / the reconfigure driver foll
 
     client = AgentClient.from_env(on_notice=abort_collectives_on_round)
     m = client.wait_membership(timeout=300)                    # generation 0 (the roster)
-    store = TCPStore(m.store_host, m.store_port, is_master=client.hosts_store(m))
-    plan = plan_job(job, profile, list(m.nodes)); build groups (key prefix gen<m.gen>/)
+    store = open_store(m.store_host, m.store_port, client.hosts_store(m), ...,
+                       prefix=store_prefix(secret, m.gen))     # elastic/rendezvous.py
+    plan = plan_job(job, profile, list(m.nodes)); build groups on it
     loop over steps:
         a step returns a failure value -> client.report_failure("comm_error", str(err), suspects)
         m = client.wait_membership(after_gen=m.gen, timeout=...)   # the agreed survivors
@@ -288,7 +289,8 @@ class AgentClient:
 
     def hosts_store(self, m: Membership) -> bool:
         """Whether this worker hosts generation `m`'s store (local rank 0 of m.store_node):
-        it creates TCPStore(m.store_host, m.store_port, is_master=True); the others connect."""
+        it creates the TCPStore on m.store_host:m.store_port (rendezvous.open_store); the others
+        connect."""
         return m.store_node == self.node and self.local_rank == 0
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ Lifecycle (the elastic layer relies on exactly this):
 
 `init` wraps the caller's store in a `PrefixStore("oobleck/gen<generation>/")`, so a rebuilt
 world never reads keys left by an older one (torchft does the same; the generation number comes
-from the agents' agreement, one decision per generation). After `destroy` or `abandon` nothing
+from the agents' agreement, one decision per generation; the elastic driver's store is itself
+under a per-run secret prefix: elastic/rendezvous.py). After `destroy` or `abandon` nothing
 of the old groups is left in torch.distributed; the same processes can `init` a new generation
 with a different world size and rank. The collective timeout is short (the job's
 `fault_tolerance.collective_timeout_s`): it bounds how long a hung peer can stall anything.
