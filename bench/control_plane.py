@@ -67,8 +67,9 @@ from oobleck_hpc.elastic.local import LocalAgents
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
 from oobleck_hpc.testing.netsim import Sim, scenarios
 
-SECRET = os.urandom(32)
-"""The run secret of the in-process control planes (every connection proves it: auth.py)."""
+SECRET = bytes.fromhex(os.environ.get("BENCH_SECRET") or os.urandom(32).hex())
+"""The run secret of the control planes (every connection proves it: auth.py); the host
+processes of --real inherit it ($BENCH_SECRET)."""
 
 
 def wait_view(run_dir: Path, nodes: list[str], timeout: float) -> list[dict]:
@@ -135,7 +136,8 @@ def planes(n: int, heartbeat_s: float, lease_s: float, on_decided=None) -> list[
     def note(me):
         return lambda kind, f: on_decided(me, f["gen"], tuple(f["nodes"])) \
             if kind == "decided" and on_decided else None
-    cps = [ControlPlane(m, roster, secret=SECRET, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120,
+    cps = [ControlPlane(m, roster, secret=SECRET, heartbeat_s=heartbeat_s, lease_s=lease_s,
+                        startup_s=120,
                         on_note=note(m)) for m in roster.names]
     for cp in cps:
         cp.start()
@@ -176,7 +178,8 @@ def serve(roster_path: str, first: int, last: int, heartbeat_s: float, lease_s: 
                     t=time.monotonic())
         return on_note
 
-    cps = [ControlPlane(m, roster, secret=SECRET, heartbeat_s=heartbeat_s, lease_s=lease_s, startup_s=120,
+    cps = [ControlPlane(m, roster, secret=SECRET, heartbeat_s=heartbeat_s, lease_s=lease_s,
+                        startup_s=120,
                         on_note=note(m)) for m in names]
     for cp in cps:
         cp.start()
@@ -211,7 +214,8 @@ def real(n: int, heartbeat_s: float, lease_s: float, procs: int) -> dict:
         proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", str(base / "roster.json"), f"{first}:{last}",
              "--heartbeat-s", str(heartbeat_s), "--lease-s", str(lease_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env={**os.environ, "BENCH_SECRET": SECRET.hex()})
         hosts[first] = proc
         threading.Thread(target=lambda p=proc: [lines.put(json.loads(x)) for x in p.stdout],
                          daemon=True).start()
