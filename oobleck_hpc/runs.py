@@ -28,6 +28,12 @@ batch script, the last agent of a job that lost its batch host), `exit.json`, th
 `oobleck-hpc report` decide it through these two functions. A process's exit code says how
 that node ended (finished, drained, lost, excluded, fenced, bad input), never how the job did.
 
+Private: a run's files are its user's alone -- RUN_DIR is made 0700 when a run begins, and the
+launchers create everything under `private_files()` (umask 077, inherited by the agents, the
+workers and Slurm's steps): directories 0700, files 0600. Checkpoints hold weights and optimizer
+state, the roster every port, RUN_DIR/secret the control plane's key (elastic/auth.py), and
+job.yaml and the drain and grow request folders are control inputs.
+
 Stdlib only: the Slurm wrapper (launch/slurm_task.py) and the event log import it.
 """
 
@@ -38,13 +44,16 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 from oobleck_hpc.files import write_atomic
 
+PRIVATE_UMASK = 0o077
+"""What the launchers create is for the job's user alone (module docstring)."""
 RUN_ID_FILE = "run-id"
 HISTORY = "history"
 KEEP_RUNS = 20
@@ -87,15 +96,32 @@ def run_id(run_dir: str | os.PathLike[str] | None = None) -> str:
     return os.environ.get("OOBLECK_RUN_ID") or (read_run_id(run_dir) if run_dir else "")
 
 
+@contextmanager
+def private_files() -> Iterator[None]:
+    """Within: files and directories this process (and every process it starts) creates are its
+    user's alone (umask 077: module docstring); the umask before is restored after."""
+    before = os.umask(PRIVATE_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
 def begin(run_dir: str | os.PathLike[str], new_id: str) -> str | None:
     """Make `new_id` RUN_DIR's current run. If another run's records are there, move them to
     RUN_DIR/history/<its id>/ first and return that id; None when there was nothing to move
     (a requeued attempt of the same run keeps its records). A new run gets a new secret
     (RUN_DIR/secret: elastic/auth.py); a requeued attempt keeps its run's."""
+    run_dir = Path(run_dir)
+    with private_files():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.chmod(0o700)  # (it may have been made before, with the default umask)
+        return _begin(run_dir, new_id)
+
+
+def _begin(run_dir: Path, new_id: str) -> str | None:
     from oobleck_hpc.elastic.auth import write_secret
 
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     old = read_run_id(run_dir)
     write_secret(run_dir, fresh=old != new_id)
     if old == new_id:

@@ -75,7 +75,7 @@ class EventLog:
         with self._lock:
             try:
                 if self._fd is None:
-                    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 os.write(self._fd, line.encode())
             except OSError as e:
                 if not self._warned:

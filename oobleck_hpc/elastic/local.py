@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Sequence
 
+from oobleck_hpc import runs
 from oobleck_hpc.elastic.auth import SECRET_ENV, write_secret
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
 
@@ -59,43 +60,47 @@ class LocalAgents:
         process's stdout (rank 0's plan, progress and summary); stderr still goes to the logs.
         `spares`: that many more agents, outside generation 0, swapped in after a loss."""
         run_dir = Path(run_dir)
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
-        names += [f"node{i}" for i in range(len(names), len(names) + spares)]
-        *ports, store_port = free_ports(len(names) + 1)
-        roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)),
-                        store_port, spares)
-        roster.write(run_dir / "roster.json")
-        secret = write_secret(run_dir, fresh=False)  # (the launcher's, if it began the run)
-        argv = [sys.executable, "-m", "oobleck_hpc.agent", "--roster", str(run_dir / "roster.json"),
-                "--run-dir", str(run_dir), "--workers", str(workers), "--quorum", quorum,
-                "--startup-s", str(startup_s), "--kill-grace-s", str(kill_grace_s)]
-        if job is not None:
-            argv += ["--job", str(job)]
-        if heartbeat_s is not None:
-            argv += ["--heartbeat-s", str(heartbeat_s)]
-        if lease_s is not None:
-            argv += ["--lease-s", str(lease_s)]
-        argv += list(extra_args)
-        tail = ["--", *command] if command else []
-        agents = cls(run_dir, roster, workers, {}, argv=argv, tail=tail,
-                     env={**os.environ, SECRET_ENV: str(secret), **(env or {})},
-                     console=console)
-        try:
-            for m in names:
-                agents._spawn(m)
-        except BaseException:
-            agents.cleanup()
-            raise
-        return agents
+        with runs.private_files():  # (RUN_DIR's files are the user's alone: runs.py)
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
+            names += [f"node{i}" for i in range(len(names), len(names) + spares)]
+            *ports, store_port = free_ports(len(names) + 1)
+            roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)),
+                            store_port, spares)
+            roster.write(run_dir / "roster.json")
+            secret = write_secret(run_dir, fresh=False)  # (the launcher's, if it began the run)
+            argv = [sys.executable, "-m", "oobleck_hpc.agent",
+                    "--roster", str(run_dir / "roster.json"), "--run-dir", str(run_dir),
+                    "--workers", str(workers), "--quorum", quorum,
+                    "--startup-s", str(startup_s), "--kill-grace-s", str(kill_grace_s)]
+            if job is not None:
+                argv += ["--job", str(job)]
+            if heartbeat_s is not None:
+                argv += ["--heartbeat-s", str(heartbeat_s)]
+            if lease_s is not None:
+                argv += ["--lease-s", str(lease_s)]
+            argv += list(extra_args)
+            tail = ["--", *command] if command else []
+            agents = cls(run_dir, roster, workers, {}, argv=argv, tail=tail,
+                         env={**os.environ, SECRET_ENV: str(secret), **(env or {})},
+                         console=console)
+            try:
+                for m in names:
+                    agents._spawn(m)
+            except BaseException:
+                agents.cleanup()
+                raise
+            return agents
 
     def _spawn(self, node: str, *flags: str) -> None:
-        log = open(self.run_dir / "logs" / f"agent-{node}.log", "w")
+        fd = os.open(self.run_dir / "logs" / f"agent-{node}.log",
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        log = open(fd, "w")
         self.logs.append(log)
         self.procs[node] = subprocess.Popen(
             [*self.argv, *flags, "--node", node, *self.tail], stdout=None if self.console else log,
             stderr=log if self.console else subprocess.STDOUT, env=self.env,
-            start_new_session=True)
+            start_new_session=True, umask=runs.PRIVATE_UMASK)  # (files: runs.py, "Private")
 
     def add(self, count: int) -> list[str]:
         """Grow the running job: `count` new nodes (named after the last one), appended to the
@@ -111,7 +116,8 @@ class LocalAgents:
         new = [f"node{i}" for i in range(start, start + count)]
         for name, port in zip(new, free_ports(count)):
             self.roster = self.roster.with_node(NodeAddress(name, "127.0.0.1", port))
-        self.roster.write(self.run_dir / "roster.json")  # atomically, before any agent reads it
+        with runs.private_files():
+            self.roster.write(self.run_dir / "roster.json")  # atomically, before any agent reads it
         for name in new:
             self._spawn(name, "--join-at-start")
         return new

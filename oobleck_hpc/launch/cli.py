@@ -22,6 +22,7 @@ in RUN_DIR move to RUN_DIR/history/<its id>/ first, so runs never mix. A watchdo
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from oobleck_hpc.errors import (
     EXIT_BAD_INPUT,
@@ -46,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
     p.add_argument("--max-requeues", type=int, default=3, metavar="N",
                    help="start the job again at most N times when it exits 75 (default 3)")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_private(_run))
 
     k = sub.add_parser("kill-node", help="kill one node (agent + workers) of a running local job",
                        description="Kill one node of a running `oobleck-hpc run` job from another "
@@ -74,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="if refused: stop the job with a checkpoint, requeue it without the nodes")
     d.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds for the job's verdict (default: return at once)")
-    d.set_defaults(func=_drain)
+    d.set_defaults(func=_private(_drain))
 
     g = sub.add_parser("grow", help="add nodes to a running job (they join in place)",
                        description="Add K nodes to a running job: a local job's launcher starts "
@@ -93,7 +94,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a Slurm job's job file (default: RUN_DIR/job.yaml, written by submit)")
     g.add_argument("--reason", default="grown by hand",
                    help="why (recorded in the replacement_submitted event)")
-    g.set_defaults(func=_grow)
+    g.set_defaults(func=_private(_grow))
+
+
+def _private(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`command`, creating the run's files for the user alone (runs.private_files): RUN_DIR,
+    checkpoints, logs, the roster, the secret, the drain and grow requests."""
+    def run(args: argparse.Namespace) -> int:
+        from oobleck_hpc import runs
+
+        with runs.private_files():
+            return command(args)
+
+    return run
 
 
 def _kill_node(args: argparse.Namespace) -> int:

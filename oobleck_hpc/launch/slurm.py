@@ -60,6 +60,7 @@ from pathlib import Path
 
 import submitit
 
+from oobleck_hpc import runs
 from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wait_for_discovery
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
@@ -142,6 +143,7 @@ class SlurmDriver:
         if env.source != "slurm":
             raise RuntimeError("SlurmDriver runs inside a Slurm batch job (SLURM_JOB_ID unset)")
         run_dir = Path(self.run_dir)
+        os.umask(runs.PRIVATE_UMASK)  # the run's files, and its steps' (srun passes it on)
         begin_run(run_dir, env.job_id, env.restart_count)  # OOBLECK_RUN_ID for the steps
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -230,6 +232,7 @@ class JoinDriver:
     agent: list[str]
 
     def __call__(self) -> int:
+        os.umask(runs.PRIVATE_UMASK)  # the agents' files (srun passes it on)
         env = detect()
         nodes = current_job_nodes(env.job_id)
         logs = Path(self.run_dir) / "logs"
