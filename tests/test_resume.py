@@ -10,6 +10,9 @@
   pre-timeout signal, takes the same path: tests/test_resume_slurm.py sends it through Slurm.)
 - The watchdog's contract holds for a real run: run.json, job.lock, heartbeat, exit.json, and
   `oobleck-hpc watch RUN_DIR --once` sees the job finished.
+- The run's files are its user's alone (issue 28): every folder under RUN_DIR (checkpoints and
+  final state included) is 0700 and every file 0600, and the user `nobody` can neither list
+  RUN_DIR nor read its events, roster, secret, a checkpoint shard or the final parameters.
 - The requeue loop itself (no processes): bounded, node counts from requeue.json, metrics kept.
 
 Two multi-process runs (each two launches of 4 and 3 workers), ~20-30 s each on 2 cores.
@@ -29,6 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import as_nobody, not_private
+
 from oobleck_hpc.errors import EXIT_REQUEUE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +41,7 @@ STEPS = 10
 
 
 def write_job(tmp_path: Path, name: str, every_steps: int, steps: int = STEPS,
-              faults: list[dict] | None = None) -> Path:
+              faults: list[dict] | None = None, final: bool = False) -> Path:
     """gpt-tiny, 4 nodes x 1 worker; the analytic A40 profile makes the planner pick two 2-node
     pipelines on 4 nodes and a 2-node + a 1-node pipeline on 3 (different templates)."""
     path = tmp_path / f"{name}.yaml"
@@ -46,7 +51,7 @@ def write_job(tmp_path: Path, name: str, every_steps: int, steps: int = STEPS,
         "model": {"name": "gpt-tiny", "seed": 0},
         "data": {"cache_dir": str(ROOT / ".cache" / "oobleck_hpc")},
         "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": 8, "lr": 1e-3,
-                  "warmup_steps": 2},
+                  "warmup_steps": 2, "save_final_params": final},
         "cluster": {"launch": "local", "nodes": 4, "gpus_per_node": 1, "device": "cpu"},
         "fault_tolerance": {"f": 1, "collective_timeout_s": 20},
         "profile": {"library": str(tmp_path / "no-profiles"), "analytic": True, "device": "A40"},
@@ -76,7 +81,7 @@ def start_run(job: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "oobleck_hpc", "run", str(job)], cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, umask=0o022)  # (the usual login umask)
 
 
 def kill_run(proc: subprocess.Popen) -> None:
@@ -131,10 +136,13 @@ def test_guarantee_exceeded_falls_back_requeues_on_fewer_nodes_and_resumes_exact
     lose their second stage at once (node1 and node3 killed in step 6); half the nodes are
     left, node0 among them, so the survivors keep their quorum, but no replica of the second
     stage's layers is left."""
-    job = write_job(tmp_path, "exceed", every_steps=2, faults=[
+    shared = tmp_path / "shared"  # (pytest's tmp_path is 0700: let `nobody` in to here)
+    shared.mkdir()
+    shared.chmod(0o755)
+    job = write_job(shared, "exceed", every_steps=2, final=True, faults=[
         {"node": 1, "step": 6, "phase": "backward", "kind": "kill"},
         {"node": 3, "step": 6, "phase": "backward", "kind": "kill"}])
-    run_dir = tmp_path / "exceed"
+    run_dir = shared / "exceed"
     proc = start_run(job)
     code, out, err = finish(proc, 110)
     assert code == 0, out + err
@@ -175,6 +183,19 @@ def test_guarantee_exceeded_falls_back_requeues_on_fewer_nodes_and_resumes_exact
 
     latest = find_latest(run_dir / "ckpt", quarantine=False).checkpoint
     assert latest is not None and latest.step == 8 and latest.train_state().samples_seen == 8 * 16
+
+    # Private: 0700 / 0600 all through (the run was started with the usual umask 022), and
+    # another user of the machine is refused each of the run's files.
+    assert not_private(run_dir) == {}
+    shard = next(p for p in (run_dir / "ckpt").rglob("*") if p.is_file() and "step-8" in str(p))
+    final = next((run_dir / "final").iterdir())
+    names = [f"exceed/{p.relative_to(run_dir)}" for p in (
+        run_dir / "events.jsonl", run_dir / "roster.json", run_dir / "secret", shard, final)]
+    commands = [["ls", "exceed"], *(["cat", name] for name in names)]
+    for argv, out in zip(commands, as_nobody(shared, *commands)):
+        assert out.returncode != 0 and "Permission denied" in out.stderr, (argv, out)
+    job.chmod(0o644)  # (what is refused above is refused by the run's modes, not by the test's)
+    assert as_nobody(shared, ["cat", job.name])[0].returncode == 0
 
     # The watchdog's view of the run: it finished, nothing to restart.
     record = json.loads((run_dir / "run.json").read_text())

@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
     p.add_argument("--max-requeues", type=int, default=3, metavar="N",
                    help="start the job again at most N times when it exits 75 (default 3)")
-    p.set_defaults(func=_private(_run))
+    p.set_defaults(func=_run)
 
     k = sub.add_parser("kill-node", help="kill one node (agent + workers) of a running local job",
                        description="Kill one node of a running `oobleck-hpc run` job from another "
@@ -98,8 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _private(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """`command`, creating the run's files for the user alone (runs.private_files): RUN_DIR,
-    checkpoints, logs, the roster, the secret, the drain and grow requests."""
+    """`command`, creating files for the user alone (runs.private_files): the drain and grow
+    requests, a replacement job's submitit files. (`run` takes the job's group_access.)"""
     def run(args: argparse.Namespace) -> int:
         from oobleck_hpc import runs
 
@@ -291,6 +291,7 @@ def _run(args: argparse.Namespace) -> int:
     import os
     import sys
 
+    from oobleck_hpc import runs
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch.watch import JobLock, write_run_record
 
@@ -310,10 +311,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_requeues < 0:
         raise ConfigError("<command line>", "--max-requeues", f"value {args.max_requeues} is "
                           "negative", "use 0 to never requeue")
-    run_dir = job.resolved_run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with JobLock(run_dir):
-        begin_run(run_dir)
+    # Everything of the run -- its records, the agents', the workers' -- is the user's alone, or
+    # also the group's to read (the job's group_access: runs.py, "Private").
+    run_dir = runs.make_run_dir(job.resolved_run_dir, job.group_access)
+    with runs.private_files(job.group_access), JobLock(run_dir):
+        begin_run(run_dir, job.group_access)
         write_run_record(run_dir, [sys.executable, "-m", "oobleck_hpc", *sys.argv[1:]],
                          cwd=os.getcwd(), checkpoint_dir=job.checkpoint.dir)
         code = EXIT_UNRECOVERABLE
@@ -344,7 +346,7 @@ def end_run(run_dir, code: int, metrics=None) -> None:
         print(line, flush=True)
 
 
-def begin_run(run_dir) -> str:
+def begin_run(run_dir, group_access: bool = False) -> str:
     """Make this invocation RUN_DIR's current run (a new id, unless a watchdog restart
     continues one) and name it in OOBLECK_RUN_ID for every agent and worker."""
     import os
@@ -353,7 +355,7 @@ def begin_run(run_dir) -> str:
 
     run_id = os.environ.get("OOBLECK_RUN_ID") or (
         runs.read_run_id(run_dir) if runs.attempt() > 0 else "") or runs.new_run_id()
-    runs.begin(run_dir, run_id)
+    runs.begin(run_dir, run_id, group_access)
     os.environ["OOBLECK_RUN_ID"] = run_id
     return run_id
 

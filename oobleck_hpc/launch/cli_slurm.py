@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
                                       job_file=run_dir / "job.yaml", run_dir=run_dir),
         }, indent=1))
         return 0
-    with runs.private_files():  # RUN_DIR, job.yaml, submitit's files: the user's alone
+    with runs.private_files(job.group_access):  # RUN_DIR, job.yaml, submitit's files (runs.py)
         submitted = slurm.submit(job)
     run_dir = job.resolved_run_dir.absolute()
     print(f"submitted job {submitted.job_id}: {job.cluster.nodes} nodes; run dir {run_dir}; "

@@ -133,7 +133,8 @@ class LocalRun:
         self.agents = LocalAgents.start(self.run_dir, self.node_names(),
                                         self.job.cluster.gpus_per_node, job=self.job_path,
                                         env=env, console=self.console is not None,
-                                        spares=self.job.cluster.spares)
+                                        spares=self.job.cluster.spares,
+                                        group_access=self.job.group_access)
         self._write_agents()
         for s in old:
             signal.signal(s, forward)
