@@ -34,17 +34,21 @@ inherited by the agents, the workers and Slurm's steps, so directories are 0700 
 -- checkpoints (weights, optimizer state), final/, logs, events, the roster with every port,
 RUN_DIR/secret (the control plane's key, elastic/auth.py), job.yaml and the drain and grow
 requests (control inputs). A job file's `group_access: true` (a team's run) makes it umask 027:
-0750 and 0640, readable by the user's group, writable by nobody else; the secret stays 0600.
+0750 and 0640, readable by the user's group, writable by nobody else; the secret stays 0600. A
+request file (drain, grow) counts only when the job's user owns it (`read_own`): others are
+ignored, with an event that says so.
 
 Stdlib only: the Slurm wrapper (launch/slurm_task.py) and the event log import it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -133,6 +137,41 @@ def make_run_dir(run_dir: str | os.PathLike[str], group_access: bool = False) ->
         run_dir.mkdir(parents=True, exist_ok=True)
     run_dir.chmod(0o777 & ~umask(group_access))
     return run_dir
+
+
+class ForeignFile(PermissionError):
+    """A request file that is not the job's user's own (`read_own`): `reason` says why, `key`
+    tells this file apart from a later one at the same path (to report each one once)."""
+
+    def __init__(self, path: Path, reason: str, key: tuple):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason, self.key = path, reason, key
+
+
+def read_own(path: str | os.PathLike[str]) -> str:
+    """The text of a request file (drain, grow) that this process's user owns. Raises
+    FileNotFoundError when there is none, ForeignFile when it is not a regular file of this
+    user (another user's, a link, a FIFO): its content is never read then. The owner is checked
+    on the file that is read (one open, no symbolic link followed), so it cannot be swapped
+    between the check and the read."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        st = os.lstat(path)
+        raise ForeignFile(path, "is a symbolic link, not a file",
+                          (st.st_ino, st.st_mtime_ns, st.st_uid)) from None
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        key = (st.st_ino, st.st_mtime_ns, st.st_uid)
+        if not stat.S_ISREG(st.st_mode):
+            raise ForeignFile(path, "is not a regular file", key)
+        if st.st_uid != os.getuid():
+            raise ForeignFile(path, f"is owned by uid {st.st_uid}, not by the job's user "
+                              f"(uid {os.getuid()})", key)
+        return f.read().decode(errors="replace")
 
 
 def begin(run_dir: str | os.PathLike[str], new_id: str, group_access: bool = False) -> str | None:

@@ -5,21 +5,34 @@
   umask is left as it was.
 - `runs.private_files` is umask 077 (027 with group_access), restored after; `drain` and `grow`
   run under it; `bootstrap umask JOB` tells slurm/train.sbatch which one a job wants.
+- A request file (drain, grow) is read only when the job's user owns it (`runs.read_own`): a
+  link, a FIFO or another user's file is ignored -- the agent's drain watch and the local
+  launcher's grow requests -- each reported once (a `request_ignored` event, a console line).
 
 A real run's files (modes, and reads as the user `nobody`) are checked where a run already
 happens: tests/test_resume.py (the fallback run: checkpoints, final state, logs, roster, events,
-secret).
+secret) and its forced drain (another user's drain request, ignored by a live agent).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import time
 
 import pytest
-from helpers import not_private
+from helpers import not_private, wait_until
 
 from oobleck_hpc import runs
+
+NOBODY = 65534
+
+
+def needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give a file to another user (chown)")
+
 
 @pytest.fixture
 def umask_022():
@@ -94,3 +107,106 @@ def test_drain_and_grow_create_their_requests_privately(tmp_path, umask_022):
     parser = build_parser()
     for argv in (["drain", "runs/x", "node1"], ["grow", "runs/x"]):
         assert parser.parse_args(argv).func.__qualname__ == "_private.<locals>.run", argv
+
+
+def test_read_own_reads_only_a_regular_file_of_the_jobs_user(tmp_path):
+    own = tmp_path / "own.json"
+    own.write_text('{"nodes": 1}')
+    assert runs.read_own(own) == '{"nodes": 1}'
+    (tmp_path / "link.json").symlink_to(own)
+    os.mkfifo(tmp_path / "fifo.json")  # (never opened for a blocking read)
+    reasons = {}
+    for name in ("link.json", "fifo.json"):
+        with pytest.raises(runs.ForeignFile) as e:
+            runs.read_own(tmp_path / name)
+        reasons[name] = e.value.reason
+    assert reasons == {"link.json": "is a symbolic link, not a file",
+                       "fifo.json": "is not a regular file"}
+    with pytest.raises(FileNotFoundError):
+        runs.read_own(tmp_path / "missing.json")
+    if os.geteuid() == 0:
+        os.chown(own, NOBODY, NOBODY)
+        with pytest.raises(runs.ForeignFile) as e:
+            runs.read_own(own)
+        assert e.value.reason == f"is owned by uid {NOBODY}, not by the job's user (uid 0)"
+        assert isinstance(e.value, PermissionError)
+
+
+def test_the_drain_watch_ignores_another_users_request_once_and_takes_the_users(tmp_path):
+    needs_root()
+    from oobleck_hpc.elastic.drain import DrainWatch, request_drain, request_path
+
+    asked, ignored = [], []
+    path = request_path(tmp_path, "node1")
+    path.parent.mkdir()
+    path.write_text(json.dumps({"node": "node1", "force": True, "by": "mallory"}))
+    os.chown(path, NOBODY, NOBODY)
+    watch = DrainWatch(tmp_path, "node1", lambda force, by: asked.append((force, by)),
+                       file_poll_s=0.01, on_ignored=lambda p, why: ignored.append((p, why)))
+    watch.start()
+    try:
+        wait_until(lambda: ignored, 10, "the foreign request reported")
+        time.sleep(0.2)  # twenty more polls: reported once, never passed on
+        assert ignored == [(path, f"is owned by uid {NOBODY}, not by the job's user (uid 0)")]
+        request_drain(tmp_path, ["node1"], by="alice")  # the user's own: a new file
+        wait_until(lambda: asked, 10, "the user's request passed on")
+        assert asked == [(False, "alice")] and len(ignored) == 1
+    finally:
+        watch.stop()
+
+
+def test_the_local_launcher_ignores_another_users_grow_request(tmp_path):
+    """A grow request of another user is not answered: a `request_ignored` event (a console
+    line) and the file removed; the user's own is answered as before."""
+    needs_root()
+    from types import SimpleNamespace
+
+    from oobleck_hpc.config import JobConfig
+    from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.launch.local import LocalRun, request_grow
+    from oobleck_hpc.story import Story
+
+    class Agents:
+        def __init__(self):
+            self.procs: dict = {}
+
+        def add(self, count: int) -> list[str]:
+            self.procs["node5"] = SimpleNamespace(pid=1)
+            return ["node5"]
+
+    run = LocalRun(JobConfig(), tmp_path / "job.yaml", tmp_path, agents=Agents())
+    foreign = request_grow(tmp_path, 4)
+    os.chown(foreign, NOBODY, NOBODY)
+    run._serve_grow()
+    assert not foreign.exists() and not foreign.with_suffix(".done").exists()
+    assert run.agents.procs == {}
+    own = request_grow(tmp_path, 1)
+    run._serve_grow()
+    assert json.loads(own.with_suffix(".done").read_text()) == {"nodes": ["node5"]}
+    events = [e for e in read_events(tmp_path / "events.jsonl")]
+    assert [e["kind"] for e in events] == ["request_ignored", "nodes_added"]
+    why = f"is owned by uid {NOBODY}, not by the job's user (uid 0)"
+    assert (events[0]["request"], events[0]["path"], events[0]["reason"]) == \
+        ("grow", str(foreign), why)
+    assert Story().feed(events[0]) == [f"grow request ignored: {foreign} {why}"]
+
+
+def test_a_linked_grow_request_is_ignored_once_and_removed(tmp_path):
+    """A symbolic link in RUN_DIR/grow (to a file anywhere) is not followed (no root needed)."""
+    from oobleck_hpc.config import JobConfig
+    from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.launch.local import GROW_DIR, LocalRun
+
+    target = tmp_path / "elsewhere.json"
+    target.write_text('{"nodes": 3}')
+    (tmp_path / GROW_DIR).mkdir()
+    link = tmp_path / GROW_DIR / "1-1.request"
+    link.symlink_to(target)
+    run = LocalRun(JobConfig(), tmp_path / "job.yaml", tmp_path, agents=None)
+    run._serve_grow()
+    run._serve_grow()
+    assert not os.path.lexists(link) and target.exists()
+    events = read_events(tmp_path / "events.jsonl")
+    assert [(e["kind"], e["reason"]) for e in events] == \
+        [("request_ignored", "is a symbolic link, not a file")]
+

@@ -12,7 +12,8 @@
   `oobleck-hpc watch RUN_DIR --once` sees the job finished.
 - The run's files are its user's alone (issue 28): every folder under RUN_DIR (checkpoints and
   final state included) is 0700 and every file 0600, and the user `nobody` can neither list
-  RUN_DIR nor read its events, roster, secret, a checkpoint shard or the final parameters.
+  RUN_DIR nor read its events, roster, secret, a checkpoint shard or the final parameters; a
+  drain request file of another user is ignored by the live agent (forced drain case).
 - The requeue loop itself (no processes): bounded, node counts from requeue.json, metrics kept.
 
 Two multi-process runs (each two launches of 4 and 3 workers), ~20-30 s each on 2 cores.
@@ -20,6 +21,7 @@ Two multi-process runs (each two launches of 4 and 3 workers), ~20-30 s each on 
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -289,7 +291,9 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
     to node0's agent: a notice to that node alone, a forced drain). node1 alone would not keep
     the agents' quorum (exactly half of the view, without its first node), so the drain is
     refused; forced, every rank stops after the same step with a checkpoint of it (exit 75)
-    and the local requeue starts the job again on node1 alone, from exactly that step."""
+    and the local requeue starts the job again on node1 alone, from exactly that step. Run as
+    root, a drain request for node1 that another user (nobody) owns lies there all along: its
+    agents ignore it (a `request_ignored` event), else node1 would leave too."""
     steps = 150
     job = write_job(tmp_path, "drain", every_steps=0, steps=steps)
     data = yaml.safe_load(job.read_text())
@@ -303,6 +307,11 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
                 (run_dir / "metrics.jsonl").exists()
                 and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3):
             time.sleep(0.01)
+        foreign = run_dir / "drain" / "node1.json"
+        if os.geteuid() == 0:
+            foreign.parent.mkdir(mode=0o700, exist_ok=True)
+            foreign.write_text(json.dumps({"node": "node1", "force": True, "by": "mallory"}))
+            os.chown(foreign, 65534, 65534)
         if how == "cli":
             asked = subprocess.run([sys.executable, "-m", "oobleck_hpc", "drain", str(run_dir),
                                     "node0", "--force", "--wait", "60"], capture_output=True,
@@ -317,12 +326,16 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
     code, out, err = finish(proc, 100)
     if how == "cli":
         assert asked.returncode == 0 and "drain of node0 refused" in asked.stdout, asked.stdout
-    else:
-        from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.elastic.events import read_events
 
-        asked = [e for e in read_events(run_dir / "events.jsonl")
-                 if e["kind"] == "drain_requested"]
-        assert [(e["node"], e["force"], e["by"]) for e in asked] == [("node0", True, "SIGUSR1")]
+    events = read_events(run_dir / "events.jsonl")
+    asked = [(e["node"], e["force"], e["by"]) for e in events if e["kind"] == "drain_requested"]
+    assert asked == [("node0", True, getpass.getuser() if how == "cli" else "SIGUSR1")], asked
+    if os.geteuid() == 0:
+        ignored = {(e["source"], e["request"], e["path"], e["reason"])
+                   for e in events if e["kind"] == "request_ignored"}
+        assert ignored == {("node1", "drain", str(foreign), "is owned by uid 65534, not by the "
+                            "job's user (uid 0)")}, ignored
     assert code == 0, out + err
     stopped = re.search(r"stopping for a requeue after step (\d+): drain of node0 forced", out)
     assert stopped and "requeued: attempt 1 on 1 node (alive: node1)" in out, out
