@@ -19,13 +19,17 @@ def wait_until(predicate, timeout: float, what: str, every: float = 0.1):
 def not_private(root, group_access: bool = False) -> dict[str, str]:
     """Every path under `root` (itself included) whose mode is not a run's (oobleck_hpc/runs.py,
     "Private"): 0700 folders and 0600 files, or 0750 and 0640 with `group_access`; the secret
-    0600 always. Returns path -> its mode."""
+    0600 always (a symbolic link has no mode of its own: its target is checked where it lies).
+    Returns path -> its mode."""
+    import stat
     from pathlib import Path
 
     root = Path(root)
     bad = {}
     for path in [root, *root.rglob("*")]:
         st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            continue
         if path.is_dir():
             want = 0o750 if group_access else 0o700
         else:
