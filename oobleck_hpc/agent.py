@@ -154,7 +154,10 @@ class Agent:
                            lambda force, by: self.inbox.put(("drain", force, by)),
                            slurm_poll_s=self.opts.drain_poll_s,
                            file_poll_s=SHARED_POLL_S if os.environ.get("SLURM_JOB_ID")
-                           else POLL_S).start()
+                           else POLL_S,
+                           on_ignored=lambda path, why: self.events.emit(
+                               "request_ignored", request="drain", path=str(path),
+                               reason=why)).start()
         try:
             return self._loop()
         finally:

@@ -331,6 +331,9 @@ class JobConfig:
     """Injected failures, for tests and demos."""
     run_dir: str | None = None
     """Where events, metrics and logs go; default runs/<name>."""
+    group_access: bool = False
+    """The run's files (RUN_DIR, checkpoints, logs) are the user's alone (0700 / 0600); true (a
+    team's run): its group may read them too (0750 / 0640), not RUN_DIR/secret (runs.py)."""
     source: str = field(default="<python>", compare=False, repr=False)
     """The file this job was read from (for error messages); not a YAML key."""
 
@@ -402,8 +405,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
         raise ConfigError(str(path), "<file>", f"is not valid YAML ({e})",
                           "correct the YAML (spaces for indentation, 'key: value' with a space "
                           "after the colon, brackets and quotes closed)") from e
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(str(path), "<top>", f"is a {type(data).__name__}, not a mapping",
                           "write the job as 'key: value' lines")
@@ -433,9 +435,7 @@ def _build(cls: type, data: Any, where: _Where) -> Any:
     if unknown:
         raise ConfigError(where.source, where.key(str(unknown[0])), "is not a known key",
                           f"valid keys here are: {', '.join(fields)}")
-    kwargs = {}
-    for key, value in data.items():
-        kwargs[key] = _convert(hints[key], value, where, key)
+    kwargs = {key: _convert(hints[key], value, where, key) for key, value in data.items()}
     missing = [k for k, f in fields.items()
                if k not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]

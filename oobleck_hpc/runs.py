@@ -28,23 +28,40 @@ batch script, the last agent of a job that lost its batch host), `exit.json`, th
 `oobleck-hpc report` decide it through these two functions. A process's exit code says how
 that node ended (finished, drained, lost, excluded, fenced, bad input), never how the job did.
 
+Private: a run's files are its user's alone. RUN_DIR is made 0700 when a run begins
+(`make_run_dir`), and the launchers create everything under `private_files()`: umask 077,
+inherited by the agents, the workers and Slurm's steps, so directories are 0700 and files 0600
+-- checkpoints (weights, optimizer state), final/, logs, events, the roster with every port,
+RUN_DIR/secret (the control plane's key, elastic/auth.py), job.yaml and the drain and grow
+requests (control inputs). A job file's `group_access: true` (a team's run) makes it umask 027:
+0750 and 0640, readable by the user's group, writable by nobody else; the secret stays 0600. A
+request file (drain, grow) counts only when the job's user owns it (`read_own`): others are
+ignored, with an event that says so.
+
 Stdlib only: the Slurm wrapper (launch/slurm_task.py) and the event log import it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import shutil
+import stat
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 from oobleck_hpc.files import write_atomic
 
+PRIVATE_UMASK = 0o077
+"""What the launchers create is for the job's user alone (module docstring) ..."""
+GROUP_UMASK = 0o027
+"""... or, with the job's `group_access`, also readable by the user's group."""
 RUN_ID_FILE = "run-id"
 HISTORY = "history"
 KEEP_RUNS = 20
@@ -87,15 +104,90 @@ def run_id(run_dir: str | os.PathLike[str] | None = None) -> str:
     return os.environ.get("OOBLECK_RUN_ID") or (read_run_id(run_dir) if run_dir else "")
 
 
-def begin(run_dir: str | os.PathLike[str], new_id: str) -> str | None:
+def umask(group_access: bool = False) -> int:
+    """The umask a run's processes create files under (module docstring)."""
+    return GROUP_UMASK if group_access else PRIVATE_UMASK
+
+
+def current_umask() -> int:
+    """This process's umask (set to 077 for an instant: what a thread creates meanwhile is only
+    more private)."""
+    mask = os.umask(PRIVATE_UMASK)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def private_files(group_access: bool = False) -> Iterator[None]:
+    """Within: files and directories this process (and every process it starts) creates are its
+    user's alone, or with `group_access` its group's to read too (module docstring); the umask
+    before is restored after."""
+    before = os.umask(umask(group_access))
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
+def make_run_dir(run_dir: str | os.PathLike[str], group_access: bool = False) -> Path:
+    """RUN_DIR, made if missing, with its mode set: 0700 (0750 with `group_access`) even when an
+    earlier run or the default umask made it 0755. Its parents, when made, are private too."""
+    run_dir = Path(run_dir)
+    with private_files(group_access):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.chmod(0o777 & ~umask(group_access))
+    return run_dir
+
+
+class ForeignFile(PermissionError):
+    """A request file that is not the job's user's own (`read_own`): `reason` says why, `key`
+    tells this file apart from a later one at the same path (to report each one once)."""
+
+    def __init__(self, path: Path, reason: str, key: tuple):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason, self.key = path, reason, key
+
+
+def read_own(path: str | os.PathLike[str]) -> str:
+    """The text of a request file (drain, grow) that this process's user owns. Raises
+    FileNotFoundError when there is none, ForeignFile when it is not a regular file of this
+    user (another user's, a link, a FIFO): its content is never read then. The owner is checked
+    on the file that is read (one open, no symbolic link followed), so it cannot be swapped
+    between the check and the read."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        st = os.lstat(path)
+        raise ForeignFile(path, "is a symbolic link, not a file",
+                          (st.st_ino, st.st_mtime_ns, st.st_uid)) from None
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        key = (st.st_ino, st.st_mtime_ns, st.st_uid)
+        if not stat.S_ISREG(st.st_mode):
+            raise ForeignFile(path, "is not a regular file", key)
+        if st.st_uid != os.getuid():
+            raise ForeignFile(path, f"is owned by uid {st.st_uid}, not by the job's user "
+                              f"(uid {os.getuid()})", key)
+        return f.read().decode(errors="replace")
+
+
+def begin(run_dir: str | os.PathLike[str], new_id: str, group_access: bool = False) -> str | None:
     """Make `new_id` RUN_DIR's current run. If another run's records are there, move them to
     RUN_DIR/history/<its id>/ first and return that id; None when there was nothing to move
     (a requeued attempt of the same run keeps its records). A new run gets a new secret
-    (RUN_DIR/secret: elastic/auth.py); a requeued attempt keeps its run's."""
+    (RUN_DIR/secret: elastic/auth.py); a requeued attempt keeps its run's. RUN_DIR and what
+    this writes are private (`make_run_dir`, `private_files`)."""
+    run_dir = make_run_dir(run_dir, group_access)
+    with private_files(group_access):
+        return _begin(run_dir, new_id)
+
+
+def _begin(run_dir: Path, new_id: str) -> str | None:
     from oobleck_hpc.elastic.auth import write_secret
 
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     old = read_run_id(run_dir)
     write_secret(run_dir, fresh=old != new_id)
     if old == new_id:

@@ -162,6 +162,10 @@ class Story:
         return (f"drain asked: {e['node']} (by {e.get('by') or '?'}"
                 + (", forced" if e.get("force") else "") + "); it leaves at a step boundary")
 
+    def _request_ignored(self, e: dict) -> str:
+        return (f"{e.get('request', '?')} request ignored: {e.get('path', '?')} "
+                f"{e.get('reason', '')}")
+
     def _drain_agreed(self, e: dict) -> str:
         self.first_sign = e["t"]  # the job trained with the node until here
         verb = "leaves" if len(e["nodes"]) == 1 else "leave"

@@ -14,3 +14,48 @@ def wait_until(predicate, timeout: float, what: str, every: float = 0.1):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def not_private(root, group_access: bool = False) -> dict[str, str]:
+    """Every path under `root` (itself included) whose mode is not a run's (oobleck_hpc/runs.py,
+    "Private"): 0700 folders and 0600 files, or 0750 and 0640 with `group_access`; the secret
+    0600 always (a symbolic link has no mode of its own: its target is checked where it lies).
+    Returns path -> its mode."""
+    import stat
+    from pathlib import Path
+
+    root = Path(root)
+    bad = {}
+    for path in [root, *root.rglob("*")]:
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        if path.is_dir():
+            want = 0o750 if group_access else 0o700
+        else:
+            want = 0o640 if group_access and path.name != "secret" else 0o600
+        if st.st_mode & 0o777 != want:
+            bad[str(path.relative_to(root))] = oct(st.st_mode & 0o777)
+    return bad
+
+
+def as_nobody(cwd, *commands: list[str]) -> list:
+    """Run each command as the user `nobody` (group nogroup, no others) in `cwd`: another user
+    of the machine. Needs root (the tests' CI runs as root); skips the test otherwise. Give a
+    `cwd` whose own mode lets others in (pytest's tmp_path is 0700): the commands' relative
+    paths are resolved from it, so what they are refused is refused below it."""
+    import os
+    import pwd
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run commands as another user (nobody)")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody' on this machine")
+    return [subprocess.run(argv, cwd=cwd, user=nobody.pw_uid, group=nobody.pw_gid,
+                           extra_groups=[], capture_output=True, text=True, timeout=30)
+            for argv in commands]

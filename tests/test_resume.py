@@ -10,6 +10,10 @@
   pre-timeout signal, takes the same path: tests/test_resume_slurm.py sends it through Slurm.)
 - The watchdog's contract holds for a real run: run.json, job.lock, heartbeat, exit.json, and
   `oobleck-hpc watch RUN_DIR --once` sees the job finished.
+- The run's files are its user's alone (issue 28): every folder under RUN_DIR (checkpoints and
+  final state included) is 0700 and every file 0600, and the user `nobody` can neither list
+  RUN_DIR nor read its events, roster, secret, a checkpoint shard or the final parameters; a
+  drain request file of another user is ignored by the live agent (forced drain case).
 - The requeue loop itself (no processes): bounded, node counts from requeue.json, metrics kept.
 
 Two multi-process runs (each two launches of 4 and 3 workers), ~20-30 s each on 2 cores.
@@ -17,6 +21,7 @@ Two multi-process runs (each two launches of 4 and 3 workers), ~20-30 s each on 
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -29,6 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import as_nobody, not_private
+
 from oobleck_hpc.errors import EXIT_REQUEUE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +43,7 @@ STEPS = 10
 
 
 def write_job(tmp_path: Path, name: str, every_steps: int, steps: int = STEPS,
-              faults: list[dict] | None = None) -> Path:
+              faults: list[dict] | None = None, final: bool = False) -> Path:
     """gpt-tiny, 4 nodes x 1 worker; the analytic A40 profile makes the planner pick two 2-node
     pipelines on 4 nodes and a 2-node + a 1-node pipeline on 3 (different templates)."""
     path = tmp_path / f"{name}.yaml"
@@ -46,7 +53,7 @@ def write_job(tmp_path: Path, name: str, every_steps: int, steps: int = STEPS,
         "model": {"name": "gpt-tiny", "seed": 0},
         "data": {"cache_dir": str(ROOT / ".cache" / "oobleck_hpc")},
         "train": {"steps": steps, "microbatch_size": 2, "global_microbatches": 8, "lr": 1e-3,
-                  "warmup_steps": 2},
+                  "warmup_steps": 2, "save_final_params": final},
         "cluster": {"launch": "local", "nodes": 4, "gpus_per_node": 1, "device": "cpu"},
         "fault_tolerance": {"f": 1, "collective_timeout_s": 20},
         "profile": {"library": str(tmp_path / "no-profiles"), "analytic": True, "device": "A40"},
@@ -76,7 +83,7 @@ def start_run(job: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "oobleck_hpc", "run", str(job)], cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, umask=0o022)  # (the usual login umask)
 
 
 def kill_run(proc: subprocess.Popen) -> None:
@@ -131,10 +138,13 @@ def test_guarantee_exceeded_falls_back_requeues_on_fewer_nodes_and_resumes_exact
     lose their second stage at once (node1 and node3 killed in step 6); half the nodes are
     left, node0 among them, so the survivors keep their quorum, but no replica of the second
     stage's layers is left."""
-    job = write_job(tmp_path, "exceed", every_steps=2, faults=[
+    shared = tmp_path / "shared"  # (pytest's tmp_path is 0700: let `nobody` in to here)
+    shared.mkdir()
+    shared.chmod(0o755)
+    job = write_job(shared, "exceed", every_steps=2, final=True, faults=[
         {"node": 1, "step": 6, "phase": "backward", "kind": "kill"},
         {"node": 3, "step": 6, "phase": "backward", "kind": "kill"}])
-    run_dir = tmp_path / "exceed"
+    run_dir = shared / "exceed"
     proc = start_run(job)
     code, out, err = finish(proc, 110)
     assert code == 0, out + err
@@ -175,6 +185,19 @@ def test_guarantee_exceeded_falls_back_requeues_on_fewer_nodes_and_resumes_exact
 
     latest = find_latest(run_dir / "ckpt", quarantine=False).checkpoint
     assert latest is not None and latest.step == 8 and latest.train_state().samples_seen == 8 * 16
+
+    # Private: 0700 / 0600 all through (the run was started with the usual umask 022), and
+    # another user of the machine is refused each of the run's files.
+    assert not_private(run_dir) == {}
+    shard = next(p for p in (run_dir / "ckpt").rglob("*") if p.is_file() and "step-8" in str(p))
+    final = next((run_dir / "final").iterdir())
+    names = [f"exceed/{p.relative_to(run_dir)}" for p in (
+        run_dir / "events.jsonl", run_dir / "roster.json", run_dir / "secret", shard, final)]
+    commands = [["ls", "exceed"], *(["cat", name] for name in names)]
+    for argv, out in zip(commands, as_nobody(shared, *commands)):
+        assert out.returncode != 0 and "Permission denied" in out.stderr, (argv, out)
+    job.chmod(0o644)  # (what is refused above is refused by the run's modes, not by the test's)
+    assert as_nobody(shared, ["cat", job.name])[0].returncode == 0
 
     # The watchdog's view of the run: it finished, nothing to restart.
     record = json.loads((run_dir / "run.json").read_text())
@@ -268,7 +291,9 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
     to node0's agent: a notice to that node alone, a forced drain). node1 alone would not keep
     the agents' quorum (exactly half of the view, without its first node), so the drain is
     refused; forced, every rank stops after the same step with a checkpoint of it (exit 75)
-    and the local requeue starts the job again on node1 alone, from exactly that step."""
+    and the local requeue starts the job again on node1 alone, from exactly that step. Run as
+    root, a drain request for node1 that another user (nobody) owns lies there all along: its
+    agents ignore it (a `request_ignored` event), else node1 would leave too."""
     steps = 150
     job = write_job(tmp_path, "drain", every_steps=0, steps=steps)
     data = yaml.safe_load(job.read_text())
@@ -282,6 +307,11 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
                 (run_dir / "metrics.jsonl").exists()
                 and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3):
             time.sleep(0.01)
+        foreign = run_dir / "drain" / "node1.json"
+        if os.geteuid() == 0:
+            foreign.parent.mkdir(mode=0o700, exist_ok=True)
+            foreign.write_text(json.dumps({"node": "node1", "force": True, "by": "mallory"}))
+            os.chown(foreign, 65534, 65534)
         if how == "cli":
             asked = subprocess.run([sys.executable, "-m", "oobleck_hpc", "drain", str(run_dir),
                                     "node0", "--force", "--wait", "60"], capture_output=True,
@@ -296,12 +326,16 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
     code, out, err = finish(proc, 100)
     if how == "cli":
         assert asked.returncode == 0 and "drain of node0 refused" in asked.stdout, asked.stdout
-    else:
-        from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.elastic.events import read_events
 
-        asked = [e for e in read_events(run_dir / "events.jsonl")
-                 if e["kind"] == "drain_requested"]
-        assert [(e["node"], e["force"], e["by"]) for e in asked] == [("node0", True, "SIGUSR1")]
+    events = read_events(run_dir / "events.jsonl")
+    asked = [(e["node"], e["force"], e["by"]) for e in events if e["kind"] == "drain_requested"]
+    assert asked == [("node0", True, getpass.getuser() if how == "cli" else "SIGUSR1")], asked
+    if os.geteuid() == 0:
+        ignored = {(e["source"], e["request"], e["path"], e["reason"])
+                   for e in events if e["kind"] == "request_ignored"}
+        assert ignored == {("node1", "drain", str(foreign), "is owned by uid 65534, not by the "
+                            "job's user (uid 0)")}, ignored
     assert code == 0, out + err
     stopped = re.search(r"stopping for a requeue after step (\d+): drain of node0 forced", out)
     assert stopped and "requeued: attempt 1 on 1 node (alive: node1)" in out, out

@@ -3,6 +3,9 @@
 The per-node program is `python -m oobleck_hpc.bootstrap probe`: it reads the MPI discovery's
 roster, binds its published port, records its NodeEnvironment and then beats every 0.2 s for a
 while, so the tests can see which nodes kept running after a node was killed or frozen.
+
+Both launch paths leave the run's files private (oobleck_hpc/runs.py, "Private"): `submit`
+0700 / 0600; the batch script, here with the job's `group_access`, 0750 / 0640.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 import yaml
 
 from oobleck_hpc.config import load_job
-from helpers import wait_until
+from helpers import not_private, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -27,11 +30,13 @@ NODES = ["n1", "n2", "n3", "n4"]
 PROBE = "{python} -m oobleck_hpc.bootstrap probe --job {job} --run-dir {run_dir} --seconds %s"
 
 
-def write_job(tmp_path: Path, name: str, seconds: float, probe_args: str = "") -> Path:
+def write_job(tmp_path: Path, name: str, seconds: float, probe_args: str = "",
+              group_access: bool = False) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({
         "name": name,
         "run_dir": str(tmp_path / name),
+        "group_access": group_access,
         "cluster": {"launch": "slurm", "nodes": 4, "gpus_per_node": 2, "device": "cpu"},
         "slurm": {"time_min": 5, "agent_command": PROBE % seconds + probe_args},
     }))
@@ -101,11 +106,12 @@ def test_submit_command_runs_one_agent_per_node(slurm_cluster, tmp_path):
         job_id, NODES, [], 0)
     check_discovery(tmp_path / "cli", job_id)
     assert_one_job_completed(job_id)
+    assert not_private(tmp_path / "cli") == {}
 
 
 @pytest.mark.timeout(120)
 def test_sbatch_script_runs_the_same_steps(slurm_cluster, tmp_path):
-    job_file = write_job(tmp_path, "sbatch", 1)
+    job_file = write_job(tmp_path, "sbatch", 1, group_access=True)
     run_dir = tmp_path / "sbatch"
     env = dict(os.environ, OOBLECK_PYTHON=sys.executable,
                OOBLECK_AGENT=f"{sys.executable} -m oobleck_hpc.bootstrap probe --job {job_file} "
@@ -119,6 +125,7 @@ def test_sbatch_script_runs_the_same_steps(slurm_cluster, tmp_path):
     assert "verdict 0" in log and all(f"'{n}': 0" in log for n in NODES), log
     check_discovery(run_dir, job_id)
     assert_one_job_completed(job_id)
+    assert not_private(run_dir, group_access=True) == {}
 
 
 def _submit_probe(tmp_path: Path, name: str, seconds: float, probe_args: str = ""):

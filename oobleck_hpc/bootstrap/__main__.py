@@ -22,6 +22,8 @@
                                   (discover-step's --min-nodes)
     members JOB.yaml              print generation 0's node count for discover-step's --members:
                                   cluster.nodes for a job with cluster.spares, else 0 (all)
+    umask JOB.yaml                print the umask the job's files are made under: 077, or 027
+                                  with its group_access (oobleck_hpc/runs.py, "Private")
 """
 
 from __future__ import annotations
@@ -133,6 +135,14 @@ def _members(args: argparse.Namespace) -> int:
     return 0
 
 
+def _umask(args: argparse.Namespace) -> int:
+    from oobleck_hpc import runs
+    from oobleck_hpc.config import load_job
+
+    print(f"{runs.umask(load_job(args.job).group_access):03o}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oobleck_hpc.bootstrap",
                                      description=__doc__.splitlines()[0])
@@ -167,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("members", help="print generation 0's node count (0: every node)")
     p.add_argument("job")
     p.set_defaults(func=_members)
+    p = sub.add_parser("umask", help="print the umask of the job's files (077, 027: group_access)")
+    p.add_argument("job")
+    p.set_defaults(func=_umask)
     args = parser.parse_args(argv)
     return args.func(args)
 

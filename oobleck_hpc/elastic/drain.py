@@ -14,7 +14,9 @@ The path of a drain:
    under Slurm `scontrol listpids JOB` on the node lists its processes) is a forced request
    of that node: the notice says it goes away. Requests belong to one run (runs.py moves
    RUN_DIR/drain to the run's history with its other records); the job removes a request it
-   answered (`consume_request`).
+   answered (`consume_request`). A request file counts only when the job's user owns it
+   (runs.read_own): another user's (RUN_DIR is 0700, so only where its mode was loosened by
+   hand), a link or a FIFO is ignored, with a `request_ignored` event that says why.
 2. The notice. The node's agent (`DrainWatch`, a thread of agent.py) sees the request once and
    tells its workers (`{"type": "drain", "force": ...}`, elastic/client.py).
 3. The decision, at a step boundary, with no round trip of its own. Each worker of the node
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from oobleck_hpc import runs
 from oobleck_hpc.files import write_json
 
 DRAIN_DIR = "drain"
@@ -102,7 +105,9 @@ def slurm_draining(node: str, timeout_s: float = 10.0) -> bool:
 class DrainWatch:
     """An agent's watch for a drain request of its node (step 2): `on_request(force, by)` is
     called once, from this thread, when RUN_DIR/drain/NODE.json appears (or, with `slurm_poll_s`,
-    when slurmctld shows the node draining); a later request with --force is passed on too."""
+    when slurmctld shows the node draining); a later request with --force is passed on too.
+    A request file the job's user does not own is not read: `on_ignored(path, reason)` is
+    called once for it (step 1)."""
 
     run_dir: Path
     node: str
@@ -110,9 +115,12 @@ class DrainWatch:
     slurm_poll_s: float = 0.0
     """0: do not ask slurmctld (a local job)."""
     file_poll_s: float = POLL_S
+    on_ignored: Callable[[Path, str], None] = lambda path, reason: None
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
+        self._ignored: set[tuple] = set()
+        """The foreign request files reported (runs.ForeignFile.key): each one once."""
         self._told: bool | None = None
         """The `force` of the request file passed on (None: none, or it was consumed since)."""
         self._told_slurm = False
@@ -130,7 +138,12 @@ class DrainWatch:
         while not self._stop.wait(self.file_poll_s):
             if path.exists():
                 try:
-                    req = json.loads(path.read_text())
+                    req = json.loads(runs.read_own(path))
+                except runs.ForeignFile as e:
+                    if e.key not in self._ignored:
+                        self._ignored.add(e.key)
+                        self.on_ignored(path, e.reason)
+                    continue
                 except (OSError, ValueError):
                     continue  # replaced between the check and the read: read it next time
                 force = bool(req.get("force"))

@@ -74,8 +74,8 @@ class EventLog:
             return event
         with self._lock:
             try:
-                if self._fd is None:
-                    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                if self._fd is None:  # (never other users'; the group's with group_access: runs.py)
+                    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
                 os.write(self._fd, line.encode())
             except OSError as e:
                 if not self._warned:

@@ -14,7 +14,8 @@ failure is one `killpg`: the agent and its workers vanish together, as when a ma
 roster (nodes on 127.0.0.1, free ports, generation 0's store port) is written to
 RUN_DIR/roster.json, the run's secret to RUN_DIR/secret (kept if the launcher wrote it:
 auth.py), handed to the agents in $OOBLECK_SECRET_FILE; agent output goes to RUN_DIR/logs/agent-<node>.log; events to
-RUN_DIR/events.jsonl.
+RUN_DIR/events.jsonl. All of it, and what the agents and their workers write, is the user's
+alone (0700 / 0600; `group_access`: the group may read it too: runs.py, "Private").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Sequence
 
+from oobleck_hpc import runs
 from oobleck_hpc.elastic.auth import SECRET_ENV, write_secret
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
 
@@ -45,6 +47,8 @@ class LocalAgents:
     tail: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     console: bool = False
+    group_access: bool = False
+    """The files of the run are its user's alone, or also its group's to read (runs.py)."""
 
     @classmethod
     def start(cls, run_dir: str | Path, nodes: int | Sequence[str], workers: int = 1, *,
@@ -52,50 +56,56 @@ class LocalAgents:
               heartbeat_s: float | None = None, lease_s: float | None = None,
               quorum: str = "majority", startup_s: float = 60.0, kill_grace_s: float = 2.0,
               extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
-              console: bool = False, spares: int = 0) -> LocalAgents:
+              console: bool = False, spares: int = 0,
+              group_access: bool = False) -> LocalAgents:
         """Start one agent per node. `command` is the worker command (default, with `job`:
         python -m oobleck_hpc.train). Timing flags left None come from the job file (or the
         agent's defaults). console=True: the agents' (and so the workers') stdout stays this
         process's stdout (rank 0's plan, progress and summary); stderr still goes to the logs.
-        `spares`: that many more agents, outside generation 0, swapped in after a loss."""
+        `spares`: that many more agents, outside generation 0, swapped in after a loss.
+        `group_access`: the job's (runs.py, "Private"); they start with its umask."""
         run_dir = Path(run_dir)
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
-        names += [f"node{i}" for i in range(len(names), len(names) + spares)]
-        *ports, store_port = free_ports(len(names) + 1)
-        roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)),
-                        store_port, spares)
-        roster.write(run_dir / "roster.json")
-        secret = write_secret(run_dir, fresh=False)  # (the launcher's, if it began the run)
-        argv = [sys.executable, "-m", "oobleck_hpc.agent", "--roster", str(run_dir / "roster.json"),
-                "--run-dir", str(run_dir), "--workers", str(workers), "--quorum", quorum,
-                "--startup-s", str(startup_s), "--kill-grace-s", str(kill_grace_s)]
-        if job is not None:
-            argv += ["--job", str(job)]
-        if heartbeat_s is not None:
-            argv += ["--heartbeat-s", str(heartbeat_s)]
-        if lease_s is not None:
-            argv += ["--lease-s", str(lease_s)]
-        argv += list(extra_args)
-        tail = ["--", *command] if command else []
-        agents = cls(run_dir, roster, workers, {}, argv=argv, tail=tail,
-                     env={**os.environ, SECRET_ENV: str(secret), **(env or {})},
-                     console=console)
-        try:
-            for m in names:
-                agents._spawn(m)
-        except BaseException:
-            agents.cleanup()
-            raise
-        return agents
+        with runs.private_files(group_access):  # (RUN_DIR's files: runs.py, "Private")
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            names = [f"node{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
+            names += [f"node{i}" for i in range(len(names), len(names) + spares)]
+            *ports, store_port = free_ports(len(names) + 1)
+            roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)),
+                            store_port, spares)
+            roster.write(run_dir / "roster.json")
+            secret = write_secret(run_dir, fresh=False)  # (the launcher's, if it began the run)
+            argv = [sys.executable, "-m", "oobleck_hpc.agent",
+                    "--roster", str(run_dir / "roster.json"), "--run-dir", str(run_dir),
+                    "--workers", str(workers), "--quorum", quorum,
+                    "--startup-s", str(startup_s), "--kill-grace-s", str(kill_grace_s)]
+            if job is not None:
+                argv += ["--job", str(job)]
+            if heartbeat_s is not None:
+                argv += ["--heartbeat-s", str(heartbeat_s)]
+            if lease_s is not None:
+                argv += ["--lease-s", str(lease_s)]
+            argv += list(extra_args)
+            tail = ["--", *command] if command else []
+            agents = cls(run_dir, roster, workers, {}, argv=argv, tail=tail,
+                         env={**os.environ, SECRET_ENV: str(secret), **(env or {})},
+                         console=console, group_access=group_access)
+            try:
+                for m in names:
+                    agents._spawn(m)
+            except BaseException:
+                agents.cleanup()
+                raise
+            return agents
 
     def _spawn(self, node: str, *flags: str) -> None:
-        log = open(self.run_dir / "logs" / f"agent-{node}.log", "w")
+        fd = os.open(self.run_dir / "logs" / f"agent-{node}.log",
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)  # (& ~umask: runs.py)
+        log = open(fd, "w")
         self.logs.append(log)
         self.procs[node] = subprocess.Popen(
             [*self.argv, *flags, "--node", node, *self.tail], stdout=None if self.console else log,
             stderr=log if self.console else subprocess.STDOUT, env=self.env,
-            start_new_session=True)
+            start_new_session=True, umask=runs.umask(self.group_access))
 
     def add(self, count: int) -> list[str]:
         """Grow the running job: `count` new nodes (named after the last one), appended to the
@@ -111,9 +121,10 @@ class LocalAgents:
         new = [f"node{i}" for i in range(start, start + count)]
         for name, port in zip(new, free_ports(count)):
             self.roster = self.roster.with_node(NodeAddress(name, "127.0.0.1", port))
-        self.roster.write(self.run_dir / "roster.json")  # atomically, before any agent reads it
-        for name in new:
-            self._spawn(name, "--join-at-start")
+        with runs.private_files(self.group_access):
+            self.roster.write(self.run_dir / "roster.json")  # atomically, before any agent reads it
+            for name in new:
+                self._spawn(name, "--join-at-start")
         return new
 
     @property

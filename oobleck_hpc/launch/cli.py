@@ -22,6 +22,7 @@ in RUN_DIR move to RUN_DIR/history/<its id>/ first, so runs never mix. A watchdo
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from oobleck_hpc.errors import (
     EXIT_BAD_INPUT,
@@ -74,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="if refused: stop the job with a checkpoint, requeue it without the nodes")
     d.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds for the job's verdict (default: return at once)")
-    d.set_defaults(func=_drain)
+    d.set_defaults(func=_private(_drain))
 
     g = sub.add_parser("grow", help="add nodes to a running job (they join in place)",
                        description="Add K nodes to a running job: a local job's launcher starts "
@@ -93,7 +94,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a Slurm job's job file (default: RUN_DIR/job.yaml, written by submit)")
     g.add_argument("--reason", default="grown by hand",
                    help="why (recorded in the replacement_submitted event)")
-    g.set_defaults(func=_grow)
+    g.set_defaults(func=_private(_grow))
+
+
+def _private(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`command`, creating files for the user alone (runs.private_files): the drain and grow
+    requests, a replacement job's submitit files. (`run` takes the job's group_access.)"""
+    def run(args: argparse.Namespace) -> int:
+        from oobleck_hpc import runs
+
+        with runs.private_files():
+            return command(args)
+
+    return run
 
 
 def _kill_node(args: argparse.Namespace) -> int:
@@ -278,6 +291,7 @@ def _run(args: argparse.Namespace) -> int:
     import os
     import sys
 
+    from oobleck_hpc import runs
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch.watch import JobLock, write_run_record
 
@@ -297,10 +311,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_requeues < 0:
         raise ConfigError("<command line>", "--max-requeues", f"value {args.max_requeues} is "
                           "negative", "use 0 to never requeue")
-    run_dir = job.resolved_run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with JobLock(run_dir):
-        begin_run(run_dir)
+    # Everything of the run -- its records, the agents', the workers' -- is the user's alone, or
+    # also the group's to read (the job's group_access: runs.py, "Private").
+    run_dir = runs.make_run_dir(job.resolved_run_dir, job.group_access)
+    with runs.private_files(job.group_access), JobLock(run_dir):
+        begin_run(run_dir, job.group_access)
         write_run_record(run_dir, [sys.executable, "-m", "oobleck_hpc", *sys.argv[1:]],
                          cwd=os.getcwd(), checkpoint_dir=job.checkpoint.dir)
         code = EXIT_UNRECOVERABLE
@@ -331,7 +346,7 @@ def end_run(run_dir, code: int, metrics=None) -> None:
         print(line, flush=True)
 
 
-def begin_run(run_dir) -> str:
+def begin_run(run_dir, group_access: bool = False) -> str:
     """Make this invocation RUN_DIR's current run (a new id, unless a watchdog restart
     continues one) and name it in OOBLECK_RUN_ID for every agent and worker."""
     import os
@@ -340,7 +355,7 @@ def begin_run(run_dir) -> str:
 
     run_id = os.environ.get("OOBLECK_RUN_ID") or (
         runs.read_run_id(run_dir) if runs.attempt() > 0 else "") or runs.new_run_id()
-    runs.begin(run_dir, run_id)
+    runs.begin(run_dir, run_id, group_access)
     os.environ["OOBLECK_RUN_ID"] = run_id
     return run_id
 

@@ -27,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from oobleck_hpc import runs
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch import slurm
 
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
                                       job_file=run_dir / "job.yaml", run_dir=run_dir),
         }, indent=1))
         return 0
-    submitted = slurm.submit(job)
+    with runs.private_files(job.group_access):  # RUN_DIR, job.yaml, submitit's files (runs.py)
+        submitted = slurm.submit(job)
     run_dir = job.resolved_run_dir.absolute()
     print(f"submitted job {submitted.job_id}: {job.cluster.nodes} nodes; run dir {run_dir}; "
           f"logs {run_dir}/logs and {run_dir}/submitit", flush=True)

@@ -26,7 +26,9 @@ first node (later ones by a survivor), so the launcher is no single point of fai
   RUN_DIR/grow/ that the launcher answers by starting k more agents (`LocalAgents.add`: new
   nodes at the end of the roster, outside generation 0). They join like spares: a round adds
   them while the job runs on fewer nodes than it started with (elastic/membership.py, step 7),
-  else they wait for the next loss. The answer names them; agents.json lists them.
+  else they wait for the next loss. The answer names them; agents.json lists them. A request
+  file the job's user does not own is not read (runs.read_own): a `request_ignored` event
+  says why, and the file is removed.
 - The console: rank 0's progress (its stdout), and one line per event that matters -- the plan,
   a fault, the agreement, the recovery with its time, a checkpoint, a fallback, the end --
   told from RUN_DIR/events.jsonl as it grows (`Console`, oobleck_hpc/story.py).
@@ -100,6 +102,8 @@ class LocalRun:
     """Where the story goes (None: nowhere; the agents' stdout goes to their logs then)."""
     agents: Any = None
     _signalled: float = 0.0
+    _ignored: set[tuple] = field(default_factory=set)
+    """Grow requests of other users already reported (runs.ForeignFile.key)."""
 
     def _stopping_since(self, seconds: float) -> bool:
         """A stop signal was forwarded more than `seconds` ago (workers save at their next step
@@ -133,7 +137,8 @@ class LocalRun:
         self.agents = LocalAgents.start(self.run_dir, self.node_names(),
                                         self.job.cluster.gpus_per_node, job=self.job_path,
                                         env=env, console=self.console is not None,
-                                        spares=self.job.cluster.spares)
+                                        spares=self.job.cluster.spares,
+                                        group_access=self.job.group_access)
         self._write_agents()
         for s in old:
             signal.signal(s, forward)
@@ -186,7 +191,7 @@ class LocalRun:
         for request in sorted(folder.glob("*.request")):
             answer: dict[str, Any]
             try:
-                count = int(json.loads(request.read_text())["nodes"])
+                count = int(json.loads(runs.read_own(request))["nodes"])
                 names = self.agents.add(count)
                 answer = {"nodes": names}
                 self._write_agents()
@@ -194,10 +199,28 @@ class LocalRun:
                 log.emit("nodes_added", nodes=names, how="grow",
                          pids=[self.agents.procs[m].pid for m in names])
                 log.close()
+            except runs.ForeignFile as e:  # (not answered: its writer has no say in this job)
+                if e.key not in self._ignored:
+                    self._ignore(request, e.key, e.reason)
+                continue
             except (OSError, ValueError, KeyError, TypeError) as e:
                 answer = {"error": f"{type(e).__name__}: {e}"}
             write_json(request.with_suffix(".done"), answer)
             request.unlink(missing_ok=True)
+
+    def _ignore(self, request: Path, key: tuple, reason: str) -> None:
+        """A grow request the job's user does not own: an event, and away with it (RUN_DIR/grow
+        is the user's: its files can be removed whoever owns them; else it is told once)."""
+        from oobleck_hpc.elastic.events import EventLog
+
+        self._ignored.add(key)
+        log = EventLog(self.run_dir / "events.jsonl", source="launcher")
+        log.emit("request_ignored", request="grow", path=str(request), reason=reason)
+        log.close()
+        try:
+            request.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 GROW_DIR = "grow"

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import submitit
 
+from oobleck_hpc import runs
 from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wait_for_discovery
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
@@ -136,13 +137,16 @@ class SlurmDriver:
     """The fewest nodes the job's plan accepts (`min_nodes`): below it, requeue and wait."""
     members: int = 0
     """Generation 0's node count (`members`): the allocation's nodes after it are spares."""
+    group_access: bool = False
+    """The job's: the run's files are also its user's group's to read (runs.py, "Private")."""
 
     def __call__(self) -> LaunchResult:
         env = detect()
         if env.source != "slurm":
             raise RuntimeError("SlurmDriver runs inside a Slurm batch job (SLURM_JOB_ID unset)")
         run_dir = Path(self.run_dir)
-        begin_run(run_dir, env.job_id, env.restart_count)  # OOBLECK_RUN_ID for the steps
+        os.umask(runs.umask(self.group_access))  # the run's files and its steps' (srun passes it)
+        begin_run(run_dir, env.job_id, env.restart_count, self.group_access)  # + OOBLECK_RUN_ID
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         tag = f"{env.job_id}-r{env.restart_count}"
@@ -228,8 +232,11 @@ class JoinDriver:
 
     run_dir: str
     agent: list[str]
+    group_access: bool = False
+    """The job's (SlurmDriver.group_access)."""
 
     def __call__(self) -> int:
+        os.umask(runs.umask(self.group_access))  # the agents' files (srun passes it on)
         env = detect()
         nodes = current_job_nodes(env.job_id)
         logs = Path(self.run_dir) / "logs"
@@ -304,7 +311,8 @@ def submit_replacement(job: JobConfig, run_dir: Path, count: int, reason: str,
     executor.update_parameters(**params)
     agent = agent_argv(job.slurm.agent_command, python=python,
                        job_file=Path(job.source).absolute(), run_dir=run_dir)
-    submitted = executor.submit(JoinDriver(run_dir=str(run_dir), agent=agent))
+    submitted = executor.submit(JoinDriver(run_dir=str(run_dir), agent=agent,
+                                           group_access=job.group_access))
     write_json(run_dir / REPLACEMENTS_DIR / f"{submitted.job_id}.json",
                {"job_id": submitted.job_id, "nodes": count, "for_job": main, "reason": reason,
                 "time": time.time()})
@@ -404,8 +412,7 @@ def submit(job: JobConfig, *, python: str | None = None) -> submitit.Job:
     """
     require_controller()
     python = python or sys.executable
-    run_dir = job.resolved_run_dir.absolute()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = runs.make_run_dir(job.resolved_run_dir.absolute(), job.group_access)
     job_file = run_dir / "job.yaml"
     _write_job(job_file, job, run_dir)
     fewest = job_min_nodes(job)
@@ -415,7 +422,7 @@ def submit(job: JobConfig, *, python: str | None = None) -> submitit.Job:
                          agent=agent_argv(job.slurm.agent_command, python=python,
                                           job_file=job_file, run_dir=run_dir),
                          mpi=job.slurm.mpi, python=python, min_nodes=fewest,
-                         members=members(job))
+                         members=members(job), group_access=job.group_access)
     return executor.submit(driver)
 
 

@@ -159,12 +159,13 @@ def finish_without_driver(run_dir: Path, tag: str, node: str) -> None:
             f"lost its batch host {fields.get('BatchHost')}")
 
 
-def begin_run(run_dir: Path, job_id: str, restart: int) -> str:
+def begin_run(run_dir: Path, job_id: str, restart: int, group_access: bool = False) -> str:
     """Make job `job_id` RUN_DIR's current run (`runs.begin`: an earlier run's records move to
-    history/) and name it in OOBLECK_RUN_ID for the steps this process starts; the first attempt
-    records `run_started`. Returns the run id."""
+    history/; RUN_DIR 0700, or 0750 with the job's `group_access`) and name it in OOBLECK_RUN_ID
+    for the steps this process starts; the first attempt records `run_started`. Returns the run
+    id."""
     run_id = runs.slurm_run_id(job_id)
-    runs.begin(run_dir, run_id)
+    runs.begin(run_dir, run_id, group_access)
     os.environ["OOBLECK_RUN_ID"] = run_id
     if restart == 0:
         EventLog(run_dir / "events.jsonl", source="driver").emit(
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--tag", required=True, help="JOBID-rRESTART")
     parser.add_argument("--begin", action="store_true",
-                        help="make this job the run directory's current run (prints its id)")
+                        help="make this job the run directory's current run (prints its id); "
+                             "RUN_DIR 0750 under umask 027 (group_access), else 0700")
     parser.add_argument("--recorded", action="store_true",
                         help="print the exit code recorded for this run to publish, if any")
     parser.add_argument("--verdict", action="store_true",
@@ -284,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.shrink_when_pending is not None:
         return 0 if shrink_when_pending(job_id, args.shrink_when_pending) else 1
     if args.begin:
-        print(begin_run(run_dir, job_id, int(args.tag.rpartition("-r")[2])))
+        # (the batch script runs under the job's umask: `bootstrap umask JOB`, 027 for a team)
+        print(begin_run(run_dir, job_id, int(args.tag.rpartition("-r")[2]),
+                        group_access=runs.current_umask() == runs.GROUP_UMASK))
         return 0
     if args.requeue:
         requeue(job_id, run_dir, args.tag,

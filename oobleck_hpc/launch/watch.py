@@ -124,7 +124,7 @@ class JobLock:
 
     def acquire(self) -> JobLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         deadline = time.monotonic() + self.wait_s
         while True:  # a watchdog's probe holds the lock for microseconds: retry briefly
             try:
@@ -414,12 +414,13 @@ class Watchdog:
             self.log(f"resubmitted ({shlex.join(record['argv'])}) as job {self.job_id}")
             return
         (self.run_dir / EXIT_RECORD).unlink(missing_ok=True)
-        log = open(self.run_dir / f"watch-restart-{self.restarts}.log", "ab")
+        path = self.run_dir / f"watch-restart-{self.restarts}.log"  # (mode: runs.py, "Private")
+        log = open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640), "ab")
         self._child = subprocess.Popen(record["argv"], cwd=record["cwd"], env=env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.log(f"restarted: {shlex.join(record['argv'])} (pid {self._child.pid}, "
-                 f"restart {self.restarts}, log {log.name})")
+                 f"restart {self.restarts}, log {path})")
 
     def loop(self, once: bool = False) -> int:
         """Watch until the job finishes, is refused, or restarts run out. Returns the exit code
@@ -454,7 +455,7 @@ class _WatchLock:
         if self.path is None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
