@@ -13,8 +13,8 @@ A connection (links.py opens it, inbound.py accepts it) costs no round trip:
    connector's (below) -- its MAC proves that the sender knows the secret, under that name, for
    this accepter;
 2. the accepter takes it only if `ts` is within SKEW_S of its own clock and it has not seen the
-   nonce before (`Replays`: the nonces of the last 2 x SKEW_S), so a recorded connection cannot
-   be played again;
+   nonce before (`Replays`: the nonces whose clock could still pass), so a recorded connection
+   cannot be played again;
 3. every frame, both ways, HELLO first, is sealed: 32 bytes HMAC-SHA256(key of its direction,
    sequence number (8 bytes) + body) before its JSON body. The sequence number counts the
    frames of that direction of that connection from 0 and is never sent: a frame dropped,
@@ -156,9 +156,9 @@ def hello(secret: bytes, src: str, to: str, host: str, port: int) -> tuple[bytes
 
 
 class Replays:
-    """The nonces of the HELLOs an accepter took within the last 2 x SKEW_S: a HELLO is taken
-    once (`check`), and only while fresh. Only verified HELLOs enter it, so its size is bounded
-    by the run's own connections."""
+    """The nonces of the HELLOs an accepter took whose clock is still within SKEW_S of its own:
+    a HELLO is taken once (`check`), and only while fresh. Only verified HELLOs enter it, so
+    its size is bounded by the run's own connections over 2 x SKEW_S."""
 
     def __init__(self) -> None:
         self.seen: dict[str, float] = {}

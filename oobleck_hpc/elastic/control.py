@@ -13,8 +13,8 @@ sockets, with stdlib only. Per agent:
   both ways, carries a MAC bound to the sender's name and its place on that connection; a frame
   that does not verify or validate (messages.py) closes its connection (inbound.py). A verified
   HELLO from a node outside the roster adds it (with a link to its address): a node grown into
-  the running job (it read the run's secret), which joins like a spare. What the core addressed to it before (a peer's round that adds it reached this
-  agent first) is sent then.
+  the running job (it read the run's secret), which joins like a spare. What the core
+  addressed to it before (a peer's round that adds it reached this agent first) is sent then.
 - one outgoing link per peer it sends to, opened on the first message (lazily), retried until
   `startup_s` has passed for a peer never reached. Links to nodes that are not this agent's
   observers close after `IDLE_CLOSE_S` idle, or at once after use in a job larger than

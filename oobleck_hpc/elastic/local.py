@@ -13,8 +13,8 @@ Each agent runs `python -m oobleck_hpc.agent` in its own session (process group)
 failure is one `killpg`: the agent and its workers vanish together, as when a machine dies. The
 roster (nodes on 127.0.0.1, free ports, generation 0's store port) is written to
 RUN_DIR/roster.json, the run's secret to RUN_DIR/secret (kept if the launcher wrote it:
-auth.py), handed to the agents in $OOBLECK_SECRET_FILE; agent output goes to RUN_DIR/logs/agent-<node>.log; events to
-RUN_DIR/events.jsonl. All of it, and what the agents and their workers write, is the user's
+auth.py), handed to the agents in $OOBLECK_SECRET_FILE; agent output goes to
+RUN_DIR/logs/agent-<node>.log; events to RUN_DIR/events.jsonl. All of it, and what the agents and their workers write, is the user's
 alone (0700 / 0600; `group_access`: the group may read it too: runs.py, "Private").
 """
 
