@@ -37,6 +37,7 @@ import yaml
 from helpers import as_nobody, not_private
 
 from oobleck_hpc.errors import EXIT_REQUEUE
+from oobleck_hpc.runs import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -312,6 +313,11 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
             foreign.parent.mkdir(mode=0o700, exist_ok=True)
             foreign.write_text(json.dumps({"node": "node1", "force": True, "by": "mallory"}))
             os.chown(foreign, 65534, 65534)
+            # node1's agent has seen it (else a forced drain may end the attempt first: the
+            # signal's did in one CI run) -- and ignored it: node1 trains on.
+            while time.monotonic() < deadline and not any(
+                    e["kind"] == "request_ignored" for e in read_jsonl(run_dir / "events.jsonl")):
+                time.sleep(0.05)
         if how == "cli":
             asked = subprocess.run([sys.executable, "-m", "oobleck_hpc", "drain", str(run_dir),
                                     "node0", "--force", "--wait", "60"], capture_output=True,
