@@ -331,7 +331,10 @@ def test_kill_store_host_and_coordinator(tmp_path, reference):
     agreed = [e for e in events if e["kind"] == "membership_agreed"]
     assert agreed and not agreed[-1]["store"].endswith(":0")
     assert stranger.found == []
-    assert 0 in stranger.connected and len(stranger.connected) >= 2, stranger.connected
+    # Generation 0's store is up from the start; a later one is reached only when the
+    # stranger's poll of the events wins against the run's own rendezvous and its 2 last steps
+    # (1 run in 6 here it did not): required is generation 0's.
+    assert 0 in stranger.connected, stranger.connected
 
 
 @pytest.mark.timeout(150)
