@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.files import atomic_open
 
 SECRET_FILE = "secret"
 SECRET_ENV = "OOBLECK_SECRET_FILE"
@@ -69,15 +70,9 @@ def write_secret(run_dir: str | os.PathLike[str], fresh: bool) -> Path:
     path = Path(run_dir) / SECRET_FILE
     if path.exists() and not fresh:
         return path
-    tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # (the mode of open() applies only to a file it creates)
-        os.write(fd, (secrets.token_hex(32) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    with atomic_open(path, durable=True) as f:
+        os.fchmod(f.fileno(), 0o600)  # (before the secret is in it, whatever the umask)
+        f.write((secrets.token_hex(32) + "\n").encode())
     return path
 
 
