@@ -10,8 +10,7 @@ error in the replayed step, the re-split batch or the copied optimizer state sho
 
 Cases: one node killed in each window of the transactional step, and one lost in the last
 step's vote; f = 2 nodes killed at once; the node that hosts the store and coordinates
-generation 0 (node0) killed, while a stranger's torch client works on every store (issue
-28); a node killed while the survivors reconfigure; a node hung (SIGSTOP); growth: a spare swapped in by a loss's recovery, a second loss, and a node grown
+generation 0 (node0) killed, while strangers knock on every store (issue 28); a node killed while the survivors reconfigure; a node hung (SIGSTOP); growth: a spare swapped in by a loss's recovery, a second loss, and a node grown
 back by `oobleck-hpc grow` (one long run). Exceeding the guarantee raises the typed error at once (a unit test of the driver:
 with gpt-tiny's n0 = 1 no local job can lose every replica and keep a quorum). Every job runs
 under a hard timeout and its processes are killed by pid at the end.
@@ -248,39 +247,32 @@ def test_kill_two_nodes_at_once(tmp_path, reference):
     check_equal_to_reference(code, rows, run_dir, reference, {"node1", "node3"})
 
 
-def guessed_keys(gen: int, world: int = 10) -> list[str]:
-    """The rendezvous keys a stranger can name without the run's secret: those of an
-    un-prefixed run (the driver's arrival counter, gloo's address of every rank in the world
-    and in the first subgroups, as torch 2.13 names them), with and without the engine's
-    generation prefix."""
-    ranks = range(world)
-    plain = ["arrived"] + [f"0//cpu//0/{r}" for r in ranks] + [
-        f"0//{g}//cpu//0/{r}" for g in range(1, 9) for r in ranks]
-    return plain + [f"oobleck/gen{gen}/{k}" for k in plain]
-
-
 class StoreStranger:
-    """Another process's torch client on the run's stores (issue 28, "store clients"): it
-    connects to every generation's store as soon as the store is up (generation 0's port from
-    the roster, later ones from the agents' agreement events), and until the run ends keeps
-    reading the keys it can guess (`guessed_keys`), overwriting them with garbage, and adding
-    -1000 to the arrival counters -- each of which stalled or broke a run whose keys had no
-    secret prefix. `found`: guessed keys that held a value the stranger did not write."""
+    """Strangers on the run's stores (issue 28, "store clients"): from the moment a generation's
+    store is up (generation 0's port from the roster, later ones from the agents' agreement
+    events) until the run ends, connections that speak the store's protocol sealed with another
+    run's secret (a stale worker of an earlier run on a reused port), garbage, and torch's own
+    client's first bytes. `refused`: generations whose store closed such a connection without
+    an answer; `answered`: (generation, what was sent) the store answered -- none may be."""
 
-    GARBAGE = b"stranger"
+    WRONG = bytes(range(32))
 
     def __init__(self):
-        self.found: list[tuple[int, str]] = []
-        self.connected: list[int] = []
+        self.refused: set[int] = set()
+        self.answered: list[tuple[int, bytes]] = []
+
+    def payloads(self, gen: int) -> list[bytes]:
+        from oobleck_hpc.elastic.auth import hello
+        from oobleck_hpc.elastic.rendezvous import store_prefix
+        from oobleck_hpc.elastic.wire import frame
+
+        body, sealer, _ = hello(self.WRONG, "rank", store_prefix(self.WRONG, gen), "", 0)
+        return [frame(sealer.seal(body)), b"\x00garbage" * 50, b"\x0f" + b"\0" * 7]
 
     def __call__(self, run_dir: Path, stop) -> None:
-        import datetime
+        import socket
         import time
 
-        import torch.distributed as dist
-
-        stores: dict[int, object] = {}
-        mine: dict[int, dict[str, bytes]] = {}  # what the stranger last wrote there
         while not stop.is_set():
             targets = {}
             if (run_dir / "roster.json").exists():
@@ -290,51 +282,36 @@ class StoreStranger:
                 targets.update({e["gen"]: e["store_addr"] for e in read_events(
                     run_dir / "events.jsonl") if e["kind"] == "agreement_reached"})
             for gen, addr in targets.items():
-                if gen in self.connected:
-                    continue
                 host, port = addr.rsplit(":", 1)
-                try:
-                    store = dist.TCPStore(host, int(port), is_master=False,
-                                          wait_for_workers=False,
-                                          timeout=datetime.timedelta(seconds=1))
-                    mine[gen] = {}
-                    for key in ("arrived", f"oobleck/gen{gen}/arrived"):
-                        if store.check([key]):
-                            self.found.append((gen, key))
-                        mine[gen][key] = str(store.add(key, -1000)).encode()
-                except RuntimeError:
-                    continue  # not up yet, or gone already
-                self.connected.append(gen)
-                stores[gen] = store
-            for gen, store in list(stores.items()):
-                try:
-                    for key in guessed_keys(gen):
-                        if store.check([key]) and store.get(key) != mine[gen].get(key):
-                            self.found.append((gen, key))
-                        store.set(key, self.GARBAGE)
-                        mine[gen][key] = self.GARBAGE
-                except RuntimeError:
-                    del stores[gen]  # its host left
+                for payload in self.payloads(gen):
+                    try:
+                        with socket.create_connection((host, int(port)), timeout=3.0) as sock:
+                            sock.sendall(payload)
+                            if sock.recv(1 << 16):
+                                self.answered.append((gen, payload[:40]))
+                            else:
+                                self.refused.add(gen)
+                    except OSError:
+                        pass  # not up yet, or gone already
             time.sleep(0.02)
 
 
 @pytest.mark.timeout(150)
 def test_kill_store_host_and_coordinator(tmp_path, reference):
-    """node0 hosts generation 0's store and is the first node of the roster (rank 0). A
-    stranger's client on the stores meanwhile (`StoreStranger`) finds none of the run's keys
-    and changes nothing: every key of the run lives under a prefix derived from the run's
-    secret and the generation (elastic/rendezvous.py)."""
+    """node0 hosts generation 0's store and is the first node of the roster (rank 0).
+    Strangers on the stores meanwhile (`StoreStranger`) get no answer: a store serves the run's
+    own ranks only (elastic/store.py)."""
     stranger = StoreStranger()
     code, rows, run_dir = run_job(tmp_path, during=stranger, faults=[
         {"node": 0, "step": 3, "phase": "forward", "kind": "kill"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, {"node0"})
     agreed = [e for e in events if e["kind"] == "membership_agreed"]
     assert agreed and not agreed[-1]["store"].endswith(":0")
-    assert stranger.found == []
+    assert stranger.answered == []
     # Generation 0's store is up from the start; a later one is reached only when the
     # stranger's poll of the events wins against the run's own rendezvous and its 2 last steps
     # (1 run in 6 here it did not): required is generation 0's.
-    assert 0 in stranger.connected, stranger.connected
+    assert 0 in stranger.refused, stranger.refused
 
 
 @pytest.mark.timeout(150)
@@ -629,8 +606,8 @@ class _NullEvents:
 
 @pytest.mark.timeout(30)
 def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
-    """A store host that dies between `_wait_port` and the connection: torch would retry the
-    connection until the store timeout (48 s in a job); a newer round ends the wait at once."""
+    """A store host that dies between the agreement and the connection: a client retries the
+    connection until the store timeout (300 s in a job); a newer round ends the wait at once."""
     import socket
     import threading
     import time
@@ -656,7 +633,7 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
     try:
         with pytest.raises(Superseded):
             open_store("127.0.0.1", server.getsockname()[1], False, 20.0,
-                       abort=lambda: time.monotonic() > opened, prefix="p")
+                       abort=lambda: time.monotonic() > opened, secret=b"s" * 32, generation=1)
         assert time.monotonic() - t0 < 2.0
     finally:
         server.close()
@@ -708,11 +685,11 @@ time.sleep(120)
 
 @pytest.mark.timeout(60)
 def test_a_store_op_on_a_frozen_host_fails_once_a_round_opens():
-    """A hung node hosting the generation's store: a survivor's store.add() would wait for its
-    reply for ever (the store timeout does not bound it). When the agents open the next round,
-    the driver shuts the connection down and the call fails at once (chaos trial: two workers
-    stuck so for minutes while their peers looped on an exchange they never joined)."""
-    import datetime
+    """A hung node hosting the generation's store: a survivor's store.add() waits for its reply
+    up to the store's timeout (300 s in a job; torch's TCPStore for ever). When the agents open
+    the next round, the driver shuts the connection down and the call fails at once (chaos
+    trial: two workers stuck so for minutes while their peers looped on an exchange they never
+    joined)."""
     import os
     import signal
     import subprocess
@@ -721,20 +698,21 @@ def test_a_store_op_on_a_frozen_host_fails_once_a_round_opens():
     import time
     from types import SimpleNamespace
 
-    import torch.distributed as dist
-
     from oobleck_hpc.elastic.driver import ElasticDriver
+    from oobleck_hpc.elastic.rendezvous import open_store
+    from oobleck_hpc.elastic.wire import free_port
 
-    host = subprocess.Popen([sys.executable, "-c", """
-import datetime, sys, time, torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-print(store.port, flush=True)
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from oobleck_hpc.elastic.rendezvous import open_store
+store = open_store("127.0.0.1", {port}, True, 30.0, secret=b"s" * 32, generation=2)
+print("up", flush=True)
 time.sleep(120)
 """], stdout=subprocess.PIPE, text=True)
     try:
-        port = int(host.stdout.readline())
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=2))
+        assert host.stdout.readline() == "up\n"
+        store = open_store("127.0.0.1", port, False, 30.0, secret=b"s" * 32, generation=2)
         store.add("arrived", 1)
         os.kill(host.pid, signal.SIGSTOP)
         outcome = []
@@ -748,7 +726,7 @@ time.sleep(120)
         waiter = threading.Thread(target=add, daemon=True)
         waiter.start()
         waiter.join(4.0)
-        assert waiter.is_alive() and not outcome  # twice the store timeout: still waiting
+        assert waiter.is_alive() and not outcome
         driver = SimpleNamespace(_store_at=(2, "127.0.0.1", port), comm=None)
         ElasticDriver.on_notice(driver, "round", {"gen": 2, "suspects": {}})  # not newer
         waiter.join(0.5)

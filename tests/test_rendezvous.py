@@ -1,19 +1,24 @@
-"""The rendezvous store and strangers (issue 28; elastic/rendezvous.py): the key prefix derived
-from the run's secret, the listener bound to the store host's address, and what another
-process's torch client can and cannot do there. One process, no training (the stranger during
+"""The rendezvous store and strangers (issue 28; elastic/rendezvous.py, elastic/store.py): the
+store's name derived from the run's secret and the generation, its answers against torch's own
+store, the listener bound to the store host's address, and strangers refused. One process, no training (the stranger during
 a real run: tests/test_recovery.py, test_kill_store_host_and_coordinator)."""
 
 from __future__ import annotations
 
 import datetime
+import json
+import os
+import random
 import re
 import socket
+import struct
+import time
 
 import pytest
 
-from oobleck_hpc.elastic.auth import SECRET_ENV, run_secret, write_secret
+from oobleck_hpc.elastic.auth import AUTH_DEADLINE_S, SECRET_ENV, hello, run_secret, write_secret
 from oobleck_hpc.elastic.rendezvous import open_store, store_prefix
-from oobleck_hpc.elastic.wire import free_port
+from oobleck_hpc.elastic.wire import frame, free_port
 from oobleck_hpc.errors import ConfigError
 
 SECRET = bytes(range(32))
@@ -43,39 +48,107 @@ def test_a_worker_without_the_secret_stops_naming_the_file(tmp_path, monkeypatch
     assert len(run_secret(tmp_path)) == 32
 
 
+def _ops(rng: random.Random, n: int):
+    """`n` random store operations on a few keys: (name, args)."""
+    keys = ["a", "b", "c/d", "arrived"]
+    values = [b"", b"1", b"x" * 300, bytes(range(256)), "text"]
+    for _ in range(n):
+        k = rng.choice(keys)
+        op = rng.choice(["set", "add", "check", "compare_set", "delete_key", "num_keys", "get"])
+        yield {"set": ("set", (k, rng.choice(values))), "add": ("add", (k, rng.randint(-3, 3))),
+               "check": ("check", (rng.sample(keys, rng.randint(1, 3)),)),
+               "compare_set": ("compare_set", (k, rng.choice(values + [b"2", b"x"]),
+                                               rng.choice(values))),
+               "delete_key": ("delete_key", (k,)), "num_keys": ("num_keys", ()),
+               "get": ("get", (k,))}[op]
+
+
+def _outcome(store, op: str, args):
+    if op == "get" and not store.check([args[0]]):
+        return "missing"  # (a get waits for its key)
+    if op == "add" and store.check([args[0]]) and not re.fullmatch(rb"-?\d+", store.get(args[0])):
+        return "not added"  # (torch's stores differ there: an error, 0, or a closed connection)
+    return getattr(store, op)(*args)
+
+
 @pytest.mark.timeout(60)
-def test_a_stranger_on_the_store_finds_no_key_by_name_and_changes_none():
-    """What rendezvous.py's docstring promises, against torch itself: the host listens on its
-    address only; a stranger's client reads nothing under the names it can guess, and its
-    writes there change no key of the run -- but it can list the keys (`list_keys`), prefix
-    included, which is why the docstring does not call the prefix a secret from such a client."""
+@pytest.mark.parametrize("seed", range(4))
+def test_the_store_answers_as_torchs_own(seed):
+    """The run's store (elastic/store.py) against torch's HashStore, the same random
+    operations on both: the same answers, in the order given."""
     import torch.distributed as dist
 
-    prefix = store_prefix(SECRET, 4)
     port = free_port()
-    host = open_store("127.0.0.1", port, True, 10.0, prefix=prefix)
-    rank = open_store("127.0.0.1", port, False, 10.0, prefix=prefix)
+    host = open_store("127.0.0.1", port, True, 10.0, secret=SECRET, generation=seed)
+    rank = open_store("127.0.0.1", port, False, 10.0, secret=SECRET, generation=seed)
+    oracle = dist.HashStore()
+    for i, (op, args) in enumerate(_ops(random.Random(seed), 400)):
+        store = (host, rank)[i % 2]
+        assert _outcome(store, op, args) == _outcome(oracle, op, args), (i, op, args)
+    with pytest.raises(dist.DistStoreError, match="timed out"):
+        rank.wait(["never"], datetime.timedelta(seconds=0.2))
+    with pytest.raises(NotImplementedError):
+        rank.list_keys()  # not even for the run's own ranks
+    host.close()
+    with pytest.raises(dist.DistNetworkError):
+        rank.add("a", 1)
+
+
+def _hello_frame(secret: bytes, name: str) -> bytes:
+    body, sealer, _ = hello(secret, "rank", name, "", 0)
+    return frame(sealer.seal(body))
+
+
+def _refused(payload: bytes, port: int) -> bool:
+    """Whether the store closes a connection that sends `payload` without answering it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(payload)
+        return sock.recv(1 << 16) == b""
+
+
+@pytest.mark.timeout(90)
+def test_a_stranger_reaches_no_key_of_the_store():
+    """A stranger on the store's port -- torch's own client, garbage, a HELLO unsealed or sealed
+    with another secret or for another generation's store, a rank's HELLO replayed, oversized
+    headers, 300 idle connections -- is closed without an answer; the run's keys stay as the
+    ranks wrote them, and a rank still connects within a second meanwhile. The host listens on
+    its own address only."""
+    import torch.distributed as dist
+
+    port = free_port()
+    host = open_store("127.0.0.1", port, True, 10.0, secret=SECRET, generation=4)
+    rank = open_store("127.0.0.1", port, False, 10.0, secret=SECRET, generation=4)
     host.add("arrived", 1)
     rank.add("arrived", 1)
     rank.set("0//cpu//0/1", b"rank 1's address")
     with pytest.raises(ConnectionRefusedError):  # another address of this host
         socket.create_connection(("127.0.0.2", port), timeout=2).close()
 
-    stranger = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=1))
-    guesses = ["arrived", "0//cpu//0/1", "oobleck/gen4/arrived", "oobleck/gen4/0//cpu//0/1"]
-    assert not stranger.check(guesses)
-    with pytest.raises(dist.DistStoreError):  # (a get waits for the key: none comes)
-        stranger.get("0//cpu//0/1")
-    for key in guesses:
-        stranger.set(key, b"garbage")
-        stranger.add(key + "/n", -1000)
-    stranger.delete_key("arrived")
-    assert host.add("arrived", 0) == 2
+    with pytest.raises(RuntimeError):
+        dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=1)).get("arrived")
+    name = store_prefix(SECRET, 4)
+    replayed = _hello_frame(SECRET, name)
+    assert not _refused(replayed, port)  # (the first time: a rank's own)
+    for payload in [replayed, b"\x00garbage" * 100, os.urandom(3000),
+                    frame(b"\0" * 32 + json.dumps({"type": "hello", "src": "x", "to": name,
+                                                   "host": "", "port": 0, "nonce": "n",
+                                                   "ts": 1.0}).encode()),
+                    _hello_frame(SECRET[::-1], name), _hello_frame(SECRET, store_prefix(SECRET, 3)),
+                    struct.pack("!I", 60 << 20) + b"x" * 1000]:
+        assert _refused(payload, port), payload[:40]
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+    t0 = time.monotonic()
+    late = open_store("127.0.0.1", port, False, 10.0, secret=SECRET, generation=4)
+    assert late.add("arrived", 1) == 3 and time.monotonic() - t0 < 1.0
+    time.sleep(AUTH_DEADLINE_S + 0.5)
+    for sock in idle:  # each closed by the store: the oldest for newer ones, the rest in time
+        sock.settimeout(1.0)
+        assert sock.recv(16) == b""
+        sock.close()
     assert rank.get("0//cpu//0/1") == b"rank 1's address"
-
-    listed = stranger.list_keys()  # the limit of the prefix (module docstring)
-    assert f"{prefix}/arrived" in listed
+    assert host.num_keys() == 2
+    assert host.server.rejected >= 300 + 8
 
     with pytest.raises(RuntimeError, match="cannot listen"):  # a port taken: torch's error kind
-        open_store("127.0.0.1", port, True, 10.0, prefix=prefix)
+        open_store("127.0.0.1", port, True, 10.0, secret=SECRET, generation=5)

@@ -65,7 +65,7 @@ A worker's life with this link (the shape train.py / the reconfigure driver foll
     client = AgentClient.from_env(on_notice=abort_collectives_on_round)
     m = client.wait_membership(timeout=300)                    # generation 0 (the roster)
     store = open_store(m.store_host, m.store_port, client.hosts_store(m), ...,
-                       prefix=store_prefix(secret, m.gen))     # elastic/rendezvous.py
+                       secret=secret, generation=m.gen)      # elastic/rendezvous.py
     plan = plan_job(job, profile, list(m.nodes)); build groups on it
     loop over steps:
         a step returns a failure value -> client.report_failure("comm_error", str(err), suspects)
@@ -289,7 +289,7 @@ class AgentClient:
 
     def hosts_store(self, m: Membership) -> bool:
         """Whether this worker hosts generation `m`'s store (local rank 0 of m.store_node):
-        it creates the TCPStore on m.store_host:m.store_port (rendezvous.open_store); the others
+        it creates the store on m.store_host:m.store_port (rendezvous.open_store); the others
         connect."""
         return m.store_node == self.node and self.local_rank == 0
 

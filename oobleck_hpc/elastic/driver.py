@@ -29,8 +29,8 @@ never an exception: engine.py), a failed vote or a round opened by the agents tu
    (the agents found every peer alive after a failed collective: a slow rank, a port clash)
    retries the step on the same plan with fresh groups, at most MAX_RETRIES times in a row;
    then RecoveryError. (Steps 2-6 are the rounds of elastic/recovery.py.)
-4. Groups: the generation's store (hosted by local rank 0 of `m.store_node`, every key under a
-   prefix derived from the run's secret and the generation: elastic/rendezvous.py), `Comm.init`
+4. Groups: the generation's store (hosted by local rank 0 of `m.store_node`, open to the run's
+   own ranks only: elastic/rendezvous.py, elastic/store.py), `Comm.init`
    with the generation number, `PlanGroups.build`.
 5. Transfer: a new Engine on the new plan at the same TrainState, the rank's kept layers copied
    from its base engine, the rest received from surviving replicas (elastic/transfer.py,
@@ -91,8 +91,7 @@ from oobleck_hpc.elastic.recovery import (JOINER, Joining, Recovery, RecoveryErr
                                           Standing)
 from oobleck_hpc.elastic.planned import Drained, PlannedChanges
 from oobleck_hpc.elastic.straggler import Tracker
-from oobleck_hpc.elastic.rendezvous import (open_store, release_connections, store_prefix,
-                                            wait_arrivals, wait_port)
+from oobleck_hpc.elastic.rendezvous import open_store, release_connections, wait_arrivals
 from oobleck_hpc.errors import OobleckError
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                  faults=None, store_timeout_s: float = 300.0, *, secret: bytes):
         self.job, self.model, self.profile, self.dataset = job, model, profile, dataset
         self.secret = secret
-        """The run's secret (elastic/auth.py): the key prefix of every generation's store."""
+        """The run's secret (elastic/auth.py): what opens every generation's store."""
         self.device, self.client, self.events, self.faults = device, client, events, faults
         self.node, self.local_rank = client.node, client.local_rank
         ft = job.fault_tolerance
@@ -459,13 +458,9 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
 
         rank = plan.rank_of(self.node, self.local_rank)
         host = self.client.hosts_store(m)
-        if not host:
-            # TCPStore's client backs off up to a second between connection attempts; the host
-            # is starting right now, so poll its port cheaply first.
-            wait_port(m.store_host, m.store_port, timeout_s, self.round_opened)
         old = self.store
         self.store = open_store(m.store_host, m.store_port, host, timeout_s, self.round_opened,
-                                prefix=store_prefix(self.secret, m.gen))
+                                secret=self.secret, generation=m.gen)
         self._store_at = None if host else (m.gen, m.store_host, m.store_port)
         del old
         wait_arrivals(self.store, "arrived", plan.world_size, timeout_s, self.round_opened)

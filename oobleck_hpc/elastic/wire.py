@@ -74,12 +74,18 @@ def decode_frames(buf: bytearray, limit: int = MAX_MESSAGE, most: int = -1) -> l
     return bodies
 
 
+def recv_frame(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytes:
+    """The next frame's body (a blocking reader); raises ConnectionClosed at end of stream or
+    on a length above `limit`."""
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if size > limit:
+        raise ConnectionClosed(f"message of {size} bytes exceeds {limit}: corrupt stream")
+    return _recv_exact(sock, size)
+
+
 def recv_msg(sock: socket.socket) -> dict[str, Any]:
     """The next message; raises ConnectionClosed at end of stream."""
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if size > MAX_MESSAGE:
-        raise ConnectionClosed(f"message of {size} bytes exceeds {MAX_MESSAGE}: corrupt stream")
-    return json.loads(_recv_exact(sock, size))
+    return json.loads(recv_frame(sock))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
