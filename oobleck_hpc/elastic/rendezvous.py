@@ -79,9 +79,9 @@ def open_store(host: str, port: int, is_master: bool, timeout_s: float, abort=No
     one polls abort() and gives up (Superseded) as soon as a newer round opens. A client retries
     its connection until the store's timeout: a store host that dies between the agreement and
     the connection held a survivor for that long while the others had agreed on the next round
-    (seen in CI, a second node lost during a recovery). A port taken
-    is a DistNetworkError (a RuntimeError, like torch's own). The caller holds the returned
-    store while process groups built on it live (store.py)."""
+    (seen in CI, a second node lost during a recovery). A port taken is a DistNetworkError (a
+    RuntimeError, like torch's own). The caller holds the returned store while process groups
+    built on it live (store.py)."""
     from oobleck_hpc.elastic.store import AuthStore, StoreServer
     from oobleck_hpc.engine.groups import run_abortable
 
