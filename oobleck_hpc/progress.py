@@ -20,10 +20,13 @@ class Progress:
     (steps numbered from 1, as on the console and in the events). Every rank records its
     committed steps (the same values everywhere); only the current plan's rank 0 (`active`: it
     changes when a node is lost) writes and prints. The metrics file holds every step committed
-    by this attempt exactly once, whoever dies: the writer appends, under a lock on the file,
-    the steps it kept after the last one the file's tail records for this attempt (the previous
-    writer may have died between committing a step and writing it), and every rank does the
-    same after the last step. Each line names its run and attempt (oobleck_hpc/runs.py): a
+    by this attempt exactly once and in order, whoever dies: a writer appends, under a lock on
+    the file, the steps it kept after the last one the file's tail records for this attempt
+    (the previous writer may have died between committing a step and writing it), only if it
+    kept the next one -- a process that joined the run late (`joined`: a worker restarted
+    after a crash, a spare) lacks the steps before it, and a rank 0 restarted so leaves them to
+    the others: every rank appends so once after each recovery (a new generation) and after
+    the last step. Each line names its run and attempt (oobleck_hpc/runs.py): a
     requeued attempt appends the steps it replays after its checkpoint with its own number."""
 
     total: int
@@ -32,12 +35,15 @@ class Progress:
     run: str = ""
     attempt: int = 0
     active: bool = False
+    joined: bool = False
+    """This process joined the running attempt (it kept no step before it joined)."""
     bar: object = None
     losses: list[float] = field(default_factory=list)
     samples: int = 0
     seconds: float = 0.0
     _rows: deque = field(default_factory=lambda: deque(maxlen=KEEP_ROWS))
     _printed: int = -1
+    _generation: int | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is not None:
@@ -59,7 +65,11 @@ class Progress:
             self.bar = tqdm(total=self.total, initial=len(self.losses) - len(results),
                             unit="step", dynamic_ncols=True)
         self.active = active
+        recovered = self._generation is not None and generation != self._generation
+        self._generation = generation
         if not active:
+            if recovered:
+                self._append_missing()  # (the writer may lack the steps before it joined)
             return
         for row in self._append_missing():
             if self.bar is not None:
@@ -78,8 +88,9 @@ class Progress:
 
     def _append_missing(self) -> list[dict]:
         """Under an exclusive lock on the file: append the kept steps after the last one it
-        records for this attempt (a torn last line, from a writer killed mid-write, is ended
-        first). Returns the rows written (without a file: the rows not reported yet)."""
+        records for this attempt, if the next one is kept here (class docstring; a torn last
+        line, from a writer killed mid-write, is ended first). Returns the rows written
+        (without a file: the rows not reported yet)."""
         if self.metrics is None:
             new = [row for row in self._rows if row["step"] > self._printed]
         else:
@@ -92,6 +103,8 @@ class Progress:
                     f.write(b"\n")
                 last = _last_step_in(tail, self.run, self.attempt)
                 new = [row for row in self._rows if row["step"] > last]
+                if new and (last or self.joined) and new[0]["step"] != last + 1:
+                    new = []  # a gap: the steps before are the others' to write
                 f.write("".join(json.dumps(row) + "\n" for row in new).encode())
         if new:
             self._printed = new[-1]["step"]

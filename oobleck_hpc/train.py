@@ -103,7 +103,8 @@ def main() -> int:
     code = EXIT_OK
     ckpt = None
     try:
-        if env.extra.get("spare") or env.extra.get("rejoin_after_gen"):
+        joins = bool(env.extra.get("spare") or env.extra.get("rejoin_after_gen"))
+        if joins:
             # A spare (cluster.spares): it waits until a loss swaps it in, then receives its
             # layers and the step to train from the members (elastic/driver.py, join). A worker
             # restarted after a crash (agent.py) joins the next generation the same way.
@@ -133,7 +134,7 @@ def main() -> int:
         # lost node is recovered in place inside driver.step() (oobleck_hpc/elastic/driver.py).
         metrics = Path(env.extra["metrics"]) if env.extra.get("metrics") else None
         progress = Progress(job.train.steps, job.train.log_every, metrics, run=events.run,
-                            attempt=events.attempt)
+                            attempt=events.attempt, joined=joins)
         t0 = time.perf_counter()
         while driver.engine.state.step < job.train.steps:
             try:

@@ -358,6 +358,37 @@ def test_metrics_lines_count_steps_from_one_and_name_their_attempt(tmp_path, cap
     assert all(math.isfinite(r.get("loss", 0.0)) for r in rows)
 
 
+def test_the_metrics_keep_a_step_whose_writer_crashed_and_rejoined(tmp_path):
+    """Chaos seed 2812, trial 22: rank 0's worker crashed in step 1's optimizer, after the
+    commit vote; restarted, it rejoined as rank 0 at step 2 without step 1, and wrote steps
+    2.. while the survivors, who kept step 1, never write: step 1 was missing. A writer that
+    joined late leaves a gap to the others, who append after each recovery."""
+    from oobleck_hpc.progress import Progress
+
+    @dataclass
+    class Result:
+        step: int
+        loss: float = 1.0
+        samples: int = 4
+        seconds: float = 0.1
+        grad_norm: float = 0.0
+        lr: float = 1e-3
+
+    path = tmp_path / "metrics.jsonl"
+    survivor = Progress(total=4, log_every=1, metrics=path, run="r")
+    survivor.record([Result(0)], "p0", 0, active=False)  # step 1 committed; rank 0 crashed
+    rejoined = Progress(total=4, log_every=1, metrics=path, run="r", joined=True)
+    rejoined.record([Result(1)], "p1", 1, active=True)   # first: it has no step 1
+    assert not path.read_text().strip()
+    survivor.record([Result(1)], "p1", 1, active=False)  # a new generation: it appends
+    rejoined.record([Result(2)], "p1", 1, active=True)
+    survivor.record([Result(2)], "p1", 1, active=False)
+    for p in (rejoined, survivor):
+        p.record([Result(3)], "p1", 1, active=p is rejoined)
+        p.finish()
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4]
+
+
 def test_a_recovery_is_named_by_what_left_or_came():
     from oobleck_hpc.report import what
 
