@@ -1,7 +1,8 @@
 """A live training job under attack on its control plane (issue 28): while it trains, another
 process of the same machine sends every agent malformed frames, every forged message of the
 issue (plain, and sealed with a wrong secret), a member's authentic HELLO replayed, malformed
-frames behind an authentic HELLO, and one agent 500 idle connections and 100 headers of 60 MB.
+frames behind an authentic HELLO, and one agent 500 idle connections and 100 headers of 60 MB;
+then strangers on the rendezvous store (`attack_store`).
 The job trains every step on all its nodes (no failure detected, no recovery), exits 0, ends
 equal to the failure-free fp64 reference, and the attacked agent's memory stays under twice
 its steady size. The attacks must end before the run does (else the test fails: it would test
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from test_elastic_control_trust import AFTER_HELLO, MALFORMED, Speaker, forged, jframe, plain_hello
-from test_recovery import job_dict, rel, run_job
+from test_recovery import StoreStranger, job_dict, rel, run_job
 
 from oobleck_hpc.config import job_from_dict
 from oobleck_hpc.elastic.auth import load_secret
@@ -103,7 +104,36 @@ def attack(run_dir: Path, record: dict) -> None:
         time.sleep(0.1)
     for sock in socks:
         sock.close()
-    record.update(rejected=rejected, steady_mb=steady, peak_mb=peak, t_end=time.time())
+    record.update(rejected=rejected, steady_mb=steady, peak_mb=peak,
+                  store_answered=attack_store(run_dir, roster, secret), t_end=time.time())
+
+
+def attack_store(run_dir: Path, roster: Roster, secret: bytes) -> list[bytes]:
+    """Strangers on generation 0's store (elastic/store.py; hosted by node0's worker): another
+    run's HELLO, garbage, torch's client's first bytes, a 60 MB header, an authentic HELLO
+    replayed, and 200 idle connections. Returns what the store answered (nothing may be)."""
+    from oobleck_hpc.elastic.auth import hello
+    from oobleck_hpc.elastic.rendezvous import store_prefix
+    from oobleck_hpc.elastic.wire import frame
+
+    addr = (roster.address(roster.names[0]).host, roster.store_port)
+    body, sealer, _ = hello(secret, "rank", store_prefix(secret, 0), "", 0)
+    authentic = frame(sealer.seal(body))
+    with socket.create_connection(addr, timeout=5) as sock:  # (taken once: a member's)
+        sock.sendall(authentic)
+        assert sock.recv(1 << 16), "the store did not answer a member's HELLO"
+    answered = []
+    for payload in StoreStranger().payloads(0) + [struct.pack("!I", 60 << 20) + b"x" * 1000,
+                                                  authentic]:
+        with socket.create_connection(addr, timeout=5) as sock:
+            sock.sendall(payload)
+            if sock.recv(1 << 16):
+                answered.append(payload[:40])
+    idle = [socket.create_connection(addr, timeout=5) for _ in range(200)]
+    time.sleep(1.0)
+    for sock in idle:
+        sock.close()
+    return answered
 
 
 @pytest.mark.timeout(300)
@@ -118,6 +148,7 @@ def test_a_job_under_attack_on_its_control_plane_trains_every_step_exactly(tmp_p
     assert code == 0, run_dir
     assert "t_end" in record, "the attacks did not finish"
     assert record["t_end"] < rows[-1]["time"], "the run ended before the attacks did"
+    assert record["store_answered"] == []
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert {r["generation"] for r in rows} == {0}
     bad = [e for e in events if e["kind"] in ("failure_detected", "step_failed", "recovered",
