@@ -8,14 +8,12 @@ with the file, the key, the value and the fix -- before any process is started o
     job.cluster.nodes, job.train.global_microbatches, ...
 
 A job can also be built in Python (`JobConfig(model=ModelConfig(name="gpt-tiny"), ...)`) and
-checked with `job.validate()`.
+checked with `job.validate()`. The strict loading itself (types, unknown keys) is schema.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +21,9 @@ from typing import Any, Literal
 import yaml
 
 from oobleck_hpc.errors import ConfigError, YamlSyntaxError
+from oobleck_hpc.schema import Where as _Where
+from oobleck_hpc.schema import build as _build
+from oobleck_hpc.schema import walk as _walk
 
 
 @dataclass
@@ -373,21 +374,6 @@ class JobConfig:
 # ----------------------------------------------------------------------------- loading
 
 
-@dataclass(frozen=True)
-class _Where:
-    source: str
-    prefix: str
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}.{name}" if self.prefix else name
-
-    def child(self, name: str) -> _Where:
-        return _Where(self.source, self.key(name))
-
-    def fail(self, name: str, value: Any, problem: str, fix: str) -> typing.NoReturn:
-        raise ConfigError(self.source, self.key(name), f"value {value!r} {problem}", fix)
-
-
 def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
     """Read and validate a YAML job file. `overrides` maps dotted keys to values
     (e.g. {"cluster.nodes": 8}) and is applied before validation."""
@@ -422,91 +408,3 @@ def job_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
     job = _build(JobConfig, data, _Where(source, ""))
     job.source = source
     return job.validate()
-
-
-def _build(cls: type, data: Any, where: _Where) -> Any:
-    name = where.prefix or "<top>"
-    if not isinstance(data, dict):
-        raise ConfigError(where.source, name, f"is {data!r}, not a mapping",
-                          f"give '{name}' as indented 'key: value' lines")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(where.source, where.key(str(unknown[0])), "is not a known key",
-                          f"valid keys here are: {', '.join(fields)}")
-    kwargs = {key: _convert(hints[key], value, where, key) for key, value in data.items()}
-    missing = [k for k, f in fields.items()
-               if k not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(where.source, where.key(missing[0]), "is required but missing",
-                          f"add '{missing[0]}:' to this section")
-    return cls(**kwargs)
-
-
-def _convert(tp: Any, value: Any, where: _Where, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, where, key)
-    if origin is Literal:
-        if value not in args:
-            where.fail(key, value, "is not one of the choices",
-                       f"use one of: {', '.join(map(str, args))}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where.child(key))
-    if origin is list:
-        if not isinstance(value, list):
-            where.fail(key, value, "is not a list", "write it as a YAML list ('- item' lines)")
-        return [_convert(args[0], v, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            where.fail(key, value, f"is not a list of {len(args)} numbers",
-                       f"write it as [{', '.join('x' * len(args))}]")
-        return tuple(_convert(a, v, where, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            where.fail(key, value, "is not a mapping", "write it as indented 'key: value' lines")
-        return {str(k): str(v) for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            where.fail(key, value, "is not true/false", "write true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            where.fail(key, value, "is not an integer", "write a whole number without quotes")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            where.fail(key, value, "is not a number", "write a number without quotes")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            where.fail(key, value, "is not a string", "write text (quote it if YAML reads it as a number)")
-        return value
-    raise TypeError(f"config type {tp!r} of {where.key(key)} is not supported")  # a bug, not input
-
-
-def _walk(obj: Any, where: _Where) -> None:
-    """Run each dataclass's own check(), depth first, with the key path for messages."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _walk(value, where.child(f.name))
-        elif isinstance(value, list):
-            for i, item in enumerate(value):
-                if dataclasses.is_dataclass(item):
-                    _walk(item, where.child(f"{f.name}[{i}]"))
-    check = getattr(obj, "check", None)
-    if check is not None:
-        check(where)
