@@ -63,14 +63,42 @@ class DataConfig:
     corpus: str = "stdlib"
     """'stdlib' (the Python standard library's source files: real text on every machine, no
     download) or a path to a UTF-8 text file or a directory of them."""
+    tokenizer: str | None = None
+    """A directory holding a Hugging Face tokenizer.json (and optionally tokenizer_config.json,
+    whose eos_token joins the corpus's files): the corpus is tokenised with it (needs `pip
+    install 'oobleck_hpc[hf]'`). Unset: byte-level, 256 ids. Its vocabulary must not be larger
+    than the model's."""
+    tokens: str | None = None
+    """Pre-tokenized data used in place instead of `corpus` (memory-mapped, never copied):
+    FILE.bin (a flat token file as nanoGPT writes it; set `dtype`), FILE.npy (a 1-D integer
+    array), or PREFIX.idx of a Megatron-LM indexed dataset (PREFIX.bin beside it). Every id
+    must be below the model's vocabulary size (oobleck_hpc/data/pretokenized.py)."""
+    dtype: Literal["uint16", "uint32"] | None = None
+    """The token type of a flat .bin in `tokens` (it has no header to say it): uint16 (nanoGPT,
+    GPT-2's vocabulary) or uint32. .npy and Megatron files state their own."""
     seq_len: int | None = None
     """Tokens per sample; defaults to the model's context length."""
     cache_dir: str = ".cache/oobleck_hpc"
-    """Where the tokenised corpus is memory-mapped from (tokenised once, reused by every node)."""
+    """Where the tokenised corpus is memory-mapped from (tokenised once, reused by every node),
+    and where the id range of a pre-tokenized file is remembered once scanned."""
 
     def check(self, where: _Where) -> None:
         if self.seq_len is not None and self.seq_len < 2:
             where.fail("seq_len", self.seq_len, "must be at least 2", "use e.g. 64")
+        suffix = Path(self.tokens).suffix if self.tokens is not None else None
+        if suffix is not None and suffix not in (".bin", ".npy", ".idx"):
+            where.fail("tokens", self.tokens, "has none of the suffixes .bin, .npy, .idx",
+                       "give FILE.bin (with dtype), FILE.npy, or the PREFIX.idx of a Megatron "
+                       "indexed dataset")
+        if suffix is not None and self.corpus != "stdlib":
+            where.fail("tokens", self.tokens, f"is given beside corpus {self.corpus!r}",
+                       "keep one: tokens (pre-tokenized) or corpus (text)")
+        if suffix == ".bin" and self.dtype is None:
+            where.fail("dtype", None, "is required for a flat .bin in tokens (no header says "
+                       "its type)", "write dtype: uint16 (as nanoGPT writes) or uint32")
+        if suffix != ".bin" and self.dtype is not None:
+            where.fail("dtype", self.dtype, "applies to a flat .bin in tokens only",
+                       "remove it (.npy and Megatron files state their own type)")
 
 
 @dataclass
