@@ -4,8 +4,10 @@ formats document (oobleck_hpc/data/pretokenized.py), not by our own reader's cod
 
 from __future__ import annotations
 
+import ast
 import json
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -319,3 +321,32 @@ def test_bad_tokenizer_directories_are_explained(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # the optional package not installed
     _raises(DataConfig(tokenizer=str(tmp_path / "tok")), "needs the optional 'tokenizers' package",
             "pip install 'oobleck_hpc[hf]'")
+
+
+def test_tokenizers_is_optional_and_imported_by_one_module_only(tmp_path):
+    """Without the package, the byte-level path works; the launcher's pre-flight imports neither
+    it nor torch; and only data/hf.py imports it (inside the function that needs it)."""
+    (tmp_path / "t.txt").write_text("hello " * 20)
+    code = ("import sys\nsys.modules['tokenizers'] = None  # as if not installed\n"
+            "from oobleck_hpc.config import DataConfig\nfrom oobleck_hpc.launch import cli\n"
+            "from oobleck_hpc import data\n"
+            f"data.check_data(DataConfig(corpus={str(tmp_path / 't.txt')!r}, "
+            f"cache_dir={str(tmp_path / 'c')!r}), 256, 64)\n"
+            "assert 'torch' not in sys.modules, 'the pre-flight imported torch'\n"
+            "from oobleck_hpc.models.base import build_model\n"
+            "from oobleck_hpc.config import ModelConfig\n"
+            "ds = data.dataset_for(DataConfig(corpus=" + repr(str(tmp_path / "t.txt"))
+            + ", cache_dir=" + repr(str(tmp_path / "c")) + ", seq_len=8), "
+            "build_model(ModelConfig()))\nprint(len(ds))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["14"], out.stderr
+    package = Path(data.__file__).parents[1]
+    importers = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "tokenizers" or n.startswith("tokenizers.") for n in names):
+                importers.add(path.relative_to(package).as_posix())
+    assert importers == {"data/hf.py"}
