@@ -41,7 +41,6 @@ import numpy as np
 
 from oobleck_hpc.errors import ConfigError
 
-FLAT_DTYPES = ("uint16", "uint32")
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_VERSION = 1
 MEGATRON_HEADER_BYTES = 34
@@ -63,11 +62,11 @@ def _size(path: Path, source: str) -> int:
 
 
 def open_flat(path: str | Path, dtype: str, source: str = "<job>") -> np.ndarray:
-    """A flat token file (nanoGPT's .bin) of `dtype`, memory-mapped."""
+    """A flat token file (nanoGPT's .bin) of `dtype` (data.dtype: uint16 or uint32),
+    memory-mapped."""
+    if dtype not in ("uint16", "uint32"):  # a job's is checked by DataConfig; this for callers
+        raise ValueError(f"a flat .bin holds uint16 or uint32 tokens, not {dtype!r}")
     path = Path(path).expanduser()
-    if dtype not in FLAT_DTYPES:
-        raise ConfigError(source, "data.dtype", f"value {dtype!r} is not a token type of a flat "
-                          ".bin", f"use one of: {', '.join(FLAT_DTYPES)}")
     itemsize = np.dtype(dtype).itemsize
     size = _size(path, source)
     if size == 0 or size % itemsize:
@@ -149,17 +148,9 @@ def open_megatron(idx: str | Path, source: str = "<job>") -> np.ndarray:
 
 
 def open_pretokenized(path: str | Path, dtype: str | None, source: str = "<job>") -> np.ndarray:
-    """The token stream of `data.tokens` (format by suffix: module docstring)."""
-    kind = FORMATS.get(Path(path).suffix)
+    """The token stream of `data.tokens`, in the format its suffix names (module docstring;
+    DataConfig.check admits no other suffix, and a .bin only with its dtype)."""
+    kind = FORMATS[Path(path).suffix]
     if kind == "bin":
-        if dtype is None:
-            raise ConfigError(source, "data.dtype", "is required for a flat .bin (no header says "
-                              "its type)", f"write dtype: one of {', '.join(FLAT_DTYPES)}")
         return open_flat(path, dtype, source)
-    if kind == "npy":
-        return open_npy(path, source)
-    if kind == "megatron":
-        return open_megatron(path, source)
-    raise ConfigError(source, _KEY, f"value {str(path)!r} has none of the suffixes "
-                      f"{', '.join(FORMATS)}", "give FILE.bin (with data.dtype), FILE.npy, or "
-                      "the PREFIX.idx of a Megatron indexed dataset")
+    return open_npy(path, source) if kind == "npy" else open_megatron(path, source)

@@ -180,7 +180,7 @@ def prepare_tokens(data: DataConfig, source: str = "<job>", tokenizer: Tokenizer
     """The token file of `data.corpus`, tokenised now if no valid one is in `data.cache_dir`.
     `tokenizer`: `text_tokenizer(data)` when not given. `source` (the job file) is named in
     error messages."""
-    tokenizer = tokenizer or text_tokenizer(data, source)
+    tokenizer = text_tokenizer(data, source) if tokenizer is None else tokenizer
     root, files = corpus_files(data.corpus, source)
     cache = Path(data.cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
