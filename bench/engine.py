@@ -95,8 +95,7 @@ def bench(job, steps: int, warmup: int, rounds: int) -> dict:
     job.fault_tolerance.collective_timeout_s = 120.0
     profile = resolve_profile(job)
     model = build_model(job.model)
-    seq_len = job.data.seq_len or model.seq_len
-    data = dataset_for(job.data, seq_len)  # pickles as (path, seq_len): workers re-map it
+    data = dataset_for(job.data, model, job.source)  # pickles as its path: workers re-map it
     pool = WorkerPool(job.cluster.nodes, job.cluster.gpus_per_node)
     try:
         nodes = pool.node_names

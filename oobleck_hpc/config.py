@@ -8,14 +8,12 @@ with the file, the key, the value and the fix -- before any process is started o
     job.cluster.nodes, job.train.global_microbatches, ...
 
 A job can also be built in Python (`JobConfig(model=ModelConfig(name="gpt-tiny"), ...)`) and
-checked with `job.validate()`.
+checked with `job.validate()`. The strict loading itself (types, unknown keys) is schema.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +21,9 @@ from typing import Any, Literal
 import yaml
 
 from oobleck_hpc.errors import ConfigError, YamlSyntaxError
+from oobleck_hpc.schema import Where as _Where
+from oobleck_hpc.schema import build as _build
+from oobleck_hpc.schema import walk as _walk
 
 
 @dataclass
@@ -62,14 +63,42 @@ class DataConfig:
     corpus: str = "stdlib"
     """'stdlib' (the Python standard library's source files: real text on every machine, no
     download) or a path to a UTF-8 text file or a directory of them."""
+    tokenizer: str | None = None
+    """A directory holding a Hugging Face tokenizer.json (and optionally tokenizer_config.json,
+    whose eos_token joins the corpus's files): the corpus is tokenised with it (needs `pip
+    install 'oobleck_hpc[hf]'`). Unset: byte-level, 256 ids. Its vocabulary must not be larger
+    than the model's."""
+    tokens: str | None = None
+    """Pre-tokenized data used in place instead of `corpus` (memory-mapped, never copied):
+    FILE.bin (a flat token file as nanoGPT writes it; set `dtype`), FILE.npy (a 1-D integer
+    array), or PREFIX.idx of a Megatron-LM indexed dataset (PREFIX.bin beside it). Every id
+    must be below the model's vocabulary size (oobleck_hpc/data/pretokenized.py)."""
+    dtype: Literal["uint16", "uint32"] | None = None
+    """The token type of a flat .bin in `tokens` (it has no header to say it): uint16 (nanoGPT,
+    GPT-2's vocabulary) or uint32. .npy and Megatron files state their own."""
     seq_len: int | None = None
     """Tokens per sample; defaults to the model's context length."""
     cache_dir: str = ".cache/oobleck_hpc"
-    """Where the tokenised corpus is memory-mapped from (tokenised once, reused by every node)."""
+    """Where the tokenised corpus is memory-mapped from (tokenised once, reused by every node),
+    and where the id range of a pre-tokenized file is remembered once scanned."""
 
     def check(self, where: _Where) -> None:
         if self.seq_len is not None and self.seq_len < 2:
             where.fail("seq_len", self.seq_len, "must be at least 2", "use e.g. 64")
+        suffix = Path(self.tokens).suffix if self.tokens is not None else None
+        if suffix is not None and suffix not in (".bin", ".npy", ".idx"):
+            where.fail("tokens", self.tokens, "has none of the suffixes .bin, .npy, .idx",
+                       "give FILE.bin (with dtype), FILE.npy, or the PREFIX.idx of a Megatron "
+                       "indexed dataset")
+        if suffix is not None and self.corpus != "stdlib":
+            where.fail("tokens", self.tokens, f"is given beside corpus {self.corpus!r}",
+                       "keep one: tokens (pre-tokenized) or corpus (text)")
+        if suffix == ".bin" and self.dtype is None:
+            where.fail("dtype", None, "is required for a flat .bin in tokens (no header says "
+                       "its type)", "write dtype: uint16 (as nanoGPT writes) or uint32")
+        if suffix != ".bin" and self.dtype is not None:
+            where.fail("dtype", self.dtype, "applies to a flat .bin in tokens only",
+                       "remove it (.npy and Megatron files state their own type)")
 
 
 @dataclass
@@ -373,21 +402,6 @@ class JobConfig:
 # ----------------------------------------------------------------------------- loading
 
 
-@dataclass(frozen=True)
-class _Where:
-    source: str
-    prefix: str
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}.{name}" if self.prefix else name
-
-    def child(self, name: str) -> _Where:
-        return _Where(self.source, self.key(name))
-
-    def fail(self, name: str, value: Any, problem: str, fix: str) -> typing.NoReturn:
-        raise ConfigError(self.source, self.key(name), f"value {value!r} {problem}", fix)
-
-
 def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
     """Read and validate a YAML job file. `overrides` maps dotted keys to values
     (e.g. {"cluster.nodes": 8}) and is applied before validation."""
@@ -422,91 +436,3 @@ def job_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
     job = _build(JobConfig, data, _Where(source, ""))
     job.source = source
     return job.validate()
-
-
-def _build(cls: type, data: Any, where: _Where) -> Any:
-    name = where.prefix or "<top>"
-    if not isinstance(data, dict):
-        raise ConfigError(where.source, name, f"is {data!r}, not a mapping",
-                          f"give '{name}' as indented 'key: value' lines")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(where.source, where.key(str(unknown[0])), "is not a known key",
-                          f"valid keys here are: {', '.join(fields)}")
-    kwargs = {key: _convert(hints[key], value, where, key) for key, value in data.items()}
-    missing = [k for k, f in fields.items()
-               if k not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(where.source, where.key(missing[0]), "is required but missing",
-                          f"add '{missing[0]}:' to this section")
-    return cls(**kwargs)
-
-
-def _convert(tp: Any, value: Any, where: _Where, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, where, key)
-    if origin is Literal:
-        if value not in args:
-            where.fail(key, value, "is not one of the choices",
-                       f"use one of: {', '.join(map(str, args))}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where.child(key))
-    if origin is list:
-        if not isinstance(value, list):
-            where.fail(key, value, "is not a list", "write it as a YAML list ('- item' lines)")
-        return [_convert(args[0], v, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            where.fail(key, value, f"is not a list of {len(args)} numbers",
-                       f"write it as [{', '.join('x' * len(args))}]")
-        return tuple(_convert(a, v, where, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            where.fail(key, value, "is not a mapping", "write it as indented 'key: value' lines")
-        return {str(k): str(v) for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            where.fail(key, value, "is not true/false", "write true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            where.fail(key, value, "is not an integer", "write a whole number without quotes")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            where.fail(key, value, "is not a number", "write a number without quotes")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            where.fail(key, value, "is not a string", "write text (quote it if YAML reads it as a number)")
-        return value
-    raise TypeError(f"config type {tp!r} of {where.key(key)} is not supported")  # a bug, not input
-
-
-def _walk(obj: Any, where: _Where) -> None:
-    """Run each dataclass's own check(), depth first, with the key path for messages."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _walk(value, where.child(f.name))
-        elif isinstance(value, list):
-            for i, item in enumerate(value):
-                if dataclasses.is_dataclass(item):
-                    _walk(item, where.child(f"{f.name}[{i}]"))
-    check = getattr(obj, "check", None)
-    if check is not None:
-        check(where)

@@ -91,7 +91,7 @@ def main() -> int:
                                     env.node, env.local_rank, events, client)
     if env.extra.get("rejoin_after_gen"):  # restarted after a crash: no fault fires twice
         faults.skip_fired()
-    dataset = dataset_for(job.data, model.seq_len)
+    dataset = dataset_for(job.data, model, job.source)
 
     # Profile, plan, rendezvous (generation 0: every rank computes the same plan from the same
     # inputs; the store is hosted by the node the membership names).

@@ -6,6 +6,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source scripts/env.sh
+# The optional Hugging Face extra is tested too (tests that need it skip where it is absent):
+# installed once, one import check afterwards.
+if ! python -c "import tokenizers, transformers, safetensors" 2>/dev/null; then
+    echo "scripts/test.sh: installing the optional extra hf (transformers, safetensors, tokenizers)" >&2
+    PYTHONWARNINGS=ignore python -m pip install -q -e ".[test,hf]"
+fi
 if [ "${OOBLECK_SLURM_TESTS:-1}" = 1 ]; then
     # A real Slurm controller + 4 slurmd on this machine (installs slurm-wlm once, ~15 s; then
     # ~2 s), torn down on exit whatever pytest's outcome.

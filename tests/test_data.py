@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from oobleck_hpc import data
-from oobleck_hpc.config import DataConfig
+from oobleck_hpc.config import DataConfig, ModelConfig
 from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.models.base import build_model
 
 
 def test_tokenizer_round_trip():
@@ -41,7 +42,7 @@ def test_user_directory_corpus_and_samples(tmp_path):
     with pytest.raises(IndexError):
         ds.sample(len(ds))
     import pickle
-    assert set(ds.__getstate__()) == {"path", "seq_len"}  # pickled without the tokens
+    assert set(ds.__getstate__()) == {"path", "seq_len", "kind", "dtype"}  # without the tokens
     loaded = pickle.loads(pickle.dumps(ds))
     assert isinstance(loaded.tokens, np.memmap) and torch.equal(loaded.sample(1)[1], y)  # re-mapped
     # cached: same file, not rewritten
@@ -96,6 +97,7 @@ def test_stdlib_corpus_deterministic_and_shared(tmp_path):
     assert len(ds) > 100_000  # ~30 MB of real source text
     x, y = ds.sample(12345)
     assert torch.equal(x[1:], y[:-1])
-    assert data.dataset_for(cfg, 64).sample(12345)[0].tolist() == x.tolist()
+    gpt_tiny = build_model(ModelConfig(name="gpt-tiny"))  # seq_len 64
+    assert data.dataset_for(cfg, gpt_tiny).sample(12345)[0].tolist() == x.tolist()
     text = data.ByteTokenizer().decode(data.open_tokens(path)[:2000])
     assert "import" in text or "def " in text or '"""' in text

@@ -76,7 +76,7 @@ def reference(job_file: Path, steps: int) -> list[float]:
     job = load_job(job_file)
     torch.set_num_threads(1)
     model = build_model(job.model)
-    ref = Reference(job, model, dataset_for(job.data, model.seq_len))
+    ref = Reference(job, model, dataset_for(job.data, model, job.source))
     return [ref.step() for _ in range(steps)]
 
 

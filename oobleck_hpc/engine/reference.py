@@ -69,7 +69,7 @@ def reference_run(job: JobConfig, steps: int, dtype: torch.dtype = torch.float64
     torch.set_default_dtype(dtype)
     try:
         model = build_model(job.model)
-        ref = Reference(job, model, dataset_for(job.data, model.seq_len))
+        ref = Reference(job, model, dataset_for(job.data, model, job.source))
         losses = [ref.step() for _ in range(steps)]
         params = {i: {n: p.detach().clone() for n, p in m.named_parameters()}
                   for i, m in enumerate(ref.layers)}

@@ -362,18 +362,22 @@ def begin_run(run_dir, group_access: bool = False) -> str:
 
 def check_local_inputs(job) -> None:
     """What every worker of a local job would reject, checked here before any process starts:
-    the parts of the job that name things on this machine (a model factory's module, a corpus
-    path). load_job cannot check them, as a Slurm job is loaded where they may not exist."""
-    from pathlib import Path
+    the parts of the job that name things on this machine (a model factory's module, the data's
+    files) and whether the data fits the model (every token id below its vocabulary size).
+    load_job cannot check them, as a Slurm job is loaded where they may not exist."""
+    from oobleck_hpc.data import check_data
 
-    if job.model.factory is not None:  # the error every worker would raise, said once here
-        from oobleck_hpc.models.factory import load_factory
+    if job.model.factory is None:  # a built-in GPT: its sizes are data, no torch needed
+        from oobleck_hpc.models.configs import GPT_CONFIGS
 
-        load_factory(job.model.factory, job.source)
-    corpus = job.data.corpus
-    if corpus != "stdlib" and not Path(corpus).expanduser().exists():
-        raise ConfigError(job.source, "data.corpus", f"value {corpus!r} is neither 'stdlib' nor "
-                          "an existing file or directory", "use 'stdlib' or the path of your text")
+        cfg = GPT_CONFIGS[job.model.name]
+        vocab_size, seq_len = cfg.vocab_size, cfg.seq_len
+    else:  # the error every worker would raise, said once here
+        from oobleck_hpc.models.base import build_model
+
+        model = build_model(job.model, job.source)
+        vocab_size, seq_len = model.vocab_size, model.seq_len
+    check_data(job.data, vocab_size, job.data.seq_len or seq_len, job.source)
 
 
 _EXIT_REASONS = {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input: not requeued",

@@ -51,6 +51,13 @@ class LayerModel(ABC):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-sample loss, shape (B,): the mean over the sample's tokens."""
 
+    @property
+    def vocab_size(self) -> int:
+        """The token ids the model takes are 0 .. vocab_size - 1: the last dimension of the last
+        layer's logits. The job's data is checked against it before training (oobleck_hpc/data)."""
+        shape, _ = self.layer_output_shape(self.num_layers - 1, 1)
+        return shape[-1]
+
     def layer_names(self) -> list[str]:
         return [f"layer{i}" for i in range(self.num_layers)]
 
