@@ -121,6 +121,10 @@ class TrainConfig:
     save_final_params: bool = False
     """After the last step the lowest holder of each layer writes that layer's parameters to
     RUN_DIR/final/layer-<i>.pt (a dict name -> tensor), to compare a run with a reference."""
+    recompute: bool = False
+    """Activation recomputation: each layer keeps only its input for the backward pass and runs
+    its forward again there (torch.utils.checkpoint): less activation memory, about one more
+    forward per step. The planner accounts for both (planning/cost.py, `with_recompute`)."""
 
     def check(self, where: _Where) -> None:
         for key in ("steps", "microbatch_size", "global_microbatches"):

@@ -133,6 +133,25 @@ def test_engine_equals_single_process_reference(pool, references, name: str, flo
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_activation_recomputation_trains_exactly(pool, references) -> None:
+    """train.recompute on the heterogeneous plan: the same steps as the reference without it
+    (fp64, 1e-9; tests/test_recompute.py: bit for bit within a segment)."""
+    job, data, refs = references
+    ref = refs[True]
+    plan = PLANS["hetero"]
+    results = [r for r in pool.run("engine", _job(recompute=True), plan, STEPS, data,
+                                   float64=True) if r is not None]
+    assert len(results) == plan.world_size
+    worst = 0.0
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-9)
+        for key, value in r["params"].items():
+            worst = max(worst, rel(value, ref["params"][key]))
+    assert worst <= 1e-9, f"max relative parameter difference {worst:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_state_moves_between_plans_exactly(pool, references) -> None:
     """K1 steps on one plan, then every layer's state (weights + AdamW state, from any holder)
     and (step, cursor) handed to a DIFFERENT plan on fewer nodes for the remaining steps: the

@@ -25,6 +25,8 @@ Step (`Engine.step()`), for the global batch at `state.cursor`:
    overlapping the backward of the segments before it and the cool-down of earlier stages.
 3. Global statistics: one all-reduce over the world of [loss sum, sum of ||g_l||^2 over the
    segments this rank is the lowest holder of] -- every layer counted exactly once.
+   With `train.recompute` each layer keeps only its input and recomputes its forward in the
+   backward pass (`Segment.recompute`).
 4. Clip with the global norm, set the LR of this step, AdamW. Only then the state (step,
    cursor) advances: the step is committed. `step(commit=False)` stops before the update with
    the step *prepared* (reduced, clipped gradients in place) and leaves `commit()` /
@@ -59,6 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from oobleck_hpc.checkpoint import layer_state, load_layer_state
 from oobleck_hpc.config import JobConfig
@@ -86,10 +89,13 @@ class Segment:
     counts_norm: bool
     """This rank is the lowest holder: it adds the segment's squared norm to the global norm."""
     work: dist.Work | None = None
+    recompute: bool = False
+    """train.recompute: each layer keeps only its input for backward, which runs its forward
+    again first (torch.utils.checkpoint; no dropout, so the same values, bit for bit)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for m in self.modules:
-            x = m(x)
+            x = checkpoint(m, x, use_reentrant=False) if self.recompute else m(x)
         return x
 
 
@@ -240,7 +246,8 @@ class Engine:
             else:
                 segments.append(Segment([layer], [self.layers[layer]], owners,
                                         self.groups.group(owners), torch.empty(0),
-                                        counts_norm=self.comm.rank == owners[0]))
+                                        counts_norm=self.comm.rank == owners[0],
+                                        recompute=self.train.recompute))
         for seg in segments:
             params = [p for m in seg.modules for p in m.parameters()]
             # empty, not zeros: every step zeroes it first (_pipeline), and an untouched

@@ -50,7 +50,17 @@ def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
     f, B = job.fault_tolerance.f, job.train.global_microbatches
     # A CPU host running more workers than cores: each pretend GPU gets a share of a core.
     profile = cost.job_profile(job, profile)
-    spec = node_specification(profile, len(nodes), f)
+    try:
+        spec = node_specification(profile, len(nodes), f)
+    except PlanningError as e:
+        if job.train.recompute:
+            raise
+        try:  # would activation recomputation make it fit? Then say so.
+            node_specification(cost.with_recompute(profile), len(nodes), f)
+        except PlanningError:
+            raise e from None
+        raise PlanningError(f"{e}; or activation recomputation: with train.recompute: true "
+                            f"in {job.source} it fits") from None
     m = template_microbatches(B, len(nodes), spec.n0, f)
     templates = build_templates(profile, spec.template_sizes, m)
     if B < f + 1:

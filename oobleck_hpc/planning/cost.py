@@ -96,6 +96,16 @@ all-reduce: y_i is part of that ring)::
 
 The objective (w_t, y_i and o_i as per-microbatch shares) ranks plans exactly and cheaply; the
 prediction evaluates the plan that was chosen the way the engine runs it.
+
+Activation recomputation (`train.recompute`; `with_recompute`, applied in `job_profile`): a layer
+keeps only its input for backward, and its backward first runs its forward again::
+
+    act_l' = out_{l-1}   (layer 0: act_0, its token ids)      b_l' = b_l + f_l
+    M'     = M - max_l act_l                  the recomputed layer's activations, transiently
+
+The recomputed forward re-creates one layer's activations at a time while its backward runs:
+the largest layer's act_l is reserved on every GPU (a slight over-estimate on a k-GPU stage,
+which holds 1/k of it).
 """
 
 from __future__ import annotations
@@ -158,8 +168,26 @@ def sharing_note(job: JobConfig, profile: ModelProfile, cores: int | None = None
 
 
 def job_profile(job: JobConfig, profile: ModelProfile, cores: int | None = None) -> ModelProfile:
-    """The profile the planner uses for `job` on this host: every time scaled by job_slowdown."""
+    """The profile the planner uses for `job` on this host: every time scaled by job_slowdown,
+    and activation recomputation accounted for when the job asks for it."""
+    if job.train.recompute:
+        profile = with_recompute(profile)
     return scale_times(profile, job_slowdown(job, profile, cores))
+
+
+def with_recompute(profile: ModelProfile) -> ModelProfile:
+    """`profile` under activation recomputation (module docstring): each layer keeps its input
+    only, backward pays one more forward, the largest layer's activations are reserved."""
+    old = profile.layers
+    layers = tuple(replace(
+        x, activation_bytes=x.activation_bytes if l == 0 else old[l - 1].output_bytes,
+        backward_ms=x.backward_ms + x.forward_ms,
+        backward_rows_ms=tuple(b + f for b, f in zip(x.backward_rows_ms, x.forward_rows_ms)))
+        for l, x in enumerate(old))
+    m = profile.machine
+    reserve = max(x.activation_bytes for x in old)
+    return replace(profile, layers=layers,
+                   machine=replace(m, device_memory_bytes=m.device_memory_bytes - reserve))
 
 
 def scale_times(profile: ModelProfile, factor: float) -> ModelProfile:
