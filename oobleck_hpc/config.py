@@ -30,9 +30,13 @@ from oobleck_hpc.schema import walk as _walk
 class ModelConfig:
     name: str = "gpt-tiny"
     """A model of the built-in GPT family (gpt-tiny, gpt2-small, gpt3-350m ... gpt3-175b),
-    or a label for the user's own model when `factory` is set."""
+    or a label for the user's own model when `factory` or `hf` is set."""
     factory: str | None = None
     """`package.module:function` returning the user's own layer list (see oobleck_hpc/models)."""
+    hf: str | None = None
+    """A directory holding a Hugging Face config.json (llama, mistral, qwen2, gpt2, gpt_neox:
+    models/hf_config.py), cut into layers with transformers' own modules (`pip install
+    'oobleck_hpc[hf]'`); dropout off, so a step is a pure function of weights and batch."""
     seed: int = 0
     """Every layer is built from (seed, layer index): replicas start bit-identical."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
@@ -47,15 +51,9 @@ class ModelConfig:
         return "float32" if self.dtype == "float64" else self.dtype
 
     def check(self, where: _Where) -> None:
-        if self.factory is not None and ":" not in self.factory:
-            where.fail("factory", self.factory, "is not of the form package.module:function",
-                       "write e.g. 'mypkg.models:build_layers'")
-        if self.factory is None:
-            from oobleck_hpc.models.configs import GPT_CONFIGS  # pure data, no torch
+        from oobleck_hpc.models.configs import check_model  # pure data, no torch
 
-            if self.name not in GPT_CONFIGS:
-                where.fail("name", self.name, "is not a built-in model",
-                           f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory")
+        check_model(self, where)
 
 
 @dataclass

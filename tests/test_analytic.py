@@ -3,11 +3,15 @@ equations, the fingerprint says 'analytic', bad inputs are refused clearly."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from oobleck_hpc.errors import ProfileError
 from oobleck_hpc.models.configs import GPT_CONFIGS
 from oobleck_hpc.profiling.analytic import DEVICES, OOBLECK_GPT3_6_7B_A40, analytic_profile
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-small", "gpt3-175b"])
@@ -43,6 +47,27 @@ def test_gpt3_175b_totals_and_flops():
         ("analytic", "H100-80G", 2, "bfloat16", 8)
     assert fp.arch_hash == cfg.arch_hash()
     assert prof.machine.device_memory_bytes == 80 * 10**9
+
+
+@pytest.mark.parametrize("name, params", [("llama2-70b", 68_976_648_192),
+                                          ("llama3-8b", 8_030_261_248)])
+def test_a_hugging_face_config_alone_gives_the_profile(name, params):
+    """The shipped Llama configs (config.json only): the parameter count of transformers'
+    LlamaForCausalLM built from the same file (counted on the meta device), GQA in the
+    attention FLOPs, SwiGLU's three matrices, the fingerprint of the architecture."""
+    from oobleck_hpc.models.hf_config import hf_arch
+
+    arch = hf_arch(EXAMPLES / "models" / name, "<test>")
+    assert arch.total_params() == params
+    prof = analytic_profile(arch, "H100-80G", 1, "bfloat16", name=name, seq_len=4096)
+    assert len(prof.layers) == arch.n_layer + 2
+    assert sum(x.param_bytes for x in prof.layers) == 4 * params  # untied: every tensor once
+    d, hd, s = arch.d_model, arch.head_dim, 4096
+    matrices = d * d * 2 + 2 * d * arch.n_kv_head * hd + 3 * d * arch.intermediate
+    h100 = DEVICES["H100-80G"]
+    compute_ms = 1000 * (2 * s * matrices + 4 * s * s * d) / (h100.bf16_tflops * 1e12 * 0.5)
+    assert compute_ms < prof.layers[1].forward_ms < 1.2 * compute_ms
+    assert (prof.fingerprint.model_name, prof.fingerprint.arch_hash) == (name, arch.arch_hash())
 
 
 def test_faster_device_is_faster_and_llama_like_exists():

@@ -34,6 +34,9 @@ def test_bundled_examples_load(path):
     ("fault_tolerance:\n  heartbeat_s: 2\n  lease_s: 1\n", "fault_tolerance.lease_s", "must exceed heartbeat_s"),
     ("model:\n  factory: mypkg.build\n", "model.factory", "package.module:function"),
     ("model:\n  name: gpt-nonexistent\n", "model.name", "use one of: gpt-tiny, gpt-mini"),
+    ("model:\n  hf: no/such/dir\n", "model.hf", "no/such/dir/config.json cannot be read"),
+    ("model:\n  hf: examples/models/llama3-8b\n  factory: a.b:c\n", "model.hf",
+     "beside model.factory"),
     ("train: [1, 2]\n", "train", "not a mapping"),
     ("- just\n- a list\n", "<top>", "not a mapping"),
 ])
@@ -89,3 +92,30 @@ def test_scientific_notation_and_overrides(tmp_path):
 
 def test_defaults_are_valid():
     JobConfig().validate()
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"model_type": "t5"}, "model_type 't5', which is not supported. Fix: use a model of one of "
+                           "the supported types: llama, mistral, qwen2, gpt2, gpt_neox"),
+    ({"model_type": "llama", "hidden_size": "big"}, "hidden_size = 'big', not a positive integer"),
+    ({"model_type": "llama", "tie_word_embeddings": 1}, "tie_word_embeddings = 1, not true/false"),
+    ({"model_type": "mistral"}, "sliding-window attention (sliding_window = 4096 < "
+                                "max_position_embeddings = 131072)"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16},
+     "sliding-window attention"),
+    ([1, 2], "is not a JSON object"),
+])
+def test_a_hugging_face_config_is_checked_when_the_job_is_read(tmp_path, config, words):
+    """model.hf: the config.json is read as plain JSON (no torch, no transformers) when the job
+    is loaded; what the adapter cannot build is refused then, before anything starts."""
+    import json
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "job.yaml"
+    path.write_text(f"model:\n  hf: {tmp_path / 'm'}\n")
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: key 'model.hf'") and words in message, message
+    assert "Fix:" in message

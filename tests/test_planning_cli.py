@@ -65,6 +65,26 @@ def test_planning_imports_nothing_heavy():
     assert out == "[]"
 
 
+def test_a_hugging_face_config_is_planned_without_torch_or_transformers():
+    """`oobleck-hpc plan` on Llama 2 70B (its config.json only) at 128 nodes x 8 GPUs: the
+    templates, the plan and the survivability table for f = 2, in a process that never imports
+    torch or transformers. (Its time is a benchmark, not checked here: `took` on the console.)"""
+    import subprocess
+    import sys
+
+    code = ("import json, sys, contextlib, io; from oobleck_hpc.cli import main;\n"
+            "out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out):\n"
+            f"    code = main(['plan', {str(EXAMPLES / 'llama2-70b-1024gpu.yaml')!r}, '--json'])\n"
+            "rep = json.loads(out.getvalue())\n"
+            "print(json.dumps([code, rep['profile']['layers'], rep['plan']['nodes'],"
+            " [r['lost'] for r in rep['survivability'] if 'error' not in r],"
+            " [m for m in ('torch', 'transformers') if m in sys.modules]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120, cwd=EXAMPLES.parent).stdout
+    assert json.loads(out) == [0, 82, 128, [0, 1, 2], []]
+
+
 def test_survivability_covers_every_loss_pattern_of_the_issues_case(capsys):
     # 6 nodes, n0 = 3, f = 1: the 5 survivors of any single loss run one 5-node pipeline
     assert main(["plan", str(EXAMPLES / "gpt3-6.7b-paper.yaml"), "--nodes", "6", "--json"]) == 0

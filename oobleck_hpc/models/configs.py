@@ -1,5 +1,6 @@
-"""Architectures of the built-in GPT family. Pure data (no torch): the analytic profiler, the
-planner and the simulator read these without importing torch.
+"""Architectures of the built-in GPT family, and the job's model check (`check_model`). Pure
+data (no torch): the analytic profiler, the planner and the simulator read these without
+importing torch.
 
 A GPT is a layer list of `n_layer + 2` layers: layer 0 = token + position embedding,
 layers 1..n_layer = transformer blocks, layer n_layer + 1 = final norm + LM head + loss.
@@ -14,6 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from oobleck_hpc.models.hf_config import hf_arch
+
+if TYPE_CHECKING:
+    from oobleck_hpc.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -62,3 +69,19 @@ def gpt_config(name: str) -> GPTConfig:
         return GPT_CONFIGS[name]
     except KeyError:
         raise KeyError(f"unknown model {name!r}; built-in models: {', '.join(GPT_CONFIGS)}") from None
+
+
+def check_model(model: ModelConfig, where: Any) -> None:
+    """`ModelConfig.check` (`where`: the config's key path, whose `fail` raises ConfigError):
+    one source of layers -- a built-in GPT by name, the user's factory, or a Hugging Face
+    config.json (read and checked here, without torch)."""
+    if model.factory is not None and model.hf is not None:
+        where.fail("hf", model.hf, "is given beside model.factory", "keep one of the two")
+    if model.factory is not None and ":" not in model.factory:
+        where.fail("factory", model.factory, "is not of the form package.module:function",
+                   "write e.g. 'mypkg.models:build_layers'")
+    if model.hf is not None:
+        hf_arch(model.hf, where.source, where.key("hf"))
+    elif model.factory is None and model.name not in GPT_CONFIGS:
+        where.fail("name", model.name, "is not a built-in model",
+                   f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory or model.hf")

@@ -34,7 +34,12 @@ from oobleck_hpc.profiling.profile import ModelProfile
 
 
 def job_arch_hash(job: JobConfig) -> str:
-    """The architecture hash of the job's model (built-in GPTs without importing torch)."""
+    """The architecture hash of the job's model (built-in GPTs and Hugging Face configs without
+    importing torch)."""
+    if job.model.hf is not None:
+        from oobleck_hpc.models.hf_config import hf_arch
+
+        return hf_arch(job.model.hf, job.source).arch_hash()
     if job.model.factory is None:
         from oobleck_hpc.models.configs import GPT_CONFIGS
 
@@ -76,7 +81,7 @@ def check_profile(profile: ModelProfile, job: JobConfig, origin: str) -> ModelPr
     GPUs per node. `origin` names where the profile came from (a file or 'analytic')."""
     fp = profile.fingerprint
     expected = {
-        "architecture hash (model.name / model.factory)": (fp.arch_hash, job_arch_hash(job)),
+        "architecture hash (model.name / model.factory / model.hf)": (fp.arch_hash, job_arch_hash(job)),
         "microbatch size (train.microbatch_size)": (fp.microbatch_size, job.train.microbatch_size),
         "dtype (model.dtype)": (fp.dtype, job.model.profile_dtype),
         "GPUs per node (cluster.gpus_per_node)": (fp.gpus_per_node, job.cluster.gpus_per_node),
@@ -123,8 +128,15 @@ def resolve_profile(job: JobConfig) -> ModelProfile:
             raise ProfileError(f"{job.source}: profile.analytic is true but profile.device is not "
                                f"set. Fix: set profile.device to the GPU the analytic profile "
                                f"describes (A40, A100-80G or H100-80G)")
-        profile = analytic_profile(job.model.name, job.profile.device, job.train.microbatch_size,
-                                   dtype=job.model.profile_dtype, gpus_per_node=job.cluster.gpus_per_node)
+        model = job.model.name
+        if job.model.hf is not None:
+            from oobleck_hpc.models.hf_config import hf_arch
+
+            model = hf_arch(job.model.hf, job.source)
+        profile = analytic_profile(model, job.profile.device, job.train.microbatch_size,
+                                   dtype=job.model.profile_dtype,
+                                   gpus_per_node=job.cluster.gpus_per_node, name=job.model.name,
+                                   seq_len=job.data.seq_len)
         return check_profile(profile, job, f"analytic({job.model.name}, {job.profile.device})")
     raise ProfileError(
         f"no profile for job {job.source}: looked for {path} (model {job.model.name!r}, device "

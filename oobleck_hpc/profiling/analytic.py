@@ -65,6 +65,15 @@ Devices (dense tensor-core peak; links per GPU, with an achievable fraction of 0
                NVLink 900 GB/s, NDR 50 GB/s per GPU
 
 Latencies: 0.01 ms inside a node, 0.02 ms across nodes.
+
+Hugging Face models (models/hf_config.py: d hidden, I intermediate, H heads of size h, K
+key/value heads, V vocabulary; parameters as `HFArch` counts them, the tied embedding once per
+layer that holds a copy). Forward FLOPs: 2 b s x (the block's matrix entries) + 4 b s^2 H h
+(attention), the head 2 b s d V. Activations kept per token, in elements of e bytes: the two
+norms' inputs, the attention and MLP inputs and the residual 5 d, q, k, v (H + 2K) h, the
+attention output H h, the MLP's hidden 2 I (fc, activation) or 4 I (SwiGLU: gate, up,
+activation, product) -- for a GPT block (K = H, H h = d, I = 4 d) the same 17 d as above.
+Embedding and head as above.
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ from datetime import datetime, timezone
 
 from oobleck_hpc.errors import ProfileError
 from oobleck_hpc.models.configs import GPT_CONFIGS, GPTConfig
+from oobleck_hpc.models.hf_config import HFArch
 from oobleck_hpc.profiling.profile import (Fingerprint, LayerProfile, LinkCost, MachineProfile,
                                            ModelProfile)
 
@@ -143,20 +153,65 @@ EXTRA_CONFIGS: dict[str, GPTConfig] = {
 }
 
 
-def _model(model: str | GPTConfig) -> GPTConfig:
-    if isinstance(model, GPTConfig):
+def _model(model: str | GPTConfig | HFArch) -> GPTConfig | HFArch:
+    if isinstance(model, (GPTConfig, HFArch)):
         return model
     cfg = GPT_CONFIGS.get(model) or EXTRA_CONFIGS.get(model)
     if cfg is None:
         raise ProfileError(f"no analytic model {model!r}. Fix: use one of "
-                           f"{', '.join([*GPT_CONFIGS, *EXTRA_CONFIGS])}")
+                           f"{', '.join([*GPT_CONFIGS, *EXTRA_CONFIGS])}, or a Hugging Face "
+                           f"config (model.hf)")
     return cfg
 
 
-def analytic_profile(model: str | GPTConfig, device: str, microbatch_size: int,
+@dataclass(frozen=True)
+class LayerCounts:
+    """What the time and memory of one layer are derived from, per microbatch."""
+
+    name: str
+    params: int
+    fwd_flops: float
+    act: int
+    """Bytes of activations kept for the backward pass."""
+    out: int
+    """Bytes of the output sent to the next layer."""
+
+
+def _gpt_layers(cfg: GPTConfig, b: int, s: int, e: int) -> list[LayerCounts]:
+    """Our GPT family (module docstring, "Model")."""
+    d, V, r = cfg.d_model, cfg.vocab_size, cfg.mlp_ratio
+    tokens = b * s
+    block_params = (4 + 2 * r) * d * d + (9 + r) * d
+    return ([LayerCounts("embedding", V * d + s * d, 0.0, tokens * d * e, tokens * d * e)]
+            + [LayerCounts(f"block{i}", block_params,
+                           2 * tokens * (4 + 2 * r) * d * d + 4 * b * s * s * d,
+                           34 * tokens * d * e // 2, tokens * d * e) for i in range(cfg.n_layer)]
+            + [LayerCounts("head", 2 * d + d * V, 2 * tokens * d * V,
+                           tokens * d * e + 4 * tokens * V, 4)])
+
+
+def _hf_layers(arch: HFArch, b: int, s: int, e: int) -> list[LayerCounts]:
+    """A Hugging Face causal LM (module docstring, "Hugging Face models")."""
+    d, V, inner = arch.d_model, arch.vocab_size, arch.n_head * arch.head_dim
+    tokens = b * s
+    qkv = (arch.n_head + 2 * arch.n_kv_head) * arch.head_dim
+    kept = 5 * d + qkv + inner + (4 if arch.gated_mlp else 2) * arch.intermediate
+    return ([LayerCounts("embedding", arch.embedding_params(), 0.0, tokens * d * e,
+                         tokens * d * e)]
+            + [LayerCounts(f"block{i}", arch.block_params(),
+                           2 * tokens * arch.block_matrix_params() + 4 * b * s * s * inner,
+                           tokens * kept * e, tokens * d * e) for i in range(arch.n_layer)]
+            + [LayerCounts("head", arch.head_params(), 2 * tokens * d * V,
+                           tokens * d * e + 4 * tokens * V, 4)])
+
+
+def analytic_profile(model: str | GPTConfig | HFArch, device: str, microbatch_size: int,
                      dtype: str = "bfloat16", gpus_per_node: int = 8,
-                     matmul_efficiency: float | None = None) -> ModelProfile:
-    """Per-layer profile of a GPT config on `device` (one of DEVICES), from the equations above.
+                     matmul_efficiency: float | None = None, name: str | None = None,
+                     seq_len: int | None = None) -> ModelProfile:
+    """Per-layer profile of a model on `device` (one of DEVICES), from the equations above: a
+    GPT config (or its name) or a Hugging Face architecture (`name` labels it; default its
+    model_type). `seq_len`: tokens per sample (default: the model's context length).
     `matmul_efficiency` replaces the device's own (bench/calibrate.py fits it)."""
     cfg = _model(model)
     if device not in DEVICES:
@@ -166,7 +221,6 @@ def analytic_profile(model: str | GPTConfig, device: str, microbatch_size: int,
     if microbatch_size < 1 or gpus_per_node < 1:
         raise ProfileError("analytic profile: microbatch_size and gpus_per_node must be >= 1")
     dev = DEVICES[device]
-    b, s, d, V, r = microbatch_size, cfg.seq_len, cfg.d_model, cfg.vocab_size, cfg.mlp_ratio
     e = 2 if dtype == "bfloat16" else 4
     eff = dev.matmul_efficiency if matmul_efficiency is None else matmul_efficiency
     if not 0 < eff <= 1:
@@ -174,26 +228,24 @@ def analytic_profile(model: str | GPTConfig, device: str, microbatch_size: int,
     flops = (dev.bf16_tflops if dtype == "bfloat16" else dev.fp32_tflops) * 1e12 * eff
     hbm = dev.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
 
-    def layer(name: str, params: int, fwd_flops: float, act: int, out: int) -> LayerProfile:
-        traffic = 2 * act + out  # written in forward, read (and gradient written) in backward
-        fwd = 1000.0 * (fwd_flops / flops + act / hbm)
-        bwd = 1000.0 * (2 * fwd_flops / flops + traffic / hbm)
-        return LayerProfile(name, fwd, bwd, 4 * params, 4 * params, 8 * params, int(act), int(out))
+    def layer(c: LayerCounts) -> LayerProfile:
+        traffic = 2 * c.act + c.out  # written in forward, read (and gradient written) in backward
+        fwd = 1000.0 * (c.fwd_flops / flops + c.act / hbm)
+        bwd = 1000.0 * (2 * c.fwd_flops / flops + traffic / hbm)
+        return LayerProfile(c.name, fwd, bwd, 4 * c.params, 4 * c.params, 8 * c.params,
+                            int(c.act), int(c.out))
 
-    tokens = b * s
-    layers = [layer("embedding", V * d + s * d, 0.0, tokens * d * e, tokens * d * e)]
-    block_params = (4 + 2 * r) * d * d + (9 + r) * d
-    for i in range(cfg.n_layer):
-        layers.append(layer(f"block{i}", block_params,
-                            2 * tokens * (4 + 2 * r) * d * d + 4 * b * s * s * d,
-                            34 * tokens * d * e // 2, tokens * d * e))
-    layers.append(layer("head", 2 * d + d * V, 2 * tokens * d * V, tokens * d * e + 4 * tokens * V, 4))
-
+    if isinstance(cfg, HFArch):
+        counts = _hf_layers(cfg, microbatch_size, seq_len or cfg.max_positions, e)
+        model_name = name or cfg.model_type
+    else:
+        counts = _gpt_layers(cfg, microbatch_size, seq_len or cfg.seq_len, e)
+        model_name = name or cfg.name
     nvl = LinkCost(0.01, dev.nvlink_gbs * 1e9 * LINK_EFFICIENCY)
     net = LinkCost(0.02, dev.network_gbs * 1e9 * LINK_EFFICIENCY)
     machine = MachineProfile(dev.name, dev.memory_bytes, gpus_per_node, nvl, net, nvl, net,
                              interconnect=dev.interconnect)
-    fp = Fingerprint(cfg.name, cfg.arch_hash(), microbatch_size, dtype, dev.name, gpus_per_node,
+    fp = Fingerprint(model_name, cfg.arch_hash(), microbatch_size, dtype, dev.name, gpus_per_node,
                      dev.interconnect, source="analytic", tool_version="oobleck_hpc analytic 2",
                      created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    return ModelProfile(fp, machine, tuple(layers))
+    return ModelProfile(fp, machine, tuple(layer(c) for c in counts))
