@@ -231,3 +231,14 @@ def test_no_module_is_longer_than_500_lines():
             too_long[name] = lines
     assert not too_long, (f"modules over {MAX_LINES} lines: {too_long}; split them by concern "
                           f"(one module per concern, re-exported where callers import them)")
+
+
+def test_transformers_is_imported_by_the_hugging_face_adapter_only():
+    """transformers is an optional dependency (`pip install 'oobleck_hpc[hf]'`): one module
+    imports it (DESIGN.md, "Directions of import"), so nothing else needs it."""
+    offenders = []
+    for module, path in _modules().items():
+        for name, line in _imported_names(module, path):
+            if name.split(".")[0] == "transformers" and module != "oobleck_hpc.models.hf":
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert not offenders, "\n".join(offenders) + "\nFix: reach transformers through models/hf.py"

@@ -112,3 +112,26 @@ def test_the_loss_is_computed_in_fp32_at_least_and_never_below_the_model_dtype(d
     logits = torch.randn(2, 4, m.cfg.vocab_size, dtype=dtype)
     loss = m.loss(logits, torch.randint(0, m.cfg.vocab_size, (2, 4)))
     assert loss.dtype == torch.promote_types(dtype, torch.float32)
+
+
+def test_without_transformers_gpt_runs_and_a_hugging_face_job_says_what_to_install(tmp_path):
+    """transformers is optional: with it missing, the GPT family builds and trains as before,
+    and a model.hf job fails with the extra to install (exit 2, ConfigError)."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 16, '
+                                          '"num_attention_heads": 2, "num_hidden_layers": 1, '
+                                          '"intermediate_size": 32, "vocab_size": 64}')
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from oobleck_hpc.config import ModelConfig\n"
+        "from oobleck_hpc.errors import ConfigError\n"
+        "from oobleck_hpc.models import build_model\n"
+        "gpt = build_model(ModelConfig(name='gpt-tiny'))\n"
+        "assert gpt.build_layer(1) is not None and gpt.tied_parameters() == []\n"
+        "try:\n"
+        f"    build_model(ModelConfig(name='tiny-llama', hf={str(tmp_path)!r}), 'job.yaml')\n"
+        "except ConfigError as e:\n"
+        "    print(e.exit_code, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120).stdout
+    assert out.startswith("2 job.yaml: key 'model.hf': needs the transformers package"), out
+    assert "pip install 'oobleck_hpc[hf]'" in out

@@ -455,6 +455,7 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
         died instead never arrives; its loss opens a newer round, which ends the wait at once.
         """
         from oobleck_hpc.engine import Comm, PlanGroups, default_backend
+        from oobleck_hpc.engine.tied import tied_layers
 
         rank = plan.rank_of(self.node, self.local_rank)
         host = self.client.hosts_store(m)
@@ -469,7 +470,7 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                          device=self.device, init_timeout_s=timeout_s)
         self.comm = comm
         try:
-            groups = PlanGroups.build(plan, comm)
+            groups = PlanGroups.build(plan, comm, tied_layers(self.model))
         except BaseException:
             self._teardown()
             raise

@@ -23,8 +23,11 @@ Step (`Engine.step()`), for the global batch at `state.cursor`:
    (SUM) with one collective over that rank set. Backward runs segment by segment; during the
    last microbatch's backward a segment's all-reduce starts as soon as its gradients are final,
    overlapping the backward of the segments before it and the cool-down of earlier stages.
+   A tensor two layers share (tied embeddings) then gets both copies' gradients summed over
+   the holders of both layers (engine/tied.py).
 3. Global statistics: one all-reduce over the world of [loss sum, sum of ||g_l||^2 over the
-   segments this rank is the lowest holder of] -- every layer counted exactly once.
+   segments this rank is the lowest holder of] -- every layer, and a shared tensor, counted
+   exactly once.
    With `train.recompute` each layer keeps only its input and recomputes its forward in the
    backward pass (`Segment.recompute`).
 4. Clip with the global norm, set the LR of this step, AdamW. Only then the state (step,
@@ -70,6 +73,7 @@ from oobleck_hpc.engine.optim import clip_coefficient, lr_at, make_optimizer, se
 from oobleck_hpc.engine.sampler import Dataset, GlobalSampler
 from oobleck_hpc.engine.schedule import Action, max_in_flight, pipeline_schedule, validate
 from oobleck_hpc.engine.state import StepResult, TrainState
+from oobleck_hpc.engine.tied import TiedGradients
 from oobleck_hpc.models.base import LayerModel
 from oobleck_hpc.planning.plan import Plan
 
@@ -217,6 +221,7 @@ class Engine:
             self.load_layer_state(layer, st)
 
         self.segments = self._make_segments()
+        self.tied = TiedGradients.build(model, plan, comm.rank, self.layers, groups.group)
 
         # Preallocated transfer buffers: S - s activation slots (1F1B in-flight bound), one
         # gradient buffer. Shapes come from the model, for this rank's rows.
@@ -494,7 +499,6 @@ class Engine:
         if self.microbatches == 0:  # a pipeline with no samples still joins the reductions
             for seg in self.segments:
                 self._start_sync(seg)
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for seg in self.segments:
             if seg.work is not None:
                 try:
@@ -502,9 +506,15 @@ class Engine:
                 except Exception as e:
                     raise _Failure("gradient_sync", None, seg.owners, e) from e
                 seg.work = None
-            if seg.counts_norm:  # in the buffer's dtype, fp32 accumulation at least: no copy
-                acc = torch.float64 if seg.flat.dtype == torch.float64 else torch.float32
-                sq += torch.linalg.vector_norm(seg.flat, dtype=acc).double().square()
+        for t in self.tied.tensors:  # shared tensors: both copies' gradients summed (tied.py)
+            try:
+                self.tied.reduce(t, self._wait)
+            except Exception as e:
+                raise _Failure("gradient_sync", None, t.holders, e) from e
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for seg in self.segments:
+            if seg.counts_norm:
+                sq += self.tied.square_norm(seg.flat, seg.modules)
         stats = torch.stack([loss_sum.double(), sq])
         world = tuple(range(self.comm.world_size))
         try:

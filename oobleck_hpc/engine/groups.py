@@ -3,7 +3,7 @@
 Lifecycle (the elastic layer relies on exactly this):
 
     comm = Comm.init(store, rank, world_size, generation, backend, timeout_s, device)
-    groups = PlanGroups.build(plan, comm)     # every distinct rank set of >= 2 ranks, once
+    groups = PlanGroups.build(plan, comm, tied_layers(model))  # every distinct rank set, once
     ... train ...
     comm.destroy()                            # a clean end: destroys the world and every subgroup
     comm.abandon()                            # after a failure: drop them at once (see there)
@@ -61,13 +61,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from oobleck_hpc.engine.tied import union
 from oobleck_hpc.planning.plan import Plan
 
 T = TypeVar("T")
@@ -303,17 +304,22 @@ class PlanGroups:
     groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     @staticmethod
-    def rank_sets(plan: Plan) -> list[tuple[int, ...]]:
-        """Distinct holder sets of >= 2 ranks over all layers, sorted (creation order)."""
+    def rank_sets(plan: Plan, tied: Collection[tuple[int, int]] = ()) -> list[tuple[int, ...]]:
+        """Distinct holder sets of >= 2 ranks over all layers, and the holders of either layer
+        of each pair in `tied` (layers sharing a tensor: engine/tied.py), sorted (creation
+        order)."""
         sets = {plan.layer_owners(layer) for layer in range(plan.num_layers)}
+        sets |= {union(plan, i, j) for i, j in tied}
         return sorted(s for s in sets if len(s) > 1)
 
     @classmethod
-    def build(cls, plan: Plan, comm: Comm) -> PlanGroups:
+    def build(cls, plan: Plan, comm: Comm, tied: Collection[tuple[int, int]] = ()) -> PlanGroups:
+        """Every group of `plan` in `comm`; `tied`: the model's `tied_layers` (every rank of
+        the world passes the same)."""
         if plan.world_size != comm.world_size:
             raise ValueError(f"plan has {plan.world_size} ranks but the world has {comm.world_size}")
         out = cls()
-        for ranks in cls.rank_sets(plan):
+        for ranks in cls.rank_sets(plan, tied):
             if len(ranks) == comm.world_size:
                 out.groups[ranks] = dist.group.WORLD
             else:

@@ -60,10 +60,12 @@ def _fused_ok(device: torch.device) -> bool:
 def make_optimizer(modules: Iterable[nn.Module], train: TrainConfig,
                    device: torch.device) -> torch.optim.AdamW:
     """AdamW over the parameters of `modules` (in order), decay on matrices only."""
-    decay, no_decay = [], []
+    decay, no_decay, seen = [], [], set()
     for m in modules:
         for p in m.parameters():
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            if id(p) not in seen:  # a tensor shared by two modules (tied) is optimised once
+                seen.add(id(p))
+                (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": train.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     kwargs = {"fused": True} if _fused_ok(device) else {"foreach": True}

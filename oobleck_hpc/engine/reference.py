@@ -2,7 +2,9 @@
 optimizer, microbatch by microbatch, in one process -- no plan, no pipeline, no reduction, no
 transfer. What the engine and every recovery must equal (`oobleck-hpc chaos`, the tests, the
 engine benchmark); it shares with the engine only the sampler, the optimizer and the schedule
-of engine/optim.py, so a bug of the distributed path cannot hide in it.
+of engine/optim.py, so a bug of the distributed path cannot hide in it. A tensor two layers
+share (`LayerModel.tied_parameters`) is ONE parameter here, as in the original model: the
+engine's two copies must equal it.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ class Reference:
 
     def __post_init__(self) -> None:
         self.layers = [self.model.build_layer(i, self.device) for i in range(self.model.num_layers)]
+        for (i, a), (j, b) in self.model.tied_parameters():  # one tensor, as in the model
+            holder, _, attr = b.rpartition(".")
+            setattr(self.layers[j].get_submodule(holder), attr, self.layers[i].get_parameter(a))
         self.optimizer = make_optimizer(self.layers, self.job.train, self.device)
         self.sampler = GlobalSampler(self.dataset, self.job.train.microbatch_size,
                                      self.job.train.global_microbatches, seed=self.job.model.seed)
         self.state = TrainState()
-        self.params = [p for m in self.layers for p in m.parameters()]
+        self.params = list({id(p): p for m in self.layers for p in m.parameters()}.values())
 
     def step(self) -> float:
         self.optimizer.zero_grad(set_to_none=False)

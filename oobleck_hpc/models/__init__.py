@@ -1,10 +1,15 @@
-"""Layer-list models: the GPT family and the interface a user's own model implements.
+"""Layer-list models: the GPT family, Hugging Face causal LMs, and the interface a user's own
+model implements.
 
-- `configs.py`    the GPT family's sizes: pure data, no torch (the planner, analytic profiles and
-                  the simulator read it);
+- `configs.py`    the GPT family's sizes and the job's model check: pure data, no torch (the
+                  planner, analytic profiles and the simulator read it);
+- `hf_config.py`  a Hugging Face config.json's sizes: pure data, no torch;
 - `interface.py`  `LayerModel`, the interface every model implements, and `layer_generator`;
 - `gpt.py`        the GPT as a layer list;
-- `base.py`       `build_model(cfg)`: a built-in GPT by name, or the user's factory.
+- `hf.py`         a Hugging Face causal LM as a layer list (the only module importing
+                  transformers, an optional dependency: `pip install 'oobleck_hpc[hf]'`);
+- `base.py`       `build_model(cfg)`: a built-in GPT by name, a Hugging Face config, or the
+                  user's factory.
 
 The torch-backed names (`LayerModel`, `build_model`, `layer_generator`) are imported on first use.
 """

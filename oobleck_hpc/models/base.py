@@ -1,4 +1,5 @@
-"""The job's model: `build_model(cfg)` builds a built-in GPT by name or calls the user's factory.
+"""The job's model: `build_model(cfg)` builds a built-in GPT by name, a Hugging Face model from
+its config.json (`model.hf`, models/hf.py: imported only then), or calls the user's factory.
 
 The interface every model implements (`LayerModel`, `layer_generator`) is in interface.py and is
 importable from here too: a user's factory subclasses `oobleck_hpc.models.base.LayerModel` (or
@@ -22,11 +23,15 @@ __all__ = ["LayerModel", "build_model", "layer_generator"]
 
 
 def build_model(cfg: ModelConfig, source: str = "<job>") -> LayerModel:
-    """The job's model: a built-in GPT by name, or the user's factory."""
+    """The job's model: a built-in GPT by name, a Hugging Face config, or the user's factory."""
+    if cfg.hf is not None:
+        from oobleck_hpc.models.hf import HFModel
+
+        return HFModel(cfg.hf, name=cfg.name, seed=cfg.seed, source=source)
     if cfg.factory is None:
         if cfg.name not in GPT_CONFIGS:
             raise ConfigError(source, "model.name", f"value {cfg.name!r} is not a built-in model",
-                              f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory")
+                              f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory or model.hf")
         return GPT(GPT_CONFIGS[cfg.name], seed=cfg.seed)
 
     factory = load_factory(cfg.factory, source)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oobleck_hpc.models.interface import LayerModel, layer_generator
+from oobleck_hpc.models.interface import LayerModel, causal_lm_loss, layer_generator
 from oobleck_hpc.models.configs import GPTConfig
 
 INIT_STD = 0.02
@@ -122,8 +122,4 @@ class GPT(LayerModel):
         return (batch_size, t, self.cfg.d_model), torch.float32
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # At least fp32 (half-precision logits are upcast), never below the model's dtype: fp64
-        # runs compare with references and must stay fp64 throughout.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        return per_token.view(targets.shape).mean(dim=1)
+        return causal_lm_loss(logits, targets)

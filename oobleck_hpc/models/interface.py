@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -65,9 +66,31 @@ class LayerModel(ABC):
         """Identifies the architecture in profile fingerprints."""
         return f"{type(self).__module__}.{type(self).__qualname__}:{self.num_layers}"
 
+    def tied_parameters(self) -> list[tuple[tuple[int, str], tuple[int, str]]]:
+        """Tensors that two layers share, as pairs ((layer i, parameter name), (layer j, name)),
+        i < j (e.g. tied input and output embeddings). Each layer holds its own copy, built
+        equal; the engine sums the copies' gradients over the holders of both layers before
+        the step and counts the tensor once in the gradient norm, so the copies stay equal and
+        training is that of the shared tensor. Default: none."""
+        return []
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The seed of layer `index`'s random stream: independent of every other layer."""
+    return (seed * 1_000_003 + index * 7919 + 17) % (2**63 - 1)
+
 
 def layer_generator(seed: int, index: int) -> torch.Generator:
-    """The random stream that initialises layer `index`: independent of every other layer."""
+    """The random stream that initialises layer `index` (seeded with `layer_seed`)."""
     g = torch.Generator(device="cpu")
-    g.manual_seed((seed * 1_000_003 + index * 7919 + 17) % (2**63 - 1))
+    g.manual_seed(layer_seed(seed, index))
     return g
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean cross-entropy of next-token logits (B, T, V) against targets (B, T).
+    At least fp32 (half-precision logits are upcast), never below the model's dtype: fp64 runs
+    compare with references and must stay fp64 throughout."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return per_token.view(targets.shape).mean(dim=1)

@@ -94,6 +94,7 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
 
     from oobleck_hpc.engine import Engine, Reference, TrainState
     from oobleck_hpc.engine.groups import Comm, PlanGroups
+    from oobleck_hpc.engine.tied import tied_layers
     from oobleck_hpc.models.base import build_model
 
     job = task.job
@@ -120,7 +121,7 @@ def _run(task: Task, worker: int, node: str, gpu: int, store) -> dict | None:
     comm = Comm.init(store, rank, plan.world_size, task.generation, "gloo",
                      job.fault_tolerance.collective_timeout_s)
     try:
-        groups = PlanGroups.build(plan, comm)
+        groups = PlanGroups.build(plan, comm, tied_layers(model))
         on_phase = None
         if task.fault is not None and task.fault[0] == rank:
             def on_phase(phase: str, step: int) -> None:

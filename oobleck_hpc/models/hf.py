@@ -1,0 +1,220 @@
+"""Hugging Face causal LMs as layer lists: the only module that imports transformers.
+
+`HFModel(directory)` reads `directory`/config.json (its sizes: `models/hf_config.py`) and cuts
+the architecture's own transformers model into the layers the planner and the engine place:
+
+    layer 0              Embedding: the input embeddings (+ gpt2's learned positions)
+    layers 1..n_layer    Block: decoder block i, with its own copy of the rotary embedding
+                         (buffers only): position ids, (cos, sin) and the causal mask are
+                         rebuilt inside the layer, so it builds and runs on its own
+    last layer           Head: final norm + LM head (logits; `loss` as our GPT's)
+
+Nothing is re-implemented: attention, RoPE, RMSNorm, SwiGLU, GQA are transformers' modules,
+taken from the model built on the `meta` device (`AutoModelForCausalLM.from_config`, attention
+"sdpa": with no mask it attends causally, as the whole model does without padding), copied,
+then allocated and initialised by the model's own `_init_weights` under the layer's seeded RNG
+(`layer_generator`'s seed): deterministic in (seed, index), on any device (drawn on the CPU).
+Dropout is turned off (every `*dropout` / `*pdrop` of the config set to 0): a step is a pure
+function of weights and batch, which exact recovery relies on.
+
+Names: a layer's parameters are named after the wrapper's part (`embed.`, `positions.`,
+`block.`, `norm.`, `lm_head.`) followed by the Hugging Face module's own names; `hf_names(i)`
+maps them to the full state-dict names (`model.layers.3.self_attn.q_proj.weight`), so loading
+`save_pretrained` weights per layer, and exporting back, is a plain name mapping.
+
+Tied embeddings (gpt2; small Llamas and Qwens with tie_word_embeddings): the first and the
+last layer each hold a copy of the one tensor, both initialised from layer 0's stream;
+`tied_parameters()` tells the engine, which sums the two copies' gradients over the holders of
+both layers before the step and counts the tensor once in the gradient norm (engine/tied.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.models.hf_config import HFArch, hf_arch
+from oobleck_hpc.models.interface import LayerModel, causal_lm_loss, layer_seed
+
+ATTENTION = "sdpa"
+
+
+def _transformers(source: str):
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConfigError(source, "model.hf", f"needs the transformers package ({e})",
+                          "install the extra: pip install 'oobleck_hpc[hf]'") from e
+    return transformers
+
+
+class Embedding(nn.Module):
+    """Layer 0: token ids (B, T) -> hidden states (B, T, d)."""
+
+    def __init__(self, embed: nn.Module, positions: nn.Module | None):
+        super().__init__()
+        self.embed = embed
+        self.positions = positions
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if self.positions is not None:
+            h = h + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        return h
+
+
+class Block(nn.Module):
+    """One decoder block; rotary tables from its own copy of the rotary embedding."""
+
+    def __init__(self, block: nn.Module, rotary: nn.Module | None):
+        super().__init__()
+        self.block = block
+        self.rotary = rotary
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.rotary is None:
+            return self.block(h)
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        return self.block(h, attention_mask=None, position_ids=position_ids,
+                          position_embeddings=self.rotary(h, position_ids))
+
+
+class Head(nn.Module):
+    """Final norm + LM head: hidden states -> logits (B, T, V)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+
+class HFModel(LayerModel):
+    """A Hugging Face causal LM of `directory`/config.json as a layer list (module docstring)."""
+
+    def __init__(self, directory: str | Path, name: str | None = None, seed: int = 0,
+                 source: str = "<job>"):
+        self.directory = Path(directory)
+        self.arch: HFArch = hf_arch(directory, source)
+        self.name = name or self.directory.name
+        self.seed = seed
+        self.source = source
+        self.config = _transformers(source).AutoConfig.from_pretrained(str(self.directory),
+                                                                  local_files_only=True)
+        for key, value in self.config.to_dict().items():
+            if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float):
+                setattr(self.config, key, 0.0)
+        self.config._attn_implementation = ATTENTION
+        self._meta_models: dict[torch.dtype, nn.Module] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.arch.num_layers
+
+    @property
+    def seq_len(self) -> int:
+        return self.arch.max_positions
+
+    def layer_names(self) -> list[str]:
+        return ["embedding"] + [f"block{i}" for i in range(self.arch.n_layer)] + ["head"]
+
+    def arch_hash(self) -> str:
+        return self.arch.arch_hash()
+
+    # ------------------------------------------------------------------ the layers
+
+    def meta_model(self) -> nn.Module:
+        """The whole transformers model on the meta device, in the default dtype (no memory)."""
+        dtype = torch.get_default_dtype()
+        if dtype not in self._meta_models:
+            auto = _transformers(self.source).AutoModelForCausalLM
+            with torch.device("meta"):
+                self._meta_models[dtype] = auto.from_config(self.config, dtype=dtype,
+                                                            attn_implementation=ATTENTION)
+        return self._meta_models[dtype]
+
+    @cached_property
+    def _last(self) -> int:
+        return self.num_layers - 1
+
+    def _parts(self, index: int) -> dict[str, str]:
+        """The wrapper's parts of layer `index` -> their Hugging Face module paths."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"{self.name} has layers 0..{self.num_layers - 1}, not {index}")
+        p = self.arch.parts
+        if index == 0:
+            return {"embed": p.embed, **({"positions": p.positions} if p.positions else {})}
+        if index == self._last:
+            return {"norm": p.norm, "lm_head": p.head}
+        return {"block": f"{p.blocks}.{index - 1}", **({"rotary": p.rotary} if p.rotary else {})}
+
+    def _module(self, index: int) -> nn.Module:
+        """Layer `index` on the meta device: copies of the meta model's modules."""
+        meta = self.meta_model()
+        parts = {k: copy.deepcopy(meta.get_submodule(path)) for k, path in self._parts(index).items()}
+        if index == 0:
+            return Embedding(parts["embed"], parts.get("positions"))
+        if index == self._last:
+            return Head(parts["norm"], parts["lm_head"])
+        return Block(parts["block"], parts.get("rotary"))
+
+    def build_layer(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        module = self._module(index)
+        if torch.device(device).type == "meta":
+            return module
+        module = module.to_empty(device="cpu")
+        self._init(module, index)
+        for (i, name), (j, tied) in self.tied_parameters():
+            if j == index:  # the second copy of a tied tensor starts as the first
+                with torch.no_grad():
+                    module.get_parameter(tied).copy_(self.build_layer(i).get_parameter(name))
+        return module.to(device)
+
+    @torch.no_grad()
+    def _init(self, module: nn.Module, index: int) -> None:
+        """transformers' own initialisation (`_init_weights`, children before parents as
+        `initialize_weights` does), drawn from the layer's own seed: the same values on every
+        rank and device. The rotary buffers are recomputed by it too."""
+        init = self.meta_model()._init_weights
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(layer_seed(self.seed, index))
+            for m in _post_order(module):
+                init(m)
+
+    def layer_output_shape(self, index: int, batch_size: int, seq_len: int | None = None
+                           ) -> tuple[tuple[int, ...], torch.dtype]:
+        t = seq_len or self.seq_len
+        if index == self._last:
+            return (batch_size, t, self.arch.vocab_size), torch.float32
+        return (batch_size, t, self.arch.d_model), torch.float32
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(logits, targets)
+
+    # ------------------------------------------------------------------ names and tying
+
+    def hf_names(self, index: int) -> dict[str, str]:
+        """Layer `index`'s parameters: our name -> the Hugging Face state-dict name."""
+        names = {}
+        for part, path in self._parts(index).items():
+            for name, _ in self.meta_model().get_submodule(path).named_parameters():
+                names[f"{part}.{name}"] = f"{path}.{name}"
+        return names
+
+    def tied_parameters(self) -> list[tuple[tuple[int, str], tuple[int, str]]]:
+        if not self.arch.tied:
+            return []
+        return [((0, "embed.weight"), (self._last, "lm_head.weight"))]
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
