@@ -37,6 +37,7 @@ def test_bundled_examples_load(path):
     ("model:\n  hf: no/such/dir\n", "model.hf", "no/such/dir/config.json cannot be read"),
     ("model:\n  hf: examples/models/llama3-8b\n  factory: a.b:c\n", "model.hf",
      "beside model.factory"),
+    ("model:\n  hf: examples/models/llama3-8b\n", "model.name", "names a built-in GPT, but"),
     ("train: [1, 2]\n", "train", "not a mapping"),
     ("- just\n- a list\n", "<top>", "not a mapping"),
 ])
@@ -113,7 +114,7 @@ def test_a_hugging_face_config_is_checked_when_the_job_is_read(tmp_path, config,
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     path = tmp_path / "job.yaml"
-    path.write_text(f"model:\n  hf: {tmp_path / 'm'}\n")
+    path.write_text(f"model:\n  name: mine\n  hf: {tmp_path / 'm'}\n")
     with pytest.raises(ConfigError) as info:
         load_job(path)
     message = str(info.value)

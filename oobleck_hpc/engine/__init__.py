@@ -8,6 +8,7 @@
 - `reference`: `Reference`, `reference_run`: the single-process run every result must equal.
 - `sampler`: the global sampler (same global batches whatever the plan).
 - `optim`: AdamW, LR schedule, clipping (shared with the reference).
+- `tied`: a tensor two layers share (tied embeddings): both copies' gradients summed.
 
 The engine reports failures; it never imports the elastic layer.
 """

@@ -82,6 +82,10 @@ def check_model(model: ModelConfig, where: Any) -> None:
                    "write e.g. 'mypkg.models:build_layers'")
     if model.hf is not None:
         hf_arch(model.hf, where.source, where.key("hf"))
+        if model.name in GPT_CONFIGS:  # the default name left as it was, most likely
+            where.fail("name", model.name, "names a built-in GPT, but model.hf is set",
+                       "name the Hugging Face model (e.g. after its directory): the name files "
+                       "its profiles")
     elif model.factory is None and model.name not in GPT_CONFIGS:
         where.fail("name", model.name, "is not a built-in model",
                    f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory or model.hf")

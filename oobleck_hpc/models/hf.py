@@ -31,7 +31,6 @@ both layers before the step and counts the tensor once in the gradient norm (eng
 from __future__ import annotations
 
 import copy
-from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -140,7 +139,7 @@ class HFModel(LayerModel):
                                                             attn_implementation=ATTENTION)
         return self._meta_models[dtype]
 
-    @cached_property
+    @property
     def _last(self) -> int:
         return self.num_layers - 1
 
