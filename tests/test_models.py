@@ -115,8 +115,8 @@ def test_the_loss_is_computed_in_fp32_at_least_and_never_below_the_model_dtype(d
 
 
 def test_without_transformers_gpt_runs_and_a_hugging_face_job_says_what_to_install(tmp_path):
-    """transformers is optional: with it missing, the GPT family builds and trains as before,
-    and a model.hf job fails with the extra to install (exit 2, ConfigError)."""
+    """transformers is optional: with it missing, the GPT family builds as before, and a
+    model.hf job fails with the extra to install (exit 2, ConfigError)."""
     (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 16, '
                                           '"num_attention_heads": 2, "num_hidden_layers": 1, '
                                           '"intermediate_size": 32, "vocab_size": 64}')
@@ -130,8 +130,15 @@ def test_without_transformers_gpt_runs_and_a_hugging_face_job_says_what_to_insta
         "try:\n"
         f"    build_model(ModelConfig(name='tiny-llama', hf={str(tmp_path)!r}), 'job.yaml')\n"
         "except ConfigError as e:\n"
-        "    print(e.exit_code, e)\n")
+        "    print(e.exit_code, e)\n"
+        "from oobleck_hpc.models.hf_config import require_transformers\n"
+        "try:\n"
+        "    require_transformers('job.yaml')\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=120).stdout
     assert out.startswith("2 job.yaml: key 'model.hf': needs the transformers package"), out
     assert "pip install 'oobleck_hpc[hf]'" in out
+    # what `oobleck-hpc run` checks before it starts any process (launch.cli.check_local_inputs)
+    assert "job.yaml: key 'model.hf': needs transformers, not installed here" in out

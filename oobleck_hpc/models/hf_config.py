@@ -30,6 +30,7 @@ causal mask it rebuilds itself.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -230,6 +231,16 @@ def hf_arch(directory: str | Path, source: str, key: str = "model.hf") -> HFArch
     bias = model_type == "llama" and flag("attention_bias")
     return HFArch(**common, n_kv_head=kv, head_dim=head_dim, gated_mlp=True, layer_norm=False,
                   qkv_bias=bias, o_bias=bias, mlp_bias=model_type == "llama" and flag("mlp_bias"))
+
+
+def require_transformers(source: str) -> None:
+    """ConfigError (exit 2) unless transformers, safetensors and tokenizers are installed: said
+    once before a model.hf job starts, instead of by every worker (looked up, not imported)."""
+    missing = [m for m in ("transformers", "safetensors", "tokenizers")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(source, "model.hf", f"needs {', '.join(missing)}, not installed here",
+                          "install the extra: pip install 'oobleck_hpc[hf]'")
 
 
 def _refuse_sliding_window(model_type: str, cfg: dict, context: int, source: str, key: str,
