@@ -119,6 +119,31 @@ def test_layer_list_logits_equal_transformers(dirs, arch, float64):
         assert torch.equal(layers[i].get_parameter(a), layers[j].get_parameter(b))
 
 
+def test_dropout_is_off_so_a_step_is_a_pure_function(tmp_path, float64):
+    """GPT-2's config.json asks for dropout 0.1 (its defaults): our layers, in training mode,
+    give the same logits twice, equal to transformers' model in eval mode (no dropout)."""
+    from oobleck_hpc.models.hf import HFModel
+
+    config = {k: v for k, v in CONFIGS["gpt2"].items() if not k.endswith("pdrop")}
+    directory = write_config(tmp_path / "gpt2", config)
+    model = HFModel(directory, seed=1)
+    layers = {i: model.build_layer(i) for i in range(model.num_layers)}
+    assert all(m.training for m in layers.values())
+    hf = hf_model(directory)
+    assert hf.config.attn_pdrop == 0.1
+    load_ours(hf, model, layers)
+    x = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def ours():
+        h = x
+        for i in range(model.num_layers):
+            h = layers[i](h)
+        return h.detach()
+
+    assert torch.equal(ours(), ours())
+    assert rel(ours(), hf.eval()(x).logits.detach()) <= 1e-9
+
+
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_layers_build_alone_deterministically_and_on_meta(dirs, arch):
     from oobleck_hpc.models.hf import HFModel

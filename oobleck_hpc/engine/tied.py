@@ -26,8 +26,6 @@ from torch import nn
 from oobleck_hpc.models.interface import LayerModel
 from oobleck_hpc.planning.plan import Plan
 
-Pair = tuple[tuple[int, str], tuple[int, str]]
-
 
 def tied_layers(model: LayerModel) -> list[tuple[int, int]]:
     """The layer pairs (i, j) that share a tensor (`PlanGroups.build`'s `tied`)."""

@@ -31,7 +31,8 @@ def build_model(cfg: ModelConfig, source: str = "<job>") -> LayerModel:
     if cfg.factory is None:
         if cfg.name not in GPT_CONFIGS:
             raise ConfigError(source, "model.name", f"value {cfg.name!r} is not a built-in model",
-                              f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory or model.hf")
+                              f"use one of: {', '.join(GPT_CONFIGS)}, or set model.factory or "
+                              f"model.hf")
         return GPT(GPT_CONFIGS[cfg.name], seed=cfg.seed)
 
     factory = load_factory(cfg.factory, source)

@@ -105,12 +105,11 @@ class HFModel(LayerModel):
         self.name = name or self.directory.name
         self.seed = seed
         self.source = source
-        self.config = _transformers(source).AutoConfig.from_pretrained(str(self.directory),
-                                                                  local_files_only=True)
-        for key, value in self.config.to_dict().items():
+        auto = _transformers(source).AutoConfig
+        self.config = auto.from_pretrained(str(self.directory), local_files_only=True)
+        for key, value in self.config.to_dict().items():  # no dropout (module docstring)
             if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float):
                 setattr(self.config, key, 0.0)
-        self.config._attn_implementation = ATTENTION
         self._meta_models: dict[torch.dtype, nn.Module] = {}
 
     @property
@@ -157,7 +156,8 @@ class HFModel(LayerModel):
     def _module(self, index: int) -> nn.Module:
         """Layer `index` on the meta device: copies of the meta model's modules."""
         meta = self.meta_model()
-        parts = {k: copy.deepcopy(meta.get_submodule(path)) for k, path in self._parts(index).items()}
+        parts = {k: copy.deepcopy(meta.get_submodule(path))
+                 for k, path in self._parts(index).items()}
         if index == 0:
             return Embedding(parts["embed"], parts.get("positions"))
         if index == self._last:

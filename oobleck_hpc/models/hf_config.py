@@ -218,7 +218,8 @@ def hf_arch(directory: str | Path, source: str, key: str = "model.hf") -> HFArch
     head_dim = size("head_dim") if cfg.get("head_dim") is not None else d // heads
     _refuse_sliding_window(model_type, cfg, size("max_position_embeddings"), source, key, path)
     common = dict(model_type=model_type, n_layer=size("num_hidden_layers"), d_model=d,
-                  intermediate=size("intermediate_size"), n_head=heads, vocab_size=size("vocab_size"),
+                  intermediate=size("intermediate_size"), n_head=heads,
+                  vocab_size=size("vocab_size"),
                   max_positions=size("max_position_embeddings"), tied=flag("tie_word_embeddings"),
                   learned_positions=0)
     if model_type == "gpt_neox":
