@@ -100,6 +100,8 @@ def test_defaults_are_valid():
                            "the supported types: llama, mistral, qwen2, gpt2, gpt_neox"),
     ({"model_type": "llama", "hidden_size": "big"}, "hidden_size = 'big', not a positive integer"),
     ({"model_type": "llama", "tie_word_embeddings": 1}, "tie_word_embeddings = 1, not true/false"),
+    ({"model_type": "gpt2", "n_embd": 30, "n_head": 4}, "hidden size of 30, not divisible by "
+                                                        "its 4 attention heads"),
     ({"model_type": "mistral"}, "sliding-window attention (sliding_window = 4096 < "
                                 "max_position_embeddings = 131072)"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16},

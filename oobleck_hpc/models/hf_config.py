@@ -202,20 +202,26 @@ def hf_arch(directory: str | Path, source: str, key: str = "model.hf") -> HFArch
                               f"{value!r}, not true/false", f"write {name}: true or false")
         return value
 
+    def head_size(d: int, heads: int, explicit: str | None = None) -> int:
+        if explicit is not None and cfg.get(explicit) is not None:
+            return size(explicit)
+        if d % heads:
+            raise ConfigError(source, key, f"value {str(directory)!r}: {path} has a hidden size "
+                              f"of {d}, not divisible by its {heads} attention heads",
+                              "give a config.json of a model transformers can build")
+        return d // heads
+
     if model_type == "gpt2":
         d, heads = size("n_embd"), size("n_head")
+        head_dim = head_size(d, heads)
         inter = size("n_inner") if cfg.get("n_inner") is not None else 4 * d
-        return HFArch("gpt2", size("n_layer"), d, inter, heads, heads, d // heads,
+        return HFArch("gpt2", size("n_layer"), d, inter, heads, heads, head_dim,
                       size("vocab_size"), size("n_positions"), flag("tie_word_embeddings"),
                       gated_mlp=False, layer_norm=True, qkv_bias=True, o_bias=True,
                       mlp_bias=True, learned_positions=size("n_positions"))
     d, heads = size("hidden_size"), size("num_attention_heads")
-    if d % heads:
-        raise ConfigError(source, key, f"value {str(directory)!r}: {path} has hidden_size {d} "
-                          f"not divisible by num_attention_heads {heads}",
-                          "give a config.json of a model transformers can build")
     kv = size("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
-    head_dim = size("head_dim") if cfg.get("head_dim") is not None else d // heads
+    head_dim = head_size(d, heads, None if model_type == "gpt_neox" else "head_dim")
     _refuse_sliding_window(model_type, cfg, size("max_position_embeddings"), source, key, path)
     common = dict(model_type=model_type, n_layer=size("num_hidden_layers"), d_model=d,
                   intermediate=size("intermediate_size"), n_head=heads,
@@ -224,7 +230,7 @@ def hf_arch(directory: str | Path, source: str, key: str = "model.hf") -> HFArch
                   learned_positions=0)
     if model_type == "gpt_neox":
         bias = flag("attention_bias")
-        return HFArch(**common, n_kv_head=heads, head_dim=d // heads, gated_mlp=False,
+        return HFArch(**common, n_kv_head=heads, head_dim=head_dim, gated_mlp=False,
                       layer_norm=True, qkv_bias=bias, o_bias=bias, mlp_bias=True)
     if model_type == "qwen2":
         return HFArch(**common, n_kv_head=kv, head_dim=head_dim, gated_mlp=True,
