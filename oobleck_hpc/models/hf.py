@@ -5,8 +5,9 @@ the architecture's own transformers model into the layers the planner and the en
 
     layer 0              Embedding: the input embeddings (+ gpt2's learned positions)
     layers 1..n_layer    Block: decoder block i, with its own copy of the rotary embedding
-                         (buffers only): position ids, (cos, sin) and the causal mask are
-                         rebuilt inside the layer, so it builds and runs on its own
+                         (buffers only): position ids and (cos, sin) are rebuilt inside the
+                         layer, and the attention is causal by itself (sdpa's is_causal, no
+                         mask passed), so a layer builds and runs on its own
     last layer           Head: final norm + LM head (logits; `loss` as our GPT's)
 
 Nothing is re-implemented: attention, RoPE, RMSNorm, SwiGLU, GQA are transformers' modules,
