@@ -122,3 +122,11 @@ def test_a_hugging_face_config_is_checked_when_the_job_is_read(tmp_path, config,
     message = str(info.value)
     assert message.startswith(f"{path}: key 'model.hf'") and words in message, message
     assert "Fix:" in message
+
+
+def test_transformers_older_than_5_is_refused_with_the_fix():
+    from oobleck_hpc.models.hf_config import check_transformers_version
+
+    check_transformers_version("5.24.0", "job.yaml")
+    with pytest.raises(ConfigError, match="needs transformers 5 or later, not 4.45.2"):
+        check_transformers_version("4.45.2", "job.yaml")

@@ -11,7 +11,8 @@ architecture has it, tied embeddings for llama and gpt2) and checked three ways:
 - N steps of our engine on local multi-node heterogeneous pipelines (a 2-GPU stage, the
   embedding and the head on different nodes, a rank holding both) equal N steps of the
   single-process Hugging Face model with the same AdamW, clipping and schedule (fp64 <= 1e-9),
-  and so does our single-process `Reference` (what `oobleck-hpc chaos` compares with), and a
+  with activation recomputation too (train.recompute), and so does our single-process
+  `Reference` (what `oobleck-hpc chaos` compares with), and a
   run whose layer states move to another plan mid-way (a reconfiguration, a restore).
 
 Skipped without transformers (`pip install 'oobleck_hpc[hf]'`; CI installs it).
@@ -184,12 +185,12 @@ def test_sizes_from_config_json_count_the_parameters_of_transformers(dirs, tmp_p
 
 # ---------------------------------------------------------------- training, against transformers
 
-def _job(directory, arch: str):
+def _job(directory, arch: str, recompute: bool = False):
     return job_from_dict({
         "name": f"hf-{arch}", "model": {"name": arch, "hf": str(directory), "seed": 3},
         "data": {"seq_len": SEQ},
         "train": {"steps": 10, "microbatch_size": 2, "global_microbatches": 8, "lr": 3e-3,
-                  "warmup_steps": 1, "grad_clip": 0.5},
+                  "warmup_steps": 1, "grad_clip": 0.5, "recompute": recompute},
         "cluster": {"nodes": 3, "gpus_per_node": G, "device": "cpu"},
         "fault_tolerance": {"collective_timeout_s": 60.0}})
 
@@ -276,8 +277,10 @@ def test_engine_on_pipelines_equals_the_transformers_model(pool, dirs, arch, flo
         for name, p in layer.named_parameters():
             worst = max(worst, rel(p.detach().numpy(), expected[model.hf_names(i)[name]]))
     assert worst <= 1e-9, f"Reference: max relative parameter difference {worst:.2e}"
-    for name, plan in PLANS.items():
-        results = [r for r in pool.run("engine", job, plan, STEPS, data, float64=True,
+    runs = [(name, plan, job) for name, plan in PLANS.items()]
+    runs.append(("hetero, recompute", PLANS["hetero"], _job(dirs[arch], arch, recompute=True)))
+    for name, plan, run_job in runs:
+        results = [r for r in pool.run("engine", run_job, plan, STEPS, data, float64=True,
                                        timeout_s=300) if r is not None]
         assert sorted(r["rank"] for r in results) == list(range(plan.world_size))
         worst, seen = 0.0, set()

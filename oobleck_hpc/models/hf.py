@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from oobleck_hpc.errors import ConfigError
-from oobleck_hpc.models.hf_config import HFArch, hf_arch
+from oobleck_hpc.models.hf_config import HFArch, check_transformers_version, hf_arch
 from oobleck_hpc.models.interface import LayerModel, causal_lm_loss, layer_seed
 
 ATTENTION = "sdpa"
@@ -50,6 +50,7 @@ def _transformers(source: str):
     except ImportError as e:
         raise ConfigError(source, "model.hf", f"needs the transformers package ({e})",
                           "install the extra: pip install 'oobleck_hpc[hf]'") from e
+    check_transformers_version(transformers.__version__, source)
     return transformers
 
 

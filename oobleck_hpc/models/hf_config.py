@@ -30,6 +30,7 @@ causal mask it rebuilds itself.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 from dataclasses import asdict, dataclass
@@ -241,13 +242,22 @@ def hf_arch(directory: str | Path, source: str, key: str = "model.hf") -> HFArch
 
 
 def require_transformers(source: str) -> None:
-    """ConfigError (exit 2) unless transformers, safetensors and tokenizers are installed: said
-    once before a model.hf job starts, instead of by every worker (looked up, not imported)."""
+    """ConfigError (exit 2) unless transformers >= 5, safetensors and tokenizers are installed:
+    said once before a model.hf job starts, instead of by every worker (looked up, not
+    imported)."""
     missing = [m for m in ("transformers", "safetensors", "tokenizers")
                if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(source, "model.hf", f"needs {', '.join(missing)}, not installed here",
                           "install the extra: pip install 'oobleck_hpc[hf]'")
+    check_transformers_version(importlib.metadata.version("transformers"), source)
+
+
+def check_transformers_version(version: str, source: str) -> None:
+    """models/hf.py uses transformers 5's module API (decoder layers that return a tensor)."""
+    if int(version.split(".")[0]) < 5:
+        raise ConfigError(source, "model.hf", f"needs transformers 5 or later, not {version}",
+                          "upgrade: pip install 'oobleck_hpc[hf]' (transformers>=5.0)")
 
 
 def _refuse_sliding_window(model_type: str, cfg: dict, context: int, source: str, key: str,
