@@ -217,8 +217,12 @@ def test_crashes_worker_crash_report_and_hang(cluster_factory):
     assert f1["gen"] == 1 and f1["detect_s"] < 1.0 and f1["agree_s"] < 2.0
     d = check_same_decision(c, 1, ["node0", "node1", "node2", "node4", "node5", "node6"])
     assert all(e["lost"] == ["node3"] for e in d.values())
+    # Detected by its connections, never by a lease: an inbound one that ended and whose port
+    # no longer answers, or an outbound one that failed (a heartbeat sent to node3 right after
+    # the kill, refused, got there first in one CI run under load).
     first = [e for e in c.events("failure_detected", node="node3") if "via" not in e["how"]]
-    assert first and all(e["how"] == "connection_lost" for e in first)
+    assert first and all(e["how"] == "connection_lost" or e["how"].startswith("send_failed (")
+                         for e in first), [e["how"] for e in first]
 
     # 2. Two nodes die at once (usually one round; two back-to-back rounds are also correct).
     t = kill_at_once(c, ["node5", "node6"])
