@@ -8,8 +8,9 @@ index and the files' headers only (8-byte length + JSON: name -> dtype, shape, o
 job's check (`check_weights`, run by the launcher before any node starts and by every rank
 before it loads) names a missing tensor or a wrong shape, and its file, without reading a byte
 of tensor data. `Weights.load_layer` then copies a layer's tensors into its allocated module
-one at a time, each read from the memory-mapped file (`safe_open`): a rank reads only the
-tensors of the layers it builds, and holds at most one tensor beside them while it loads.
+one at a time, each read from the memory-mapped file (`safe_open(...).get_slice(name)[:]`): a
+rank reads only the tensors of the layers it builds, and holds at most one tensor beside them
+while it loads (bench/hf_weights.py measures it).
 `Weights.read` records every name read (what a test checks).
 
 Names: a layer's parameter maps to its Hugging Face state-dict name (`HFModel.hf_names`); a
@@ -140,7 +141,9 @@ class Weights:
         for path, ours_list in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for ours in ours_list:
-                    module.get_parameter(ours).copy_(f.get_tensor(names[ours]))
+                    # get_slice reads the tensor's bytes only (get_tensor, for torch, reads the
+                    # whole file: safetensors 0.8's UntypedStorage.from_file)
+                    module.get_parameter(ours).copy_(f.get_slice(names[ours])[:])
                     self.read.append(names[ours])
 
 
