@@ -118,7 +118,13 @@ def test_a_rank_reads_only_the_tensors_of_its_layers(tmp_path, float64):
                                                 for n in model.hf_names(i).values())
     model.weights.read.clear()
     for i in range(model.num_layers):  # allocated for a checkpoint's or a replica's state
-        model.empty_layer(i)
+        empty = dict(model.empty_layer(i).named_buffers())  # the rotary tables computed
+        built = dict(model.build_layer(i).named_buffers())
+        assert empty.keys() == built.keys()
+        assert all(torch.equal(empty[k], b) for k, b in built.items())
+        model.weights.read.clear()
+    assert model.weights.read == []
+    model.empty_layer(1)
     assert model.weights.read == []
     # the tied head reads the embedding's tensor (save_pretrained wrote it once)
     model.build_layer(model.num_layers - 1)
