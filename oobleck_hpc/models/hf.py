@@ -175,11 +175,11 @@ class HFModel(LayerModel):
         module = self._module(index)
         if torch.device(device).type == "meta":
             return module
-        module = module.to_empty(device="cpu")
-        if self.weights is not None:
-            self._init(module, index, buffers_only=True)
+        if self.weights is not None:  # pretrained: the layer's tensors, read from the files
+            module = self.empty_layer(index)
             self.weights.load_layer(self, index, module)
             return module.to(device)
+        module = module.to_empty(device="cpu")
         self._init(module, index)
         for (i, name), (j, tied) in self.tied_parameters():
             if j == index:  # the second copy of a tied tensor starts as the first
