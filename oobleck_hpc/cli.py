@@ -24,6 +24,7 @@ COMMANDS = {
     "drain": "oobleck_hpc.launch.cli", "grow": "oobleck_hpc.launch.cli",
     "chaos": "oobleck_hpc.chaos",
     "report": "oobleck_hpc.report",
+    "export": "oobleck_hpc.export",
 }
 """Each command and the module that registers it (and runs it). A command given on the command
 line imports its own module only: `kill-node` must act at once, also on a machine whose cores

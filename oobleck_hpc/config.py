@@ -37,6 +37,11 @@ class ModelConfig:
     """A directory holding a Hugging Face config.json (llama, mistral, qwen2, gpt2, gpt_neox:
     models/hf_config.py), cut into layers with transformers' own modules (`pip install
     'oobleck_hpc[hf]'`); dropout off, so a step is a pure function of weights and batch."""
+    weights: str | None = None
+    """Pretrained weights of the model.hf model: a directory holding `model.safetensors` or
+    shards with `model.safetensors.index.json` (as save_pretrained writes them). A layer built
+    fresh at the start of a run is read from them (each rank reads only its layers' tensors);
+    a checkpoint's or a surviving replica's state still wins (models/hf_weights.py)."""
     seed: int = 0
     """Every layer is built from (seed, layer index): replicas start bit-identical."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"

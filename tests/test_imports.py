@@ -242,3 +242,14 @@ def test_transformers_is_imported_by_the_hugging_face_adapter_only():
             if name.split(".")[0] == "transformers" and module != "oobleck_hpc.models.hf":
                 offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
     assert not offenders, "\n".join(offenders) + "\nFix: reach transformers through models/hf.py"
+
+
+def test_safetensors_is_imported_by_the_weights_module_only():
+    """safetensors comes with the same optional extra: pretrained weights in and the export's
+    shards out go through models/hf_weights.py alone."""
+    offenders = []
+    for module, path in _modules().items():
+        for name, line in _imported_names(module, path):
+            if name.split(".")[0] == "safetensors" and module != "oobleck_hpc.models.hf_weights":
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert not offenders, "\n".join(offenders) + "\nFix: reach safetensors through models/hf_weights.py"

@@ -1,11 +1,12 @@
 """One rank's part of a plan: its stage, its 1F1B action list, per-layer gradient sync, AdamW.
 
 Build (once per plan): the rank builds only its layers [layer_start, layer_end), deterministic
-from (seed, layer), so replicas start bit-identical without a broadcast. A layer whose state
+from (seed, layer) or read from the job's pretrained `model.weights` (models/hf_weights.py), so
+replicas start bit-identical without a broadcast. A layer whose state
 comes from elsewhere is never initialised: `adopt` (a reconfiguration's kept layers) hands over
 another engine's modules and AdamW state as they are -- the same tensors, nothing copied; a
 layer in `layer_states` (a checkpoint) or in `receive` (state that a transfer will write) is
-allocated uninitialised (`build_layer(i, "meta")` then `to_empty`), so building an engine costs
+allocated uninitialised (`model.empty_layer`), so building an engine costs
 the same however many layers it receives. A layer's state has one format everywhere
 (`checkpoint.layer_state`: param/, buffer/, optim/ tensors). Receive buffers are preallocated
 from `model.layer_output_shape`: no shapes travel at run time.
@@ -207,7 +208,7 @@ class Engine:
             if layer in adopted:
                 self.layers[layer] = adopted[layer]
             elif layer in loaded:
-                self.layers[layer] = _uninitialised(model, layer, self.device)
+                self.layers[layer] = model.empty_layer(layer, self.device)
             else:
                 self.layers[layer] = model.build_layer(layer, self.device)
         self.dtype = next((p.dtype for m in self.layers.values() for p in m.parameters()),
@@ -542,13 +543,3 @@ class Engine:
         self.grad_buf = None
         self.optimizer = None  # type: ignore[assignment]
         self._waiter.close()
-
-
-def _uninitialised(model: LayerModel, layer: int, device: torch.device) -> nn.Module:
-    """Layer `layer` allocated on `device` without initialising it (its state is loaded next):
-    `build_layer(i, "meta")` then `to_empty`. A layer with non-persistent buffers (computed
-    when it is built, never part of its state: e.g. a cached mask) is built for real instead."""
-    meta = model.build_layer(layer, "meta")
-    if any(m._non_persistent_buffers_set for m in meta.modules()):
-        return model.build_layer(layer, device)
-    return meta.to_empty(device=device)

@@ -363,7 +363,8 @@ def begin_run(run_dir, group_access: bool = False) -> str:
 def check_local_inputs(job) -> None:
     """What every worker of a local job would reject, checked here before any process starts:
     the parts of the job that name things on this machine (a model factory's module, the
-    transformers package of a model.hf job, the data's files) and whether the data fits the
+    transformers package of a model.hf job, its pretrained weights' tensor names and shapes,
+    the data's files) and whether the data fits the
     model (every token id below its vocabulary size). load_job cannot check them, as a Slurm
     job is loaded where they may not exist."""
     from oobleck_hpc.data import check_data
@@ -374,6 +375,11 @@ def check_local_inputs(job) -> None:
         require_transformers(job.source)
         arch = hf_arch(job.model.hf, job.source)
         vocab_size, seq_len = arch.vocab_size, arch.max_positions
+        if job.model.weights is not None:  # names and shapes from the files' headers
+            from oobleck_hpc.models.base import build_model
+
+            model = build_model(job.model, job.source)
+            model.weights.check(model)
     elif job.model.factory is None:  # a built-in GPT: its sizes are data, no torch needed
         from oobleck_hpc.models.configs import GPT_CONFIGS
 

@@ -27,7 +27,8 @@ def build_model(cfg: ModelConfig, source: str = "<job>") -> LayerModel:
     if cfg.hf is not None:
         from oobleck_hpc.models.hf import HFModel
 
-        return HFModel(cfg.hf, name=cfg.name, seed=cfg.seed, source=source)
+        return HFModel(cfg.hf, name=cfg.name, seed=cfg.seed, source=source,
+                       weights=cfg.weights)
     if cfg.factory is None:
         if cfg.name not in GPT_CONFIGS:
             raise ConfigError(source, "model.name", f"value {cfg.name!r} is not a built-in model",

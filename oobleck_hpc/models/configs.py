@@ -80,6 +80,10 @@ def check_model(model: ModelConfig, where: Any) -> None:
     if model.factory is not None and ":" not in model.factory:
         where.fail("factory", model.factory, "is not of the form package.module:function",
                    "write e.g. 'mypkg.models:build_layers'")
+    if model.weights is not None and model.hf is None:
+        where.fail("weights", model.weights, "is given without model.hf",
+                   "set model.hf to the directory of the weights' config.json (pretrained "
+                   "weights are read for Hugging Face models only)")
     if model.hf is not None:
         hf_arch(model.hf, where.source, where.key("hf"))
         if model.name in GPT_CONFIGS:  # the default name left as it was, most likely

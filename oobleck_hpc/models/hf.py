@@ -101,7 +101,7 @@ class HFModel(LayerModel):
     """A Hugging Face causal LM of `directory`/config.json as a layer list (module docstring)."""
 
     def __init__(self, directory: str | Path, name: str | None = None, seed: int = 0,
-                 source: str = "<job>"):
+                 source: str = "<job>", weights: str | Path | None = None):
         self.directory = Path(directory)
         self.arch: HFArch = hf_arch(directory, source)
         self.name = name or self.directory.name
@@ -113,6 +113,11 @@ class HFModel(LayerModel):
             if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float):
                 setattr(self.config, key, 0.0)
         self._meta_models: dict[torch.dtype, nn.Module] = {}
+        self.weights = None
+        if weights is not None:  # pretrained: every fresh layer is read from them
+            from oobleck_hpc.models.hf_weights import Weights
+
+            self.weights = Weights(weights, source)
 
     @property
     def num_layers(self) -> int:
@@ -170,6 +175,10 @@ class HFModel(LayerModel):
         module = self._module(index)
         if torch.device(device).type == "meta":
             return module
+        if self.weights is not None:  # pretrained: the layer's tensors, read from the files
+            module = self.empty_layer(index)
+            self.weights.load_layer(self, index, module)
+            return module.to(device)
         module = module.to_empty(device="cpu")
         self._init(module, index)
         for (i, name), (j, tied) in self.tied_parameters():
@@ -178,16 +187,25 @@ class HFModel(LayerModel):
                     module.get_parameter(tied).copy_(self.build_layer(i).get_parameter(name))
         return module.to(device)
 
+    def empty_layer(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        """Allocated for state loaded next, nothing read nor drawn for its parameters: only
+        the buffers (the rotary tables, never part of the state) are computed."""
+        module = self._module(index).to_empty(device="cpu")
+        self._init(module, index, buffers_only=True)
+        return module.to(device)
+
     @torch.no_grad()
-    def _init(self, module: nn.Module, index: int) -> None:
+    def _init(self, module: nn.Module, index: int, buffers_only: bool = False) -> None:
         """transformers' own initialisation (`_init_weights`, children before parents as
         `initialize_weights` does), drawn from the layer's own seed: the same values on every
-        rank and device. The rotary buffers are recomputed by it too."""
+        rank and device. The rotary buffers are recomputed by it too; `buffers_only`: only
+        the modules owning buffers (their parameters, if any, are loaded next)."""
         init = self.meta_model()._init_weights
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(self.seed, index))
             for m in _post_order(module):
-                init(m)
+                if not buffers_only or m._buffers:
+                    init(m)
 
     def layer_output_shape(self, index: int, batch_size: int, seq_len: int | None = None
                            ) -> tuple[tuple[int, ...], torch.dtype]:

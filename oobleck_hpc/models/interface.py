@@ -43,6 +43,16 @@ class LayerModel(ABC):
     def build_layer(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
         """Layer `index`, initialised deterministically from (self.seed, index)."""
 
+    def empty_layer(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        """Layer `index` allocated on `device` without initialising it (its state is loaded
+        next: a checkpoint, a transfer): `build_layer(i, "meta")` then `to_empty`. A layer with
+        non-persistent buffers (computed when it is built, never part of its state: e.g. a
+        cached mask) is built for real instead."""
+        meta = self.build_layer(index, "meta")
+        if any(m._non_persistent_buffers_set for m in meta.modules()):
+            return self.build_layer(index, device)
+        return meta.to_empty(device=device)
+
     @abstractmethod
     def layer_output_shape(self, index: int, batch_size: int, seq_len: int | None = None
                            ) -> tuple[tuple[int, ...], torch.dtype]:
