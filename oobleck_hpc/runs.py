@@ -209,6 +209,19 @@ def _begin(run_dir: Path, new_id: str) -> str | None:
     return moved
 
 
+def write_job(run_dir: str | os.PathLike[str], job, by: str) -> Path:
+    """RUN_DIR/job.yaml: the job as loaded (overrides applied, run_dir absolute) -- what Slurm's
+    agents read, and what `oobleck-hpc export` and `grow` find for any run. `by`: the command."""
+    import yaml
+
+    data = json.loads(json.dumps(job.to_dict()))  # tuples -> lists
+    data["run_dir"] = str(Path(run_dir).absolute())
+    path = Path(run_dir) / "job.yaml"
+    write_atomic(path, f"# Written by oobleck-hpc {by} from {job.source}\n"
+                 + yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def history(run_dir: str | os.PathLike[str]) -> list[Path]:
     """The directories of RUN_DIR's earlier runs, oldest first."""
     root = Path(run_dir) / HISTORY

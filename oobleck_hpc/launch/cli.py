@@ -316,6 +316,7 @@ def _run(args: argparse.Namespace) -> int:
     run_dir = runs.make_run_dir(job.resolved_run_dir, job.group_access)
     with runs.private_files(job.group_access), JobLock(run_dir):
         begin_run(run_dir, job.group_access)
+        runs.write_job(run_dir, job, "run")
         write_run_record(run_dir, [sys.executable, "-m", "oobleck_hpc", *sys.argv[1:]],
                          cwd=os.getcwd(), checkpoint_dir=job.checkpoint.dir)
         code = EXIT_UNRECOVERABLE

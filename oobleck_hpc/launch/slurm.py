@@ -65,7 +65,7 @@ from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wai
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
-from oobleck_hpc.files import write_atomic, write_json
+from oobleck_hpc.files import write_json
 from oobleck_hpc.launch.slurm_task import (REPLACEMENTS_DIR, begin_run, end_replacements,
                                           job_fields, nodes_left, recorded_outcome, requeue,
                                           run_verdict)
@@ -413,8 +413,7 @@ def submit(job: JobConfig, *, python: str | None = None) -> submitit.Job:
     require_controller()
     python = python or sys.executable
     run_dir = runs.make_run_dir(job.resolved_run_dir.absolute(), job.group_access)
-    job_file = run_dir / "job.yaml"
-    _write_job(job_file, job, run_dir)
+    job_file = runs.write_job(run_dir, job, "submit")
     fewest = job_min_nodes(job)
     executor = _DriverExecutor(folder=run_dir / "submitit", python=shlex.quote(python))
     executor.update_parameters(**sbatch_parameters(job))
@@ -448,12 +447,3 @@ def wait_result(submitted: submitit.Job, run_dir: str | Path) -> LaunchResult:
                                f"({str(e).splitlines()[0]})") from None
         return LaunchResult.from_record(json.loads(records[-1].read_text()),
                                         str(Path(run_dir) / "logs"))
-
-
-def _write_job(path: Path, job: JobConfig, run_dir: Path) -> None:
-    import yaml
-
-    data = json.loads(json.dumps(job.to_dict()))  # tuples -> lists
-    data["run_dir"] = str(run_dir)
-    write_atomic(path, f"# Written by oobleck-hpc submit from {job.source}\n"
-                 + yaml.safe_dump(data, sort_keys=False))
