@@ -256,7 +256,7 @@ def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, reference):
 
 
 # The tiny Llama example (issue 29): its model (a Hugging Face config.json, tied embeddings) in
-# fp64 instead of gpt-tiny, its steps ~2x as slow, so fewer of them outlive the kill as long.
+# fp64 instead of gpt-tiny; 40 steps, so the survivors train well past the kill (after step 2).
 LLAMA_STEPS = 40
 LLAMA = {**yaml.safe_load((ROOT / "examples/llama-tiny-local.yaml").read_text())["model"],
          "hf": str(ROOT / "examples/models/tiny-llama"), "dtype": "float64"}
