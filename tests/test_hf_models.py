@@ -13,7 +13,8 @@ architecture has it, tied embeddings for llama and gpt2) and checked three ways:
   single-process Hugging Face model with the same AdamW, clipping and schedule (fp64 <= 1e-9),
   with activation recomputation too (train.recompute), and so does our single-process
   `Reference` (what `oobleck-hpc chaos` compares with), and a
-  run whose layer states move to another plan mid-way (a reconfiguration, a restore).
+  run whose layer states move to another plan mid-way (a reconfiguration, a restore);
+- the README's example model (examples/models/tiny-llama) is what its script writes.
 
 Skipped without transformers (`pip install 'oobleck_hpc[hf]'`; CI installs it).
 """
@@ -181,6 +182,28 @@ def test_sizes_from_config_json_count_the_parameters_of_transformers(dirs, tmp_p
     with torch.device("meta"):
         hf = hf_model(directory)
     assert hf_arch(directory, "<test>").total_params() == sum(p.numel() for p in hf.parameters())
+
+
+def test_the_shipped_tiny_llama_is_what_its_script_writes(tmp_path):
+    """examples/models/tiny-llama/config.json (the README's example model) is the output of
+    examples/make_tiny_llama.py (whatever transformers version wrote it), and loads as ours."""
+    import runpy
+    from pathlib import Path
+
+    from oobleck_hpc.models.hf import HFModel
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    assert runpy.run_path(str(examples / "make_tiny_llama.py"))["main"]([str(tmp_path)]) == 0
+
+    def config(directory):
+        data = json.loads((directory / "config.json").read_text())
+        data.pop("transformers_version")
+        return data
+
+    shipped = examples / "models" / "tiny-llama"
+    assert config(tmp_path) == config(shipped)
+    model = HFModel(shipped)
+    assert (model.num_layers, model.arch.vocab_size, model.arch.tied) == (8, 256, True)
 
 
 # ---------------------------------------------------------------- training, against transformers

@@ -10,7 +10,8 @@ error in the replayed step, the re-split batch or the copied optimizer state sho
 
 Cases: one node killed in each window of the transactional step, and one lost in the last
 step's vote; f = 2 nodes killed at once; the node that hosts the store and coordinates
-generation 0 (node0) killed, while strangers knock on every store (issue 28); a node killed while the survivors reconfigure; a node hung (SIGSTOP); growth: a spare swapped in by a loss's recovery, a second loss, and a node grown
+generation 0 (node0) killed, while strangers knock on every store (issue 28); a node killed while the survivors reconfigure; a node hung (SIGSTOP); a node killed on the tiny Llama
+example (examples/llama-tiny-local.yaml: a Hugging Face model, tied embeddings); growth: a spare swapped in by a loss's recovery, a second loss, and a node grown
 back by `oobleck-hpc grow` (one long run). Exceeding the guarantee raises the typed error at once (a unit test of the driver:
 with gpt-tiny's n0 = 1 no local job can lose every replica and keep a quorum). Every job runs
 under a hard timeout and its processes are killed by pid at the end.
@@ -37,10 +38,11 @@ SECRET = bytes(range(32))
 
 def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0,
              steps: int = STEPS, lease_s: float = 3.0, straggler: str = "none",
-             microbatches: int = 4, gpus: int = 2, microbatch_size: int = 2) -> dict:
+             microbatches: int = 4, gpus: int = 2, microbatch_size: int = 2,
+             model: dict | None = None) -> dict:
     return {
         "name": "recovery-test",
-        "model": {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
+        "model": model or {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
         "train": {"steps": steps, "microbatch_size": microbatch_size, "global_microbatches": microbatches,
                   "lr": 1e-3,
                   "warmup_steps": 2, "log_every": 1, "save_final_params": True},
@@ -138,6 +140,38 @@ def test_kill_one_node_in_each_phase(tmp_path, reference, phase, node, step):
             "groups_rebuilt", "state_transferred", "recovered"} <= kinds
     moved = sum(e["received_bytes"] for e in events if e["kind"] == "state_transferred")
     assert moved > 0, "no layer state was transferred"
+
+
+# The tiny Llama example (issue 29): its own model section, in fp64; long enough that the
+# survivors train for several leases (3 s) after the kill (its 60 steps, as the demo's job).
+LLAMA_STEPS = 60
+LLAMA = {**yaml.safe_load((ROOT / "examples/llama-tiny-local.yaml").read_text())["model"],
+         "hf": str(ROOT / "examples/models/tiny-llama"), "dtype": "float64"}
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    pytest.importorskip("transformers")
+    from oobleck_hpc.engine import reference_run
+
+    data = job_dict(Path("/nonexistent"), model=LLAMA, steps=LLAMA_STEPS)
+    return reference_run(job_from_dict(data), LLAMA_STEPS)
+
+
+@pytest.mark.timeout(150, func_only=True)  # (the fp64 reference is built before it: 60 steps)
+def test_kill_a_node_of_the_tiny_llama_example(tmp_path, llama_reference):
+    """node3 of the example's [2, 1, 1, 1]-node plan killed in a backward pass: recovered in
+    place, every loss and the final parameters (the tied embedding included) equal the
+    failure-free fp64 reference."""
+    code, rows, run_dir = run_job(tmp_path, model=LLAMA, steps=LLAMA_STEPS, faults=[
+        {"node": 3, "step": 10, "phase": "backward", "kind": "kill"}])
+    events = check_equal_to_reference(code, rows, run_dir, llama_reference, {"node3"})
+    assert [e["pipelines"] for e in events if e["kind"] == "plan_chosen"][0] == [2, 1, 1, 1]
+    worst = max(rel(torch.load(run_dir / "final" / f"layer-{layer}.pt")[name], value)
+                for layer, params in llama_reference[1].items() for name, value in params.items())
+    recovered = [e for e in events if e["kind"] == "recovered"][-1]
+    print(f"tiny Llama, kill node3: recovered in {recovered['seconds']} s, final parameters "
+          f"within {worst:.1e} of the reference")
 
 
 # Growth: a node that joins must be up (torch imported) before it trains -- a spare before it

@@ -6,7 +6,8 @@ Each test submits ONE small 4-node job (1 worker per node, CPU, gloo) and checks
   sacct shows one job id, the losses equal the reference within 1e-5;
 - a non-batch node killed (`dev-cluster.sh kill-node n3`) at a step observed in the metrics file:
   the job goes on on 3 nodes inside the same allocation (same job id, no requeue in sacct), the
-  events show the recovery, every loss (before and after) equals the reference within 1e-5;
+  events show the recovery, every loss (before and after) equals the reference within 1e-5 --
+  also on the tiny Llama example (examples/llama-tiny-local.yaml's Hugging Face model);
 - a whole node frozen in the commit window (the job's `hang` fault stops n2's processes right
   after its vote of a step was sent, then `freeze-node n2` stops its slurmd and step daemon):
   found by the agents' lease expiry, same outcome.
@@ -252,6 +253,31 @@ def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, reference):
     figures = run_with_fault(slurm_cluster, tmp_path, reference, "kill", "kill-node",
                              "n3")
     print("kill n3:", figures)
+
+
+# The tiny Llama example (issue 29): its model (a Hugging Face config.json, tied embeddings) in
+# fp64 instead of gpt-tiny; 40 steps, so the survivors train well past the kill (after step 2).
+LLAMA_STEPS = 40
+LLAMA = {**yaml.safe_load((ROOT / "examples/llama-tiny-local.yaml").read_text())["model"],
+         "hf": str(ROOT / "examples/models/tiny-llama"), "dtype": "float64"}
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    pytest.importorskip("transformers")
+    from oobleck_hpc.engine import reference_run
+
+    data = job_dict(Path("/nonexistent"), "reference")
+    data["model"], data["train"]["steps"] = LLAMA, LLAMA_STEPS
+    return reference_run(job_from_dict(data), LLAMA_STEPS)
+
+
+@pytest.mark.timeout(150, func_only=True)  # setup may wait for the cluster lock
+def test_killed_node_of_the_tiny_llama_recovered_in_place(slurm_cluster, tmp_path,
+                                                         llama_reference):
+    figures = run_with_fault(slurm_cluster, tmp_path, llama_reference, "llama", "kill-node",
+                             "n3", model=LLAMA, train={"steps": LLAMA_STEPS})
+    print("tiny Llama, kill n3:", figures)
 
 
 @pytest.mark.timeout(120, func_only=True)  # setup may wait for the cluster lock
