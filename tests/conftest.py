@@ -16,6 +16,17 @@ DEV_CLUSTER = ROOT / "slurm" / "dev-cluster.sh"
 
 
 @pytest.fixture
+def float64() -> Iterator[None]:
+    """torch's default dtype float64 for the test (exact comparisons), restored after it."""
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture
 def slurm_cluster() -> Iterator[Path]:
     """The local Slurm cluster with its 4 nodes idle (revives a node an earlier test killed).
 

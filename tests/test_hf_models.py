@@ -90,14 +90,6 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_layer_list_logits_equal_transformers(dirs, arch, float64):
     from oobleck_hpc.models.hf import HFModel

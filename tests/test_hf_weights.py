@@ -40,14 +40,6 @@ CONFIGS = {  # tied (with GPT-2's bare-prefix variant below) and untied
 }
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 def pretrained(directory, arch: str, sharded: bool = False):
     """A random transformers model of `arch` (fp64), saved as save_pretrained writes it."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -331,17 +331,20 @@ def test_report_plot_marks_the_run(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+@dataclass
+class Result:
+    """A committed step as the engine reports it (engine/state.py StepResult's fields)."""
+
+    step: int  # the engine's 0-based index
+    loss: float = 1.0
+    samples: int = 4
+    seconds: float = 0.1
+    grad_norm: float = 0.0
+    lr: float = 1e-3
+
+
 def test_metrics_lines_count_steps_from_one_and_name_their_attempt(tmp_path, capsys):
     from oobleck_hpc.progress import Progress
-
-    @dataclass
-    class Result:
-        step: int  # the engine's 0-based index
-        loss: float = 1.0
-        samples: int = 4
-        seconds: float = 0.1
-        grad_norm: float = 0.0
-        lr: float = 1e-3
 
     path = tmp_path / "metrics.jsonl"
     # an earlier attempt of the same run recorded steps 1..3; this attempt resumes after step 1
@@ -364,15 +367,6 @@ def test_the_metrics_keep_a_step_whose_writer_crashed_and_rejoined(tmp_path):
     2.. while the survivors, who kept step 1, never write: step 1 was missing. A writer that
     joined late leaves a gap to the others, who append after each recovery."""
     from oobleck_hpc.progress import Progress
-
-    @dataclass
-    class Result:
-        step: int
-        loss: float = 1.0
-        samples: int = 4
-        seconds: float = 0.1
-        grad_norm: float = 0.0
-        lr: float = 1e-3
 
     path = tmp_path / "metrics.jsonl"
     survivor = Progress(total=4, log_every=1, metrics=path, run="r")
