@@ -233,23 +233,19 @@ def test_no_module_is_longer_than_500_lines():
                           f"(one module per concern, re-exported where callers import them)")
 
 
-def test_transformers_is_imported_by_the_hugging_face_adapter_only():
-    """transformers is an optional dependency (`pip install 'oobleck_hpc[hf]'`): one module
-    imports it (DESIGN.md, "Directions of import"), so nothing else needs it."""
-    offenders = []
-    for module, path in _modules().items():
-        for name, line in _imported_names(module, path):
-            if name.split(".")[0] == "transformers" and module != "oobleck_hpc.models.hf":
-                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
-    assert not offenders, "\n".join(offenders) + "\nFix: reach transformers through models/hf.py"
+OPTIONAL_OWNERS = {"transformers": "oobleck_hpc.models.hf",
+                   "safetensors": "oobleck_hpc.models.hf_weights"}
+"""The optional extra's packages (`pip install 'oobleck_hpc[hf]'`) and the one module that
+imports each (DESIGN.md, "Directions of import"): nothing else needs them. (tokenizers:
+data/hf.py, checked by running it, tests/test_datasets.py.)"""
 
 
-def test_safetensors_is_imported_by_the_weights_module_only():
-    """safetensors comes with the same optional extra: pretrained weights in and the export's
-    shards out go through models/hf_weights.py alone."""
-    offenders = []
-    for module, path in _modules().items():
-        for name, line in _imported_names(module, path):
-            if name.split(".")[0] == "safetensors" and module != "oobleck_hpc.models.hf_weights":
-                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
-    assert not offenders, "\n".join(offenders) + "\nFix: reach safetensors through models/hf_weights.py"
+def test_an_optional_package_is_imported_by_its_one_module_only():
+    for package, owner in OPTIONAL_OWNERS.items():
+        offenders = []
+        for module, path in _modules().items():
+            for name, line in _imported_names(module, path):
+                if name.split(".")[0] == package and module != owner:
+                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+        where = owner.removeprefix("oobleck_hpc.").replace(".", "/") + ".py"
+        assert not offenders, "\n".join(offenders) + f"\nFix: reach {package} through {where}"
