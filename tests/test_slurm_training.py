@@ -33,6 +33,7 @@ import yaml
 from oobleck_hpc.config import job_from_dict
 from oobleck_hpc.elastic.events import read_events, read_jsonl
 from helpers import wait_until
+from test_recovery import LLAMA  # the tiny Llama example's model section, in fp64
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -258,8 +259,6 @@ def test_killed_node_recovered_in_place(slurm_cluster, tmp_path, reference):
 # The tiny Llama example (issue 29): its model (a Hugging Face config.json, tied embeddings) in
 # fp64 instead of gpt-tiny; 40 steps, so the survivors train well past the kill (after step 2).
 LLAMA_STEPS = 40
-LLAMA = {**yaml.safe_load((ROOT / "examples/llama-tiny-local.yaml").read_text())["model"],
-         "hf": str(ROOT / "examples/models/tiny-llama"), "dtype": "float64"}
 
 
 @pytest.fixture(scope="module")
