@@ -67,11 +67,13 @@ def dirs(tmp_path_factory):
 
 
 def hf_model(directory):
-    """transformers' own model of `directory`, fp64, the attention the adapter uses."""
+    """transformers' own model of `directory`, fp64, the attention and norms the adapter uses."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory),
-                                            attn_implementation="sdpa", dtype=torch.float64)
+    from oobleck_hpc.models.hf import precise_norms
+
+    return precise_norms(AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(directory), attn_implementation="sdpa", dtype=torch.float64))
 
 
 def load_ours(hf, model, layers: dict[int, torch.nn.Module]) -> None:

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from oobleck_hpc.config import job_from_dict  # noqa: E402
 from oobleck_hpc.engine.sampler import SyntheticTokens  # noqa: E402
 from oobleck_hpc.errors import ConfigError  # noqa: E402
+from oobleck_hpc.models.hf import precise_norms  # noqa: E402
 
 VOCAB, SEQ = 96, 16
 CONFIGS = {  # tied (with GPT-2's bare-prefix variant below) and untied
@@ -50,7 +51,7 @@ def pretrained(directory, arch: str, sharded: bool = False):
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory),
                                           attn_implementation="sdpa", dtype=torch.float64)
     hf.save_pretrained(directory, max_shard_size="20KB" if sharded else "5GB")
-    return hf.eval()
+    return precise_norms(hf.eval())
 
 
 def rel(a, b) -> float:
@@ -198,8 +199,8 @@ def test_pretrained_in_train_export_from_pretrained(tmp_path, float64, capsys):
     assert "model.safetensors.index.json" in names and "tokenizer.json" in names
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" not in index["weight_map"]  # the tied tensor once
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64,
-                                              attn_implementation="sdpa").eval()
+    hf = precise_norms(AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float64, attn_implementation="sdpa").eval())
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel(hf(x).logits, logits(ref.layers, x)) <= 1e-9

@@ -23,6 +23,14 @@ Names: a layer's parameters are named after the wrapper's part (`embed.`, `posit
 maps them to the full state-dict names (`model.layers.3.self_attn.q_proj.weight`), so loading
 `save_pretrained` weights per layer, and exporting back, is a plain name mapping.
 
+Norms in float64: transformers' RMSNorm (llama, mistral, qwen2) computes in float32 whatever
+the model's dtype, which upcasts bf16/fp16 but *rounds* an fp64 model's hidden states to 24
+bits: rounding-order noise of 1e-16 (another micro-batch grouping, another all-reduce order)
+then flips float32 roundings and grows to ~1e-6 in a few hundred steps, which no exactness check
+of a recovery can tell from a bug. `precise_norms` gives those norms torch's own `rms_norm` in
+the input's dtype when it is float64, and leaves every other dtype to transformers' code; the
+layers have it, and the tests apply it to the reference model they compare with.
+
 Tied embeddings (gpt2; small Llamas and Qwens with tie_word_embeddings): the first and the
 last layer each hold a copy of the one tensor, both initialised from layer 0's stream;
 `tied_parameters()` tells the engine, which sums the two copies' gradients over the holders of
@@ -32,10 +40,12 @@ both layers before the step and counts the tensor once in the gradient norm (eng
 from __future__ import annotations
 
 import copy
+import types
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from oobleck_hpc.errors import ConfigError
 from oobleck_hpc.models.hf_config import HFArch, check_transformers_version, hf_arch
@@ -52,6 +62,20 @@ def _transformers(source: str):
                           "install the extra: pip install 'oobleck_hpc[hf]'") from e
     check_transformers_version(transformers.__version__, source)
     return transformers
+
+
+def _rms_norm(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float64:
+        return type(self).forward(self, x)
+    return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+
+
+def precise_norms(module: nn.Module) -> nn.Module:
+    """Float64 RMSNorms in float64 (module docstring); returns `module`."""
+    for m in module.modules():
+        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
+            m.forward = types.MethodType(_rms_norm, m)
+    return module
 
 
 class Embedding(nn.Module):
@@ -168,8 +192,8 @@ class HFModel(LayerModel):
         if index == 0:
             return Embedding(parts["embed"], parts.get("positions"))
         if index == self._last:
-            return Head(parts["norm"], parts["lm_head"])
-        return Block(parts["block"], parts.get("rotary"))
+            return precise_norms(Head(parts["norm"], parts["lm_head"]))
+        return precise_norms(Block(parts["block"], parts.get("rotary")))
 
     def build_layer(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
         module = self._module(index)
