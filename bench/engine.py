@@ -11,7 +11,8 @@ The job file gives the model and optimizer; the benchmark sets its own sizes (--
              its templates' times computed by the planner's cost model (templates.make_template);
 - "two_stage": every node runs a 1-node, 2-stage template (layers halved), batch split evenly;
 - "pure_dp": one single-stage 2-GPU template per node (every rank holds the whole model);
-             also timed under torch DDP with the same global batch and optimizer.
+             also timed under torch DDP with the same global batch and optimizer (a Hugging
+             Face job: the plain transformers model under DDP, HFModel.whole_model).
 
 Steady state: the first `--warmup` steps are dropped; a step's time is the slowest rank's
 (ranks leave the step together: the final all-reduce is a barrier); the median is reported.

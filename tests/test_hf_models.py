@@ -310,6 +310,16 @@ def test_engine_on_pipelines_equals_the_transformers_model(pool, dirs, arch, flo
         assert seen == set(range(model.num_layers))
         assert worst <= 1e-9, f"{arch}, plan {name}: max relative parameter difference {worst:.2e}"
         print(f"{arch} {name}: max relative parameter difference {worst:.1e}")
+    # bench/engine.py's baseline, the plain transformers model under torch DDP, does the same
+    # math (HFModel.whole_model: the same weights, the tied tensor once)
+    dp = _plan(*[(_template(1, [(0, 5, 0, (0, 1))]), (n,), m)
+                 for n, m in (("node0", 3), ("node1", 3), ("node2", 2))])
+    ranks = [r for r in pool.run("ddp", job, dp, STEPS, data, float64=True, timeout_s=300)
+             if r is not None]
+    assert len(ranks) == dp.world_size
+    total = np.sum([r["losses"] for r in ranks], axis=0)  # each rank's rows' summed losses
+    batch = job.train.global_microbatches * job.train.microbatch_size
+    assert np.allclose(total / batch, losses, rtol=1e-12, atol=0)
     # Mid-run, every layer's state (weights, AdamW) handed from one plan's holders to another
     # plan, as a reconfiguration or a restore does: the two copies of a tied tensor come from
     # different ranks and must still be one tensor.

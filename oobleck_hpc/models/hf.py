@@ -241,6 +241,20 @@ class HFModel(LayerModel):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(logits, targets)
 
+    def whole_model(self) -> nn.Module:
+        """transformers' whole model (CPU, the default dtype, precise norms) holding the weights
+        `build_layer` gives: the plain-Hugging-Face baseline the engine is timed against
+        (bench/engine.py). Forward: `whole_model()(ids).logits`."""
+        auto = _transformers(self.source).AutoModelForCausalLM
+        net = auto.from_config(self.config, dtype=torch.get_default_dtype(),
+                               attn_implementation=ATTENTION)
+        state = {}
+        for i in range(self.num_layers):
+            names = self.hf_names(i)
+            state.update({names[n]: p for n, p in self.build_layer(i).named_parameters()})
+        net.load_state_dict(state, strict=True)
+        return precise_norms(net)
+
     # ------------------------------------------------------------------ names and tying
 
     def hf_names(self, index: int) -> dict[str, str]:

@@ -174,7 +174,8 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
     """torch DDP doing the same per-rank work as the engine on a pure data-parallel plan: the
     rank of pipeline p, replica j of the plan's single stage, runs rows split_rows(b, G)[j] of
     each of pipeline p's microbatches, then DDP's bucketed all-reduce (overlapped with the last
-    backward) averages the gradients; same clipping, LR and AdamW."""
+    backward) averages the gradients; same clipping, LR and AdamW. A Hugging Face model runs as
+    the plain transformers model (`HFModel.whole_model`), one tied tensor included."""
     import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -196,7 +197,11 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
     comm = Comm.init(store, rank, world, task.generation, "gloo",
                      job.fault_tolerance.collective_timeout_s)
     try:
-        net = nn.Sequential(*[model.build_layer(i) for i in range(model.num_layers)])
+        if hasattr(model, "whole_model"):  # a Hugging Face model: the plain transformers one
+            net, logits = model.whole_model(), (lambda out: out.logits)
+        else:
+            net = nn.Sequential(*[model.build_layer(i) for i in range(model.num_layers)])
+            logits = (lambda out: out)
         ddp = DDP(net, gradient_as_bucket_view=True)
         opt = make_optimizer([net], job.train, torch.device("cpu"))
         sampler = GlobalSampler(task.dataset, job.train.microbatch_size,
@@ -213,7 +218,7 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
                 x, y = sampler.microbatch(cursor, offset + k, rows)
                 ctx = ddp.no_sync() if k < count - 1 else _nullcontext()
                 with ctx:
-                    loss = model.loss(ddp(x), y).sum()
+                    loss = model.loss(logits(ddp(x)), y).sum()
                     (loss * world / sampler.global_batch).backward()
                 total += loss.detach()
             torch.nn.utils.clip_grad_norm_(net.parameters(), job.train.grad_clip)
