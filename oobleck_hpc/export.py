@@ -6,7 +6,9 @@ directory (`checkpoint.dir`): the latest published checkpoint that verifies, or 
 read layer by layer (the run's own format, `checkpoint.layer_state`: only its param/ tensors
 are used; no torch.distributed, an offline command). OUT receives:
 
-    config.json               the job's config.json, as is (generation_config.json too, if any)
+    config.json               the job's config.json, its `dtype` set to the tensors' (the run's
+                              train.dtype: what from_pretrained's dtype="auto" gives), and
+                              generation_config.json as is, if any
     model.safetensors         or model-0000i-of-0000n.safetensors + model.safetensors.index.json
                               (shards of at most --max-shard-gb, 5 GB as transformers)
     tokenizer.json ...        tokenizer.json, tokenizer_config.json, special_tokens_map.json of
@@ -20,6 +22,7 @@ renamed at the end; a non-empty OUT is refused unless --force (then replaced).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -103,7 +106,10 @@ def export_hf(job, out: str | Path, step: int | None = None, *, force: bool = Fa
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        shutil.copyfile(Path(job.model.hf) / "config.json", tmp / "config.json")
+        config = json.loads((Path(job.model.hf) / "config.json").read_text())
+        config.pop("torch_dtype", None)  # transformers < 4.56's name for it
+        config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         copied = [(Path(job.model.hf), n) for n in COPIED]
         if job.data.tokenizer is not None:
             copied += [(Path(job.data.tokenizer), n) for n in TOKENIZER_FILES]

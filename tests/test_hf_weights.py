@@ -175,6 +175,8 @@ def test_pretrained_in_train_export_from_pretrained(tmp_path, float64, capsys):
     from oobleck_hpc.models.base import build_model
 
     pretrained(tmp_path / "w", "llama")
+    config = json.loads((tmp_path / "w" / "config.json").read_text())
+    (tmp_path / "w" / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{}")
     job = _job(tmp_path / "w", tmp_path / "w",
@@ -199,8 +201,11 @@ def test_pretrained_in_train_export_from_pretrained(tmp_path, float64, capsys):
     assert "model.safetensors.index.json" in names and "tokenizer.json" in names
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" not in index["weight_map"]  # the tied tensor once
+    # the config names the tensors' dtype (the run's), not the one of the job's (bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float64"
     hf = precise_norms(AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float64, attn_implementation="sdpa").eval())
+        out, dtype="auto", attn_implementation="sdpa").eval())
+    assert hf.dtype == torch.float64
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel(hf(x).logits, logits(ref.layers, x)) <= 1e-9
