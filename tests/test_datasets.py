@@ -106,21 +106,24 @@ def test_a_pretokenized_dataset_trains_to_the_losses_of_the_same_text(formats):
     assert runs["megatron"] == runs["text"]
 
 
-def _job_yaml(tmp_path, data_lines):
+def _job_yaml(tmp_path, data_lines, launch: str = "local"):
     job = tmp_path / "job.yaml"
     job.write_text(f"name: vocab\nrun_dir: {tmp_path / 'run'}\nmodel:\n  name: gpt-tiny\n"
-                   f"data:\n{data_lines}cluster:\n  nodes: 1\n  gpus_per_node: 1\n  device: cpu\n")
+                   f"data:\n{data_lines}cluster:\n  launch: {launch}\n  nodes: 1\n"
+                   "  gpus_per_node: 1\n  device: cpu\n")
     return job
 
 
 def test_a_token_id_beyond_the_vocabulary_exits_2_before_anything_starts(tmp_path, capsys):
     bad = write_flat(tmp_path / "big.bin", [5] * 100 + [300] + [7] * 100)
-    job = _job_yaml(tmp_path, f"  tokens: {bad}\n  dtype: uint16\n  cache_dir: {tmp_path / 'c'}\n")
-    assert cli.main(["run", str(job)]) == 2
-    err = capsys.readouterr().err
-    assert f"key 'data.tokens': file {bad} holds the token id 300, outside the model's " \
-           "vocabulary of 256 ids (0..255). Fix: " in err, err
-    assert not (tmp_path / "run").exists()  # refused before the run began
+    data_lines = f"  tokens: {bad}\n  dtype: uint16\n  cache_dir: {tmp_path / 'c'}\n"
+    for command, launch in (("run", "local"), ("submit", "slurm")):
+        job = _job_yaml(tmp_path, data_lines, launch)
+        assert cli.main([command, str(job)]) == 2
+        err = capsys.readouterr().err
+        assert f"key 'data.tokens': file {bad} holds the token id 300, outside the model's " \
+               "vocabulary of 256 ids (0..255). Fix: " in err, (command, err)
+        assert not (tmp_path / "run").exists()  # refused before the run began (or submitted)
     # The scan is remembered (keyed by the file as it is) and redone once the file changes.
     (record,) = (tmp_path / "c").glob("range-*.txt")
     assert record.read_text() == "5 300\n"

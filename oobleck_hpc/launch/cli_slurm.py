@@ -5,6 +5,12 @@ as `oobleck-hpc run`: oobleck_hpc/story.py, from RUN_DIR/events.jsonl and metric
 shared filesystem), blocks until the job ends and prints how its agents' step ended (nodes, lost
 nodes, exit code) as JSON. `--dry-run` prints the sbatch parameters and the per-node command
 without submitting. Imports submitit only when run.
+
+Before anything is submitted, the job's local inputs (data files against the model's
+vocabulary, pretrained weights' names and shapes, a model factory's module) are checked as
+`oobleck-hpc run` checks them (launch/cli.py check_local_inputs): the submitting host sees the
+files the nodes will read (submitit's own files are on that shared filesystem too), and a bad
+input is exit 2 here rather than on every node after the allocation.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from oobleck_hpc import runs
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch import slurm
+    from oobleck_hpc.launch.cli import check_local_inputs
 
     job = load_job(args.job, {"cluster.nodes": args.nodes} if args.nodes is not None else None)
+    check_local_inputs(job)
     if args.dry_run:
         run_dir = job.resolved_run_dir.absolute()
         print(json.dumps({
