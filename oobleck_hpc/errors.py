@@ -95,7 +95,12 @@ class GuaranteeExceeded(OobleckError):
     """The failures exceed what the pipeline templates can absorb in place.
 
     Raised by reconfiguration when some layer has no surviving replica or fewer than n0 nodes are
-    left; the job falls back to its last checkpoint and asks to be requeued.
+    left; the job falls back to its last checkpoint and asks to be requeued. `survivors`: the
+    nodes still alive when the recovery knows them (the local requeue starts on those).
     """
 
     exit_code = EXIT_REQUEUE
+
+    def __init__(self, message: str, survivors: tuple[str, ...] | None = None):
+        super().__init__(message)
+        self.survivors = survivors

@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oobleck_hpc import runs
-from oobleck_hpc.errors import EXIT_REQUEUE
+from oobleck_hpc.errors import EXIT_REQUEUE, GuaranteeExceeded
 from oobleck_hpc.files import write_json
 
 if TYPE_CHECKING:
@@ -321,9 +321,9 @@ class Resume:
         """The guarantee is exceeded: no complete state is left to save. Finish this rank's
         in-flight save and return EXIT_REQUEUE; the job resumes from the latest published
         checkpoint. Rank 0 records `nodes` (the nodes still alive, if known; a GuaranteeExceeded
-        with a `survivors` attribute gives them) for the local requeue."""
-        if nodes is None and getattr(reason, "survivors", None) is not None:
-            nodes = list(reason.survivors)  # type: ignore[union-attr]
+        raised by a recovery knows them) for the local requeue."""
+        if nodes is None and isinstance(reason, GuaranteeExceeded) and reason.survivors:
+            nodes = list(reason.survivors)
         reason = str(reason)
         self.log(f"rank {self.rank}: guarantee exceeded, falling back to the latest checkpoint: "
                  f"{reason}")

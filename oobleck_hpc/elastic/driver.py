@@ -189,8 +189,6 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                     self._plan_chosen(plan, lost=m.lost, start=True)
                 return plan, self.comm
             except (Superseded, RuntimeError, TimeoutError, ValueError) as e:
-                if isinstance(e, RecoveryError):
-                    raise
                 m = self._restart(m.gen, e)
 
     def join(self, first_nodes: Sequence[str], after_gen: int | None = None):
@@ -229,8 +227,6 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                 rec.joined = tuple(n for n in new_plan.nodes if n not in self.base_plan.nodes)
                 rec.lost, rec.plan = tuple(sorted(lost)), new_plan.digest()
             except (Superseded, RuntimeError, TimeoutError, ValueError) as e:
-                if isinstance(e, RecoveryError):
-                    raise
                 m = self._restart(m.gen, e)
                 continue
             self.plan, self.engine, self.comm = new_plan, engine, comm

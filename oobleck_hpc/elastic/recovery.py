@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from oobleck_hpc.elastic.membership import Superseded
-from oobleck_hpc.errors import EXIT_REQUEUE, GuaranteeExceeded, OobleckError
+from oobleck_hpc.errors import EXIT_REQUEUE, GuaranteeExceeded, OobleckError, PlanningError
 
 MAX_RETRIES = 3
 """Consecutive generations with no node lost since the one before (the step retried in place,
@@ -132,8 +132,6 @@ class RecoveryRounds:
                 self._teardown()
                 continue
             except (RuntimeError, TimeoutError, ValueError) as e:
-                if isinstance(e, RecoveryError):
-                    raise
                 self._round_failed(rec, e)
                 continue
             rec.joined = tuple(n for n in new_plan.nodes if n not in self.base_plan.nodes)
@@ -206,9 +204,11 @@ class RecoveryRounds:
                 new_plan = reconfigure(self.base_plan, lost, self.templates,
                                        job_profile(self.job, self.profile),
                                        self.job.fault_tolerance.f, joined=joined)
-            except GuaranteeExceeded as e:
-                e.survivors = m.nodes  # the requeued job starts on the nodes it has
-                raise
+            except GuaranteeExceeded as e:  # the requeued job starts on the nodes it has
+                raise GuaranteeExceeded(str(e), survivors=tuple(m.nodes)) from e
+            except PlanningError as e:  # no plan for these survivors: no round would find one
+                raise GuaranteeExceeded(f"no plan for the {len(m.nodes)} nodes left: {e}",
+                                        survivors=tuple(m.nodes)) from e
         else:
             new_plan = self.base_plan
         new_plan = replace(new_plan, generation=m.gen)
