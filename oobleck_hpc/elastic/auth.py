@@ -144,9 +144,10 @@ class Sealer:
 def hello(secret: bytes, src: str, to: str, host: str, port: int) -> tuple[bytes, Sealer, Sealer]:
     """A connector's HELLO body and its connection's (sealer, opener); the HELLO is the
     sealer's first frame."""
-    msg = {"type": "hello", "src": src, "to": to, "host": host, "port": port,
-           "nonce": secrets.token_hex(16), "ts": time.time()}
-    out, back = keys(secret, msg["nonce"], src, to)
+    nonce = secrets.token_hex(16)
+    msg = {"type": "hello", "src": src, "to": to, "host": host, "port": port, "nonce": nonce,
+           "ts": time.time()}
+    out, back = keys(secret, nonce, src, to)
     return json.dumps(msg, separators=(",", ":")).encode(), Sealer(out), Sealer(back)
 
 

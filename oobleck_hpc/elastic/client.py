@@ -326,7 +326,7 @@ class AgentClient:
                 if self._exit_on_agent_loss:
                     os._exit(EXIT_UNRECOVERABLE)
                 return
-            kind = msg.get("type")
+            kind = str(msg.get("type"))
             with self._cond:
                 if kind == "membership":
                     m = Membership.from_msg(msg)

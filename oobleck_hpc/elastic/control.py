@@ -64,6 +64,7 @@ must only queue work.
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -278,7 +279,12 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ internals
 
-    def _run(self, fn: Callable[[], None]) -> None:
+    def _deliver(self, src: str, msg: dict[str, Any]) -> None:
+        """A message to the monitor (heartbeats, probes), or else to the membership core."""
+        if not self.monitor.message(src, msg, time.monotonic()):
+            self.core.handle(src, msg)
+
+    def _run(self, fn: Callable[[], object]) -> None:
         """Call into the core and flush what it produced (messages, notes) under the lock."""
         with self._lock:
             fn()
@@ -342,8 +348,7 @@ class ControlPlane:
             self.received += 1
             if msg.get("type") == "ping":
                 self._link(src).put({"type": "pong"})
-            self._run(lambda: self.monitor.message(src, msg, time.monotonic())
-                      or self.core.handle(src, msg))
+            self._run(functools.partial(self._deliver, src, msg))
 
     def _link_failed(self, peer: str, how: str) -> None:
         with self._lock:
@@ -416,8 +421,8 @@ class ControlPlane:
                       and n not in self.core.suspects and n not in self.core.left
                       and self.detector.last_heard.get(n, 0.0) < started]
             for node in silent:
-                self._run(lambda n=node: self.core.suspect(
-                    n, f"probe_unanswered (within probe_s={self.probe_s})"))
+                self._run(functools.partial(self.core.suspect, node,
+                                            f"probe_unanswered (within probe_s={self.probe_s})"))
             if not silent and self.core.decided.gen == gen:
                 self._run(lambda: self.core.retry(f"every peer answered the probe "
                                                   f"after: {why}"))

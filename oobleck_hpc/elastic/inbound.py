@@ -169,7 +169,8 @@ class Acceptor:
         to this one, fresh and not seen before (auth.py). It becomes that node's connection."""
         msg = parse(payload[MAC_BYTES:])
         src = msg.get("src")
-        if msg["type"] != "hello" or src == self.cp.me or msg["to"] != self.cp.me:
+        if msg["type"] != "hello" or not isinstance(src, str) or src == self.cp.me \
+                or msg["to"] != self.cp.me:
             raise BadMessage(f"a connection must start with HELLO from another node to "
                              f"{self.cp.me}, not {msg['type']} from {str(src)[:40]!r}")
         out, back = keys(self.cp.secret, msg["nonce"], src, self.cp.me)

@@ -194,7 +194,7 @@ class Monitor:
 
     def __init__(self, core: Any, heartbeat_s: float, lease_s: float, startup_s: float,
                  k: int = MONITORS, agreement_timeout_s: float | None = None,
-                 emit: Callable[..., None] | None = None):
+                 emit: Callable[..., object] | None = None):
         self.core, self.heartbeat_s, self.lease_s = core, heartbeat_s, lease_s
         self.startup_s = startup_s
         self.agreement_timeout_s = agreement_timeout_s or 2 * lease_s

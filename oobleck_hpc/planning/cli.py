@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 from oobleck_hpc.story import plural
 
@@ -65,10 +66,10 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int,
     from oobleck_hpc.planning.reconfigure import loss_patterns, reconfigure, reconfigure_moved
 
     base = predicted_step_ms(plan, profile)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for k in range(0, f + 1):
         patterns = loss_patterns(plan, k)
-        worst = None
+        worst: dict[str, Any] | None = None
         for name, lost in patterns:
             try:
                 new, moved = ((plan, 0) if k == 0
@@ -94,6 +95,7 @@ def survivability(plan, templates, profile, f: int, microbatch_size: int,
                         "spares_in": min(k, spares), "step_ms": spare_ms,
                         "samples_per_s": samples_per_second(swapped, microbatch_size, spare_ms),
                         "relative_throughput": base / spare_ms}
+        assert worst is not None, f"no loss pattern of {k} nodes"  # loss_patterns gives >= 1
         rows.append(worst)
     return rows
 

@@ -202,9 +202,14 @@ def scale_times(profile: ModelProfile, factor: float) -> ModelProfile:
                            backward_rows_ms=tuple(v * factor for v in x.backward_rows_ms))
                    for x in profile.layers)
     m = profile.machine
-    links = {k: LinkCost(getattr(m, k).latency_ms * factor, getattr(m, k).bandwidth / factor)
-             for k in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter")}
-    return replace(profile, layers=layers, machine=replace(m, **links))
+
+    def scaled(link: LinkCost) -> LinkCost:
+        return LinkCost(link.latency_ms * factor, link.bandwidth / factor)
+
+    machine = replace(m, p2p_intra=scaled(m.p2p_intra), p2p_inter=scaled(m.p2p_inter),
+                      allreduce_intra=scaled(m.allreduce_intra),
+                      allreduce_inter=scaled(m.allreduce_inter))
+    return replace(profile, layers=layers, machine=machine)
 
 
 def allreduce_ms(link: LinkCost, nbytes: float, participants: int) -> float:

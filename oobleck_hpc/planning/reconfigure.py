@@ -79,7 +79,7 @@ def _check_guarantee(plan: Plan, lost: set[str], n0: int) -> list[str]:
         raise GuaranteeExceeded(
             f"{len(survivors)} nodes survive ({len(lost)} lost: {', '.join(sorted(lost))}), fewer "
             f"than n0 = {n0} needed for one replica: falling back to the last checkpoint")
-    alive_layers = set()
+    alive_layers: set[int] = set()
     for p in plan.pipelines:
         for s in p.template.stages:
             if p.nodes[s.node] not in lost:
@@ -239,7 +239,8 @@ def loss_patterns(plan: Plan, k: int) -> list[tuple[str, tuple[str, ...]]]:
     def per_class(c: int, left: int, acc: list[tuple[int, tuple[int, ...]]]) -> None:
         if c == len(order):
             if left == 0:
-                lost, words = [], []
+                lost: list[str] = []
+                words: list[str] = []
                 for size, parts in acc:
                     for i, n in zip(classes[size], parts):
                         lost.extend(plan.pipelines[i].nodes[:n])
@@ -355,14 +356,14 @@ def _order_nodes(group: Sequence[str], template: Template,
             for l in range(a, b):
                 for pos in wants.get((g, l), ()):
                     kept[(pos, i)] = kept.get((pos, i), 0) + size[l]
-    order: list[int | None] = [None] * len(group)
+    slots: list[int | None] = [None] * len(group)
     taken: set[int] = set()
     for (pos, i), _ in sorted(kept.items(), key=lambda kv: (-kv[1], kv[0])):
-        if order[pos] is None and i not in taken:
-            order[pos] = i
+        if slots[pos] is None and i not in taken:
+            slots[pos] = i
             taken.add(i)
     rest = iter(i for i in range(len(group)) if i not in taken)
-    order = [i if i is not None else next(rest) for i in order]
+    order = [i if i is not None else next(rest) for i in slots]
     greedy = sum(kept.get((pos, i), 0) for pos, i in enumerate(order))
     as_is = sum(kept.get((pos, pos), 0) for pos in range(len(group)))
     return [group[i] for i in order] if greedy > as_is else list(group)

@@ -45,6 +45,7 @@ does not fit are left out of the result.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,7 +167,7 @@ class _Solver:
         bidx = self.bidx[:, :w]
         c_intra = self.c_intra[:, None]
         for q in range(1, self.qmax + 1):
-            row_args = [None] * (G + 1)
+            row_args: list[tuple[Any, Any] | None] = [None] * (G + 1)
             if q == 1:
                 last_v, last_m = self.end, self.end_max
             elif minmax:

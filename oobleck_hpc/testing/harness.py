@@ -197,11 +197,9 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
     comm = Comm.init(store, rank, world, task.generation, "gloo",
                      job.fault_tolerance.collective_timeout_s)
     try:
-        if hasattr(model, "whole_model"):  # a Hugging Face model: the plain transformers one
-            net, logits = model.whole_model(), (lambda out: out.logits)
-        else:
-            net = nn.Sequential(*[model.build_layer(i) for i in range(model.num_layers)])
-            logits = (lambda out: out)
+        hf = hasattr(model, "whole_model")  # a Hugging Face model: the plain transformers one
+        net = model.whole_model() if hf else nn.Sequential(
+            *[model.build_layer(i) for i in range(model.num_layers)])
         ddp = DDP(net, gradient_as_bucket_view=True)
         opt = make_optimizer([net], job.train, torch.device("cpu"))
         sampler = GlobalSampler(task.dataset, job.train.microbatch_size,
@@ -218,7 +216,8 @@ def _run_ddp(task: Task, worker: int, store, model) -> dict:
                 x, y = sampler.microbatch(cursor, offset + k, rows)
                 ctx = ddp.no_sync() if k < count - 1 else _nullcontext()
                 with ctx:
-                    loss = model.loss(logits(ddp(x)), y).sum()
+                    out = ddp(x)
+                    loss = model.loss(out.logits if hf else out, y).sum()
                     (loss * world / sampler.global_batch).backward()
                 total += loss.detach()
             torch.nn.utils.clip_grad_norm_(net.parameters(), job.train.grad_clip)
