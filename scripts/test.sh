@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# The whole test suite, on a fresh machine: environment, local Slurm cluster, pytest.
-# Usage: bash scripts/test.sh [pytest args]
+# The whole test suite, on a fresh machine: environment, lint and types, local Slurm cluster,
+# pytest. Usage: bash scripts/test.sh [--quick] [pytest args]
+# --quick: lint, types and tests/unit/ only (everything that starts no process; < 1 min): no
+# cluster, no optional extra installed (its tests skip where it is absent).
 # OOBLECK_SLURM_TESTS=0 skips the cluster (tests/test_slurm_*.py then skip themselves).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source scripts/env.sh
+# ruff (pyflakes' checks and more) on everything, mypy on the planner and the control plane
+# (their settings: pyproject.toml); a finding fails the run before any test starts.
+ruff check --quiet .
+mypy
+if [ "${1:-}" = "--quick" ]; then
+    shift
+    exec python -m pytest -q tests/unit "$@"
+fi
 # The optional Hugging Face extra is tested too (tests that need it skip where it is absent):
 # installed once, one import check afterwards.
 if ! python -c "import tokenizers, transformers, safetensors" 2>/dev/null; then

@@ -135,7 +135,7 @@ def test_engine_equals_single_process_reference(pool, references, name: str, flo
 @pytest.mark.timeout(120)
 def test_activation_recomputation_trains_exactly(pool, references) -> None:
     """train.recompute on the heterogeneous plan: the same steps as the reference without it
-    (fp64, 1e-9; tests/test_recompute.py: bit for bit within a segment)."""
+    (fp64, 1e-9; tests/unit/test_recompute.py: bit for bit within a segment)."""
     job, data, refs = references
     ref = refs[True]
     plan = PLANS["hetero"]

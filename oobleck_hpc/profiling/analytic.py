@@ -37,7 +37,7 @@ each from a published measurement:
                        efficiency at which our planner predicts that job at 5.51 samples/s
                        (`python bench/calibrate.py` bisects it; its 3 significant digits are
                        kept). The same table's 15 other node counts (16-29 nodes), not used in
-                       the fit, are predicted within 16 % (tests/test_analytic.py checks 25 %).
+                       the fit, are predicted within 16 % (tests/unit/test_analytic.py checks 25 %).
                        It means ~17 TFLOP/s per A40 (6 x 6.7e9 x 2048 FLOPs per sample): what
                        the authors' run reached; the artifact does not say why so little of the
                        peak (precision, recomputation, network, framework are not given).

@@ -25,7 +25,7 @@ from oobleck_hpc.planning.templates import build_templates, feasible_node_counts
 from oobleck_hpc.profiling import resolve_profile
 from test_planning_templates import random_profile
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def assert_valid(old, new, lost, templates, profile, f: int, k: int, n0: int) -> None:

@@ -329,7 +329,9 @@ def test_a_vote_takes_one_value_per_member_from_members_for_open_keys_only():
 
     coordinator = MembershipCore("n0", ("n0", "n1", "n2", "n3"), 999, lambda: 1,
                                  members0=("n0", "n1", "n2"))
-    x = lambda key, value, gen=0: {"type": "exchange", "xgen": gen, "key": key, "value": value}
+    def x(key, value, gen=0):
+        return {"type": "exchange", "xgen": gen, "key": key, "value": value}
+
     coordinator.handle("n1", x("step-1", "n1's"))
     coordinator.handle("n1", x("step-1", "forged"))  # a second value
     coordinator.handle("n3", x("step-1", "not a member's"))

@@ -29,7 +29,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "oobleck_hpc"
+PACKAGE = Path(__file__).resolve().parents[2] / "oobleck_hpc"
 MAX_LINES = 500
 MAX_FUNCTION_LINES = 60
 
@@ -249,3 +249,19 @@ def test_an_optional_package_is_imported_by_its_one_module_only():
                     offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
         where = owner.removeprefix("oobleck_hpc.").replace(".", "/") + ".py"
         assert not offenders, "\n".join(offenders) + f"\nFix: reach {package} through {where}"
+
+
+STARTS_A_PROCESS = ("subprocess", "multiprocessing", "os.fork", "WorkerPool", "as_nobody",
+                    "launch_local", "oobleck_hpc.testing.harness")
+"""What starts another process in this suite: the names a test of tests/unit/ may not use."""
+
+
+def test_the_unit_tier_starts_no_process():
+    """tests/unit/ is the quick tier (scripts/test.sh --quick): a test that starts a process
+    belongs in tests/."""
+    offenders = [f"{path.name}:{number}: {line.strip()}"
+                 for path in sorted(Path(__file__).parent.glob("*.py"))
+                 if path.name != Path(__file__).name
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if any(name in line for name in STARTS_A_PROCESS)]
+    assert not offenders, "\n".join(offenders) + "\nFix: move these tests to tests/"

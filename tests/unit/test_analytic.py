@@ -11,7 +11,7 @@ from oobleck_hpc.errors import ProfileError
 from oobleck_hpc.models.configs import GPT_CONFIGS
 from oobleck_hpc.profiling.analytic import DEVICES, OOBLECK_GPT3_6_7B_A40, analytic_profile
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-small", "gpt3-175b"])
@@ -98,7 +98,7 @@ def test_the_paper_example_predicts_the_cited_measurement_within_25_percent(caps
     from oobleck_hpc.config import load_job
 
     m = OOBLECK_GPT3_6_7B_A40
-    example = Path(__file__).parent.parent / "examples" / "gpt3-6.7b-paper.yaml"
+    example = Path(__file__).parents[2] / "examples" / "gpt3-6.7b-paper.yaml"
     job = load_job(str(example))
     assert (job.model.name, job.profile.device, job.cluster.gpus_per_node,
             job.train.microbatch_size, job.train.global_microbatches, job.cluster.nodes) == \

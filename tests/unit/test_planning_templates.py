@@ -1,15 +1,13 @@
 """Templates are exact: on every small instance (L <= 10, n <= 4, G in 1..4, random profiles)
 the template equals brute-force enumeration of all partitions and GPU assignments, under the
-cost model of planning/cost.py; and they are deterministic."""
+cost model of planning/cost.py; and they are deterministic (in a fresh interpreter too:
+tests/test_planning_fresh_process.py)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -142,16 +140,3 @@ def test_nonexistent_sizes_are_absent():
     tight = random_profile(random.Random(3), 5, 1, memory=1)
     assert build_templates(tight, range(1, 6), 4) == {}
     assert feasible_node_counts(tight, 5) == []
-
-
-def test_deterministic_across_processes():
-    code = (f"import random, sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
-            "from test_planning_templates import random_profile;"
-            "from oobleck_hpc.planning.templates import build_templates;"
-            "from dataclasses import asdict; import json, hashlib;"
-            "p = random_profile(random.Random(11), 9, 3, memory=10**9);"
-            "t = build_templates(p, range(1, 5), 4);"
-            "print(hashlib.sha256(json.dumps({k: asdict(v) for k, v in t.items()}, sort_keys=True).encode()).hexdigest())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True, timeout=60).stdout for _ in range(2)}
-    assert len(outs) == 1 and len(next(iter(outs)).strip()) == 64

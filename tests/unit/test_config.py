@@ -8,7 +8,7 @@ import yaml
 from oobleck_hpc.config import JobConfig, load_job
 from oobleck_hpc.errors import ConfigError
 
-EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.yaml"))
+EXAMPLES = sorted(Path(__file__).parents[2].joinpath("examples").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -17,7 +17,7 @@ from packaging.specifiers import Specifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # PyPI name (canonical) -> conda-forge name, where they differ or where the choice is ours
 CONDA_NAME = {
