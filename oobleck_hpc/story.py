@@ -33,9 +33,11 @@ import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-SIGNS = ("fault_injected", "node_killed", "failure_detected", "step_failed")
+from oobleck_hpc.elastic import events as ev
+
+SIGNS = (ev.FAULT_INJECTED, ev.NODE_KILLED, ev.FAILURE_DETECTED, ev.STEP_FAILED)
 """Events that mark the start of a failure (the earliest one times the recovery)."""
 KILLED = {"SIGKILL": "killed", "SIGSTOP": "hung", "SIGTERM": "asked to stop"}
 """What `oobleck-hpc kill-node --signal` did to a node (its agent and workers), by signal:
@@ -79,14 +81,14 @@ class Story:
         if kind in SIGNS:
             t = e.get("t", 0.0)
             self.first_sign = t if self.first_sign is None else min(self.first_sign, t)
-        render = getattr(self, f"_{kind}", None)
+        render = _RENDER.get(kind)
         if render is None:
             return []
-        key = render.__name__, attempt, _once_key(e)
+        key = kind, attempt, _once_key(e)
         if key in self.said:
             return []
         self.said.add(key)
-        line = render(e)
+        line = render(self, e)
         return [line] if line else []
 
     # One method per event kind the user cares about; `_once_key` says what makes it new.
@@ -291,23 +293,54 @@ class Story:
                 f"{e.get('reason', '')})")
 
 
+_RENDER: dict[str, Callable[[Story, dict], str]] = {
+    ev.PLAN_CHOSEN: Story._plan_chosen,
+    ev.RUN_STARTED: Story._run_started,
+    ev.RESTORED: Story._restored,
+    ev.FAULT_INJECTED: Story._fault_injected,
+    ev.NODE_KILLED: Story._node_killed,
+    ev.NODES_ADDED: Story._nodes_added,
+    ev.REPLACEMENT_SUBMITTED: Story._replacement_submitted,
+    ev.REPLACEMENTS_ENDED: Story._replacements_ended,
+    ev.NODES_RELEASED: Story._nodes_released,
+    ev.WORKER_RESTARTING: Story._worker_restarting,
+    ev.WORKER_REJOINED: Story._worker_rejoined,
+    ev.DRAIN_REQUESTED: Story._drain_requested,
+    ev.REQUEST_IGNORED: Story._request_ignored,
+    ev.DRAIN_AGREED: Story._drain_agreed,
+    ev.DRAIN_REFUSED: Story._drain_refused,
+    ev.FAILURE_DETECTED: Story._failure_detected,
+    ev.AGREEMENT_REACHED: Story._agreement_reached,
+    ev.RECOVERED: Story._recovered,
+    ev.WORKER_EXITED: Story._worker_exited,
+    ev.FENCED: Story._fenced,
+    ev.CHECKPOINT_SAVED: Story._checkpoint_saved,
+    ev.STOPPING: Story._stopping,
+    ev.FALLBACK: Story._fallback,
+    ev.REQUEUED: Story._requeued,
+    ev.RUN_FINISHED: Story._run_finished,
+    ev.RUN_ENDED: Story._run_ended,
+}
+"""The kinds the console tells, each with its line ("": nothing new to say)."""
+
+
 def _once_key(e: dict) -> Any:
     """What makes an event new for the story: the same failure seen by many survivors, the same
     agreement reached by every agent, the same fallback on every rank are one line."""
     kind = e.get("kind")
-    if kind == "failure_detected":
+    if kind == ev.FAILURE_DETECTED:
         return e.get("gen"), e.get("node")
-    if kind == "agreement_reached":
+    if kind == ev.AGREEMENT_REACHED:
         return e.get("gen")
-    if kind in ("plan_chosen", "recovered"):
+    if kind in (ev.PLAN_CHOSEN, ev.RECOVERED):
         return e.get("generation")
-    if kind in ("drain_agreed", "drain_refused"):
+    if kind in (ev.DRAIN_AGREED, ev.DRAIN_REFUSED):
         return e.get("step"), tuple(e.get("nodes", ()))
-    if kind == "checkpoint_saved":
+    if kind == ev.CHECKPOINT_SAVED:
         return e.get("step")
-    if kind == "fenced":
+    if kind == ev.FENCED:
         return e.get("source"), e.get("gen")
-    if kind in ("fallback", "stopping", "run_finished", "restored"):
+    if kind in (ev.FALLBACK, ev.STOPPING, ev.RUN_FINISHED, ev.RESTORED):
         return None
     return e.get("t"), e.get("source")
 

@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from oobleck_hpc.elastic.events import EventLog, read_events
+from oobleck_hpc.elastic.events import NODE_DRAINED, SIGNAL, STOPPING, EventLog, read_events
 from oobleck_hpc.elastic.wire import Roster
 from oobleck_hpc.errors import ConfigError
 
@@ -15,7 +15,7 @@ from oobleck_hpc.errors import ConfigError
 def _writer(path: str, name: str, n: int) -> None:
     log = EventLog(path, source=name)
     for i in range(n):
-        log.emit("tick", i=i, pad="x" * 300)
+        log.emit(STOPPING, step=i, reason="x" * 300)
     log.close()
 
 
@@ -33,26 +33,26 @@ def test_concurrent_writers_never_interleave_lines(tmp_path):
     assert len(lines) == 800
     events = [json.loads(line) for line in lines]  # every line is whole JSON
     for k in range(4):
-        assert [e["i"] for e in events if e["source"] == f"p{k}"] == list(range(200))
+        assert [e["step"] for e in events if e["source"] == f"p{k}"] == list(range(200))
 
 
 def test_read_events_merges_sorts_and_skips_a_torn_line(tmp_path):
     a, b = EventLog(tmp_path / "events.a.jsonl", "a"), EventLog(tmp_path / "events.b.jsonl", "b")
-    a.emit("first")
-    b.emit("second", node="n1")
-    a.emit("third")
+    a.emit(SIGNAL, signal="first")
+    b.emit(SIGNAL, signal="second")
+    a.emit(SIGNAL, signal="third")
     with open(tmp_path / "events.b.jsonl", "a") as f:
         f.write('{"t": 1, "kind": "tor')  # a writer killed mid-line
-    kinds = [e["kind"] for e in read_events(tmp_path / "events.*.jsonl")]
-    assert kinds == ["first", "second", "third"]
+    signals = [e["signal"] for e in read_events(tmp_path / "events.*.jsonl")]
+    assert signals == ["first", "second", "third"]
 
 
 def test_event_log_never_raises_into_the_caller(tmp_path):
     log = EventLog(tmp_path / "events.jsonl", "x")
     (tmp_path / "events.jsonl").mkdir()  # cannot be opened as a file
-    event = log.emit("still_fine", value=object())
-    assert event["kind"] == "still_fine"
-    assert EventLog(None).emit("nowhere")["kind"] == "nowhere"
+    event = log.emit(SIGNAL, signal=object())
+    assert event["kind"] == SIGNAL
+    assert EventLog(None).emit(NODE_DRAINED, node="n1")["kind"] == NODE_DRAINED
 
 
 def test_roster_roundtrip_default_store_port_and_order(tmp_path):
