@@ -62,7 +62,7 @@ Watchdog: rank 0 beats RUN_DIR/heartbeat (launch/watch.py) at most once a second
 
 from __future__ import annotations
 
-import sys
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,12 +82,8 @@ if TYPE_CHECKING:
     from oobleck_hpc.planning.plan import Plan
     from oobleck_hpc.profiling.profile import ModelProfile
 
-REQUEUE_RECORD = "requeue.json"
 BEAT_EVERY_S = 1.0
-
-
-def _log(msg: str) -> None:
-    print(f"[resume] {msg}", file=sys.stderr, flush=True)
+_log = functools.partial(runs.say, "resume")
 
 
 @dataclass
@@ -350,12 +346,12 @@ class Resume:
     def _write_requeue_record(self, reason: str, step: int | None, nodes: list[str] | None) -> None:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_json(self.run_dir / REQUEUE_RECORD,
+            write_json(self.run_dir / runs.REQUEUE_RECORD,
                        {"reason": reason, "step": step, "nodes": nodes,
                         "restart_count": runs.attempt(), "time": time.time()},
                        durable=True, indent=None)
         except OSError as e:
-            self.log(f"cannot write {self.run_dir / REQUEUE_RECORD}: {e}")
+            self.log(f"cannot write {self.run_dir / runs.REQUEUE_RECORD}: {e}")
 
     def fence(self) -> None:
         """Wait until an in-flight snapshot is taken: call before anything but the engine's own

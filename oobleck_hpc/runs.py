@@ -49,6 +49,7 @@ import os
 import secrets
 import shutil
 import stat
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -66,10 +67,26 @@ RUN_ID_FILE = "run-id"
 HISTORY = "history"
 KEEP_RUNS = 20
 """Earlier runs kept under RUN_DIR/history (the oldest go first)."""
+REQUEUE_RECORD = "requeue.json"
+"""RUN_DIR/requeue.json: why rank 0 asked for a requeue (exit 75) and the nodes still alive
+(resume.py writes it; the requeue loops, launch/requeue.py and launch/slurm_task.py, read it)."""
 PER_RUN = ("events.jsonl", "metrics.jsonl", "logs", "logs-attempt*", "final", "exit.json",
-           "requeue.json", "agents.json", "roster.json", "discovery.json", "exit",
+           REQUEUE_RECORD, "agents.json", "roster.json", "discovery.json", "exit",
            "launch-*.json", "job-*.yaml", "report.json", "drain")
 """What belongs to one run (glob patterns in RUN_DIR); everything else stays across runs."""
+
+
+def say(who: str, msg: str) -> None:
+    """One diagnostic line on stderr, `[who] msg` (the requeue loop's and resume's)."""
+    print(f"[{who}] {msg}", file=sys.stderr, flush=True)
+
+
+def read_requeue_record(run_dir: str | os.PathLike[str]) -> dict | None:
+    """RUN_DIR/requeue.json (REQUEUE_RECORD); None: there is none, or it is torn."""
+    try:
+        return json.loads((Path(run_dir) / REQUEUE_RECORD).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def new_run_id() -> str:

@@ -414,3 +414,27 @@ def test_restart_count_takes_the_largest_source(monkeypatch):
     assert restart_count() == 2
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     assert restart_count() == 3
+
+
+def test_a_fallback_from_a_recovery_records_its_survivors_for_the_requeue(tmp_path):
+    """A GuaranteeExceeded raised by a recovery names the nodes still alive (its `survivors`):
+    rank 0's requeue.json and the fallback event carry them, so the requeue starts on them."""
+    from oobleck_hpc.config import load_job
+    from oobleck_hpc.elastic.events import FALLBACK, EventLog, read_events
+    from oobleck_hpc.errors import GuaranteeExceeded
+    from oobleck_hpc.resume import Resume
+    from oobleck_hpc.runs import REQUEUE_RECORD, read_requeue_record
+
+    job = load_job(write_job(tmp_path, "survivors", every_steps=0))
+    run_dir = tmp_path / "run"
+    events = EventLog(run_dir / "events.jsonl", "node0/0")
+    error = GuaranteeExceeded("no replica of layer 3", survivors=("node0", "node2"))
+    assert Resume.unstarted(job, run_dir, "cpu", events).fallback(error) == EXIT_REQUEUE
+    record = read_requeue_record(run_dir)
+    assert (record["reason"], record["nodes"]) == ("no replica of layer 3", ["node0", "node2"])
+    [fallback] = [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == FALLBACK]
+    assert fallback["nodes"] == ["node0", "node2"]
+
+    (run_dir / REQUEUE_RECORD).unlink()
+    assert Resume.unstarted(job, run_dir, "cpu").fallback(GuaranteeExceeded("planner")) == 75
+    assert read_requeue_record(run_dir)["nodes"] is None  # the planner's: no survivors known

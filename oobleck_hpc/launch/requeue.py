@@ -28,21 +28,19 @@ the loop adds a `requeued` event per requeue); the per-node logs of a requeued a
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from oobleck_hpc import runs
+from oobleck_hpc.elastic import events as ev
 from oobleck_hpc.errors import EXIT_REQUEUE
 
-REQUEUE_RECORD = "requeue.json"  # oobleck_hpc.resume.REQUEUE_RECORD (kept torch-free here)
-
-
-def _log(msg: str) -> None:
-    print(f"[requeue] {msg}", file=sys.stderr, flush=True)
+_log = functools.partial(runs.say, "requeue")
 
 
 @dataclass
@@ -54,15 +52,6 @@ class Attempt:
     code: int | None = None
     seconds: float = 0.0
     reason: str = ""
-
-
-def _read_record(run_dir: Path) -> dict | None:
-    import json
-
-    try:
-        return json.loads((run_dir / REQUEUE_RECORD).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: str | Path,
@@ -87,7 +76,7 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
             attempts.append(attempt)
             os.environ["OOBLECK_ATTEMPT"] = f"{base_attempt}.r{index}"
             os.environ["OOBLECK_REQUEUE_COUNT"] = str(base_restarts + index)
-            (run_dir / REQUEUE_RECORD).unlink(missing_ok=True)
+            (run_dir / runs.REQUEUE_RECORD).unlink(missing_ok=True)
             t0 = time.monotonic()
             try:
                 attempt.code = launch(attempt)
@@ -99,7 +88,7 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
                 kept = run_dir / f"logs-attempt{index}"
                 shutil.rmtree(kept, ignore_errors=True)  # an earlier launch's
                 os.replace(run_dir / "logs", kept)
-            record = _read_record(run_dir) or {}
+            record = runs.read_requeue_record(run_dir) or {}
             attempt.reason = str(record.get("reason") or "exit 75")
             alive = record.get("nodes")
             if alive:
@@ -111,7 +100,7 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
                     f"({attempt.reason}); requeue {index + 1}/{max_requeues} on {nodes} nodes"
                     + (f" (alive: {', '.join(alive)})" if alive else ""))
             else:  # the console tells it (oobleck_hpc/story.py)
-                events.emit("requeued", next_attempt=base_restarts + index + 1, nodes=nodes,
+                events.emit(ev.REQUEUED, next_attempt=base_restarts + index + 1, nodes=nodes,
                             alive=alive, reason=attempt.reason[:300],
                             seconds=round(attempt.seconds, 3))
         log(f"giving up after {max_requeues} requeues (last: {attempts[-1].reason}); the latest "

@@ -227,7 +227,7 @@ def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None, reason: str
     restart = int(tag.rpartition("-r")[2] or 0)
     record = {}
     try:
-        record = json.loads((run_dir / "requeue.json").read_text())
+        record = json.loads((run_dir / runs.REQUEUE_RECORD).read_text())
     except (OSError, ValueError):
         pass
     if record.get("restart_count") != restart or reason:
