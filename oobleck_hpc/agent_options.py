@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from oobleck_hpc.config import HEARTBEAT_S, LEASE_S, STARTUP_S, load_job
 from oobleck_hpc.elastic.wire import Roster, join_roster_file
 
 DESCRIPTION = ("The per-node agent: `python -m oobleck_hpc.agent --node NAME --roster FILE -- "
@@ -29,11 +30,11 @@ class AgentOptions:
     command: list[str]
     workers: int = 1
     run_dir: Path = Path("runs/job")
-    heartbeat_s: float = 0.5
-    lease_s: float = 3.0
+    heartbeat_s: float = HEARTBEAT_S
+    lease_s: float = LEASE_S
     probe_s: float | None = None
     agreement_timeout_s: float | None = None
-    startup_s: float = 60.0
+    startup_s: float = STARTUP_S
     quorum: str = "majority"
     kill_grace_s: float = 2.0
     drain_poll_s: float = 0.0
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
     p.add_argument("--run-dir", help="run directory (default: the job's run_dir, else runs/job)")
     for flag in ("--heartbeat-s", "--lease-s", "--probe-s", "--agreement-timeout-s"):
         p.add_argument(flag, type=float)  # (default: the job's fault_tolerance, else control.py)
-    p.add_argument("--startup-s", type=float, default=60.0,
+    p.add_argument("--startup-s", type=float, default=STARTUP_S,
                    help="how long to wait for the other agents to come up")
     p.add_argument("--quorum", choices=["majority", "none"], default="majority")
     p.add_argument("--kill-grace-s", type=float, default=2.0,
@@ -85,11 +86,9 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
         if not a.job:
             p.error("give the worker command after --, or --job (worker: python -m oobleck_hpc.train)")
         command = [sys.executable, "-m", "oobleck_hpc.train"]
-    heartbeat_s, lease_s, workers, run_dir = 0.5, 3.0, 1, Path("runs/job")
+    heartbeat_s, lease_s, workers, run_dir = HEARTBEAT_S, LEASE_S, 1, Path("runs/job")
     drain_poll_s = 0.0
     if a.job:
-        from oobleck_hpc.config import load_job
-
         job = load_job(a.job)
         heartbeat_s, lease_s = job.fault_tolerance.heartbeat_s, job.fault_tolerance.lease_s
         workers, run_dir = job.cluster.gpus_per_node, job.resolved_run_dir

@@ -25,6 +25,16 @@ from oobleck_hpc.schema import Where as _Where
 from oobleck_hpc.schema import build as _build
 from oobleck_hpc.schema import walk as _walk
 
+# The control plane's defaults, here once: the job file's fault_tolerance, the agent's flags
+# (agent_options.py), elastic/control.py's constructor and the protocol simulator
+# (testing/netsim.py) take them from here. (Importing this module imports no torch.)
+HEARTBEAT_S = 0.5
+"""Interval of the agents' heartbeats on the control plane."""
+LEASE_S = 3.0
+"""A node whose heartbeat is older than this is declared lost."""
+STARTUP_S = 60.0
+"""How long the agents wait for each other's first connection at start."""
+
 
 @dataclass
 class ModelConfig:
@@ -185,9 +195,9 @@ class FaultToleranceConfig:
     """Simultaneous node losses survived in place (at least f+1 pipelines are kept)."""
     collective_timeout_s: float = 5.0
     """torch.distributed timeout: bounds how long a hung peer can stall a collective."""
-    heartbeat_s: float = 0.5
+    heartbeat_s: float = HEARTBEAT_S
     """Interval of the agents' heartbeats on the control plane."""
-    lease_s: float = 3.0
+    lease_s: float = LEASE_S
     """A node whose heartbeat is older than this is declared lost (catches hangs, partitions)."""
     replace: bool = False
     """Under Slurm: after a loss the job submits a replacement job (its partition, account, QOS

@@ -70,6 +70,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from oobleck_hpc.config import HEARTBEAT_S, LEASE_S, STARTUP_S
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.elastic.links import OUT_CAP, RETRY_PAUSE_S, SEND_ATTEMPTS, EventLoop, Link
 from oobleck_hpc.elastic.membership import Decision, LeaveKind, MembershipCore, Quorum
@@ -100,9 +101,9 @@ class ControlPlane:
     """One agent's end of the control plane (see module docstring)."""
 
     def __init__(self, me: str, roster: Roster, *, secret: bytes,
-                 heartbeat_s: float = 0.5, lease_s: float = 3.0,
+                 heartbeat_s: float = HEARTBEAT_S, lease_s: float = LEASE_S,
                  probe_s: float | None = None, agreement_timeout_s: float | None = None,
-                 startup_s: float = 60.0, quorum: Quorum = "majority",
+                 startup_s: float = STARTUP_S, quorum: Quorum = "majority",
                  open_to_joins: bool = True, monitors: int = MONITORS,
                  events: EventLog | None = None,
                  on_note: Callable[[str, dict[str, Any]], None] | None = None):

@@ -30,6 +30,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from oobleck_hpc.config import HEARTBEAT_S, LEASE_S
 from oobleck_hpc.elastic.membership import Decision, MembershipCore
 from oobleck_hpc.elastic.topology import MONITORS, Monitor
 
@@ -54,8 +55,8 @@ class Sim:
     n: int
     net: NetModel = field(default_factory=NetModel)
     seed: int = 0
-    heartbeat_s: float = 0.5
-    lease_s: float = 3.0
+    heartbeat_s: float = HEARTBEAT_S
+    lease_s: float = LEASE_S
     k: int = MONITORS
     hold_s: float = 1e-3
     """How long a coordinator holds the first re-broadcast of a changed proposal in a round,
