@@ -62,6 +62,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from oobleck_hpc.elastic.control import ControlPlane
+from oobleck_hpc.elastic import events as ev
 from oobleck_hpc.elastic.events import read_events
 from oobleck_hpc.elastic.local import LocalAgents
 from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
@@ -78,7 +79,7 @@ def wait_view(run_dir: Path, nodes: list[str], timeout: float) -> list[dict]:
     while time.monotonic() < deadline:
         events = read_events(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
         got = {e["source"]: e for e in events
-               if e["kind"] == "agreement_reached" and e["nodes"] == nodes}
+               if e["kind"] == ev.AGREEMENT_REACHED and e["nodes"] == nodes}
         if all(m in got for m in nodes):
             gens = {got[m]["gen"] for m in nodes}
             if len(gens) != 1:
@@ -103,7 +104,7 @@ def wait_started(agents: LocalAgents, timeout: float) -> None:
 def measure(run_dir: Path, lost: str, survivors: list[str], t: float, timeout: float) -> dict:
     decided = wait_view(run_dir, survivors, timeout)
     events = read_events(run_dir / "events.jsonl")
-    detect = min(e["t"] for e in events if e["kind"] == "failure_detected" and e["node"] == lost)
+    detect = min(e["t"] for e in events if e["kind"] == ev.FAILURE_DETECTED and e["node"] == lost)
     return {"detect_s": detect - t, "agree_s": max(e["t"] for e in decided) - t}
 
 

@@ -69,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recovery import job_dict, start, stop, wait_steps  # noqa: E402  (the same job and helpers)
 
+from oobleck_hpc.elastic import events as ev  # noqa: E402
 from oobleck_hpc.elastic.events import read_events, read_jsonl  # noqa: E402
 
 
@@ -143,7 +144,7 @@ def grow_once(work: Path, nodes: int, workers: int, window: int, settle: int) ->
         first, _ = measure(metrics, proc, 0, window)  # warm-up; and the run's own spread:
         before, cpu_before = measure(metrics, proc, window, window)  # two windows, no failure
         t_kill = kill_node(run_dir, "node1")
-        wait_event(run_dir, lambda e: e["kind"] == "recovered" and e["t"] > t_kill, proc, 120)
+        wait_event(run_dir, lambda e: e["kind"] == ev.RECOVERED and e["t"] > t_kill, proc, 120)
         shrunk, cpu_shrunk = measure(metrics, proc, len(read_jsonl(metrics)) + settle, window)
         t_grow = time.time()
         out = subprocess.run([sys.executable, "-m", "oobleck_hpc", "grow", str(run_dir),
@@ -152,15 +153,15 @@ def grow_once(work: Path, nodes: int, workers: int, window: int, settle: int) ->
             raise RuntimeError(f"oobleck-hpc grow failed: {out.stdout}{out.stderr}")
         new = json.loads((run_dir / "agents.json").read_text()).keys() - {
             f"node{i}" for i in range(nodes)}
-        grown = wait_event(run_dir, lambda e: e["kind"] == "recovered" and e["t"] > t_grow
+        grown = wait_event(run_dir, lambda e: e["kind"] == ev.RECOVERED and e["t"] > t_grow
                            and e.get("joined"), proc, 300)
         after, cpu_after = measure(metrics, proc, len(read_jsonl(metrics)) + settle, window)
     finally:
         stop(proc, run_dir)
     events = read_events(run_dir / "events.jsonl")
     (node,) = new
-    started = next(e for e in events if e["kind"] == "agent_started" and e["source"] == node)
-    agreed = next(e for e in events if e["kind"] == "agreement_reached" and e["t"] > t_grow
+    started = next(e for e in events if e["kind"] == ev.AGENT_STARTED and e["source"] == node)
+    agreed = next(e for e in events if e["kind"] == ev.AGREEMENT_REACHED and e["t"] > t_grow
                   and node in e.get("joined", []))
     return {"node": node, "joined": grown["joined"], "generation": grown["generation"],
             "join_s": round(grown["t"] - started["t"], 4),
@@ -188,7 +189,7 @@ def swap_once(work: Path, nodes: int, workers: int, window: int) -> dict:
     try:
         wait_steps(metrics, 2 * window, proc, 300)
         t_kill = kill_node(run_dir, "node1")
-        swapped = wait_event(run_dir, lambda e: e["kind"] == "recovered" and e["t"] > t_kill,
+        swapped = wait_event(run_dir, lambda e: e["kind"] == ev.RECOVERED and e["t"] > t_kill,
                              proc, 120)
     finally:
         stop(proc, run_dir)

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import yaml
 
+from oobleck_hpc.elastic import events as ev
 from oobleck_hpc.elastic.events import read_events, read_jsonl
 from oobleck_hpc.report import recovery_phases
 
@@ -162,17 +163,17 @@ def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) ->
             h.wait()
         stop(proc, run_dir)
     events = [e for e in read_events(run_dir / "events.jsonl") if e["t"] >= t_kill]
-    first = next(e for e in events if e["kind"] == "recovered")
+    first = next(e for e in events if e["kind"] == ev.RECOVERED)
     after = [r for r in rows if r["time"] > t_kill]
     extra = {}
     if mode == "drain":  # the job trains on until the step boundary where the node leaves:
         t_request = t_kill  # its pause starts there
-        agreed = next(e for e in events if e["kind"] == "drain_agreed")
+        agreed = next(e for e in events if e["kind"] == ev.DRAIN_AGREED)
         t_kill = agreed["t"]
         extra = {"request_to_recovered_s": round(first["t"] - t_request, 4),
                  "left_after_step": agreed["step"]}
     phases = recovery_phases(events, first, t_kill)  # the phases `oobleck-hpc report` shows
-    replayed = sum(1 for e in events if e["kind"] == "step_failed")
+    replayed = sum(1 for e in events if e["kind"] == ev.STEP_FAILED)
     return {"mode": mode, "recovery_s": round(first["t"] - t_kill, 4), "steps_failed": replayed,
             **extra,
             "first_row_after_kill_s": round(after[0]["time"] - t_kill, 4),
@@ -263,7 +264,7 @@ def memory_once(work: Path, model: str, steps: int = 40) -> dict:
         before = peak_mb(pids, reset=True)
         t_kill = kill_node(run_dir, "node1")
         deadline = time.monotonic() + 300
-        while not any(e["kind"] == "recovered" for e in read_events(run_dir / "events.jsonl")):
+        while not any(e["kind"] == ev.RECOVERED for e in read_events(run_dir / "events.jsonl")):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"no recovery of {model} (log: {work})")
             time.sleep(0.05)
@@ -275,7 +276,7 @@ def memory_once(work: Path, model: str, steps: int = 40) -> dict:
     finally:
         stop(proc, run_dir)
     events = [e for e in read_events(run_dir / "events.jsonl") if e["t"] >= t_kill]
-    moved = [e for e in events if e["kind"] == "state_transferred"]
+    moved = [e for e in events if e["kind"] == ev.STATE_TRANSFERRED]
     survivors = [n for n in pids if n != "node1"]
     steady = {n: max(before.get(n, 0.0), after.get(n, 0.0)) for n in survivors}
     return {"model": model, "peak_rss_steady_mb": round(max(steady.values()), 1),

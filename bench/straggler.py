@@ -37,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from oobleck_hpc.elastic import events as ev
 from oobleck_hpc.elastic.events import read_events, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,9 +74,9 @@ def run(work: Path, name: str, nodes: int, steps: int, straggler: str, fault: di
         raise RuntimeError(f"{name}: exit {out.returncode}\n{out.stdout[-3000:]}")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     events = read_events(run_dir / "events.jsonl")
-    acted = [e for e in events if e["kind"] == "straggler" and e["action"] != "keep"
+    acted = [e for e in events if e["kind"] == ev.STRAGGLER and e["action"] != "keep"
              and e["source"] == "node0/0"]  # (the slow node tells it too)
-    measured = [e for e in events if e["kind"] == "straggler_measured"]
+    measured = [e for e in events if e["kind"] == ev.STRAGGLER_MEASURED]
     if acted:  # from the first step on the new plan (excluded: after the recovery)
         start = acted[0]["step"] + (2 if acted[0]["action"] == "exclude" else 1)
     else:

@@ -57,6 +57,7 @@ from typing import Any, Sequence
 from oobleck_hpc.chaos_oracle import (AFTER_STEP_PHASES, RECOVERY_PHASES, START_PHASES,
                                       STEP_PHASES, expected_outcomes)
 from oobleck_hpc.config import FaultConfig, JobConfig
+from oobleck_hpc.elastic import events as ev
 
 PHASES: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["phase"])
 KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["kind"])
@@ -270,20 +271,20 @@ def run_trial(trial: Trial, base: JobConfig, campaign: Path, reference, plan, te
 
     events = read_events(run_dir / "events.jsonl")
     trial.recovery_s = [round(float(e["seconds"]), 3) for e in events
-                        if e.get("kind") == "recovered" and "seconds" in e]
+                        if e.get("kind") == ev.RECOVERED and "seconds" in e]
     fired = {(e.get("node"), e.get("step"), e.get("phase"), e.get("fault"))
-             for e in events if e.get("kind") == "fault_injected"}
+             for e in events if e.get("kind") == ev.FAULT_INJECTED}
     trial.fired = [x for x in trial.faults if (f"node{x.node}", x.step, x.phase, x.kind) in fired]
     trial.expected = expected_outcomes(trial.fired, plan, templates, profile,
                                        base.fault_tolerance.f,  # the agents' default quorum
                                        steps=steps)
-    trial.requeues = sum(e.get("kind") == "requeued" for e in events)  # the launcher's record
+    trial.requeues = sum(e.get("kind") == ev.REQUEUED for e in events)  # the launcher's record
     rows = read_jsonl(run_dir / "metrics.jsonl")
     trial.steps_complete = check_steps(rows, steps)
     trial.finished = runs.outcome(run_dir).finished
     fired_at: dict[tuple, float] = {}  # each fault's first firing (another local rank of a
     for e in events:                   # hung node may fire it again once it is let go)
-        if e.get("kind") == "fault_injected":
+        if e.get("kind") == ev.FAULT_INJECTED:
             key = (e.get("node"), e.get("step"), e.get("phase"), e.get("fault"))
             fired_at[key] = min(fired_at.get(key, e["t"]), e["t"])
     if fired_at and rows:

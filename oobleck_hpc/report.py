@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_hpc import runs
+from oobleck_hpc.elastic import events as ev
 from oobleck_hpc.elastic.events import read_events, read_jsonl
 from oobleck_hpc.errors import OobleckError
 from oobleck_hpc.story import SIGNS, Story, plural
@@ -101,10 +102,10 @@ def recovery_phases(events: list[dict], recovered: dict, t0: float) -> dict[str,
         ts = [e["t"] for e in window if e["kind"] in kinds]
         return min(ts) if ts else None
 
-    transferred = [e["t"] for e in window if e["kind"] == "state_transferred"]
-    marks = [("detect", first("failure_detected", "step_failed", "round_started")),
-             ("agree", first("agreement_reached", "membership_agreed")),
-             ("plan", first("plan_chosen")), ("regroup", first("groups_rebuilt")),
+    transferred = [e["t"] for e in window if e["kind"] == ev.STATE_TRANSFERRED]
+    marks = [("detect", first(ev.FAILURE_DETECTED, ev.STEP_FAILED, ev.ROUND_STARTED)),
+             ("agree", first(ev.AGREEMENT_REACHED, ev.MEMBERSHIP_AGREED)),
+             ("plan", first(ev.PLAN_CHOSEN)), ("regroup", first(ev.GROUPS_REBUILT)),
              ("transfer", max(transferred) if transferred else None),
              ("first_step", recovered["t"])]
     out, prev = {}, t0
@@ -121,8 +122,8 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
         raise ReportError(f"{run_dir}: the run {run_id or ''} recorded no events yet")
     t_start = events[0]["t"]
     t_end = max([events[-1]["t"]] + [r["time"] for r in rows])
-    started = next((e for e in events if e["kind"] == "run_started"), {})
-    finished = next((e for e in reversed(events) if e["kind"] == "run_finished"), None)
+    started = next((e for e in events if e["kind"] == ev.RUN_STARTED), {})
+    finished = next((e for e in reversed(events) if e["kind"] == ev.RUN_FINISHED), None)
     outcome = runs.outcome(where_of(run_dir, run), run_id)  # the verdict every command uses
     step_s = [r["seconds"] for r in rows]
     median = statistics.median(step_s) if step_s else 0.0
@@ -134,7 +135,7 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
             sign = e["t"] if sign is None else min(sign, e["t"])
         for line in story.feed(e):
             timeline.append({"t": round(e["t"] - t_start, 3), "kind": e["kind"], "line": line})
-        if e["kind"] == "recovered":
+        if e["kind"] == ev.RECOVERED:
             t0 = sign if sign is not None else e["t"] - e.get("seconds", 0.0)
             recoveries.append({"step": e["step"], "lost": e.get("lost", []),
                                "joined": e.get("joined", []), "drained": e.get("drained", []),
@@ -145,7 +146,7 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
                                "bytes_moved": e.get("bytes_moved", 0),
                                "rounds": e.get("rounds", 1)})
             sign = None
-        elif e["kind"] in ("fallback", "requeued"):
+        elif e["kind"] in (ev.FALLBACK, ev.REQUEUED):
             sign = None
 
     # Steps per attempt; a step computed again by a later attempt was thrown away the first time.
@@ -159,7 +160,7 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
     for a in attempts:
         mine = by_attempt[a]
         begun = [e["t"] for e in events if e.get("attempt", 0) == a
-                 and e["kind"] in ("run_started", "agent_started")]
+                 and e["kind"] in (ev.RUN_STARTED, ev.AGENT_STARTED)]
         if mine and begun:
             lost["startup"] += max(0.0, mine[0]["time"] - min(begun) - median)
     for prev, nxt in zip(attempts, attempts[1:]):
@@ -176,7 +177,7 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
     startups = []
     for a in attempts:
         begun = [e["t"] for e in events if e.get("attempt", 0) == a
-                 and e["kind"] in ("run_started", "agent_started")]
+                 and e["kind"] in (ev.RUN_STARTED, ev.AGENT_STARTED)]
         if by_attempt[a] and begun:
             first = by_attempt[a][0]
             startups.append({"attempt": a, "t": round(min(begun) - t_start, 3),
@@ -219,10 +220,10 @@ def build(run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
         "recoveries": recoveries,
         "checkpoints": [{"step": e["step"], "t": round(e["t"] - t_start, 3),
                          "bytes": e.get("bytes", 0)}
-                        for e in events if e["kind"] == "checkpoint_saved"],
+                        for e in events if e["kind"] == ev.CHECKPOINT_SAVED],
         "requeues": [{"t": round(e["t"] - t_start, 3), "next_attempt": e.get("next_attempt"),
                       "nodes": e.get("nodes"), "reason": e.get("reason")}
-                     for e in events if e["kind"] == "requeued"],
+                     for e in events if e["kind"] == ev.REQUEUED],
         "timeline": timeline,
     }
 

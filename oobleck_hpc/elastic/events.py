@@ -11,11 +11,12 @@ writes
     {"t": 1763788000.123456, "kind": "failure_detected", "source": "node3", "run": "20261125-041502-9f3a",
      "attempt": 0, "node": "node1", ...}
 
-and logs `[node3] failure_detected node=node1 how=connection_lost` to the `oobleck_hpc.events`
-logger. `t` is wall-clock Unix time (time.time()): events of different processes on one machine
-(or on nodes with synchronised clocks) can be merged and subtracted. `run` and `attempt` name the
-run and the attempt (requeue) that wrote the event (oobleck_hpc/runs.py); steps are numbered from
-1, as in the metrics file and on the console (`step` k = the k-th training step).
+and logs `[node3] failure_detected node=node1 how=connection_lost gen=4` to the
+`oobleck_hpc.events` logger. `t` is wall-clock Unix time (time.time()): events of different
+processes on one machine (or on nodes with synchronised clocks) can be merged and subtracted. `run`
+and `attempt` name the run and the attempt (requeue) that wrote the event (oobleck_hpc/runs.py);
+steps are numbered from 1, as in the metrics file and on the console (`step` k = the k-th
+training step).
 
 Concurrency: every event is one `os.write` of one line to a file opened with O_APPEND, so the
 lines of many processes on one machine never interleave (the kernel serialises appends on local
@@ -124,7 +125,8 @@ DRAIN_REQUESTED = _declare("drain_requested", "A node was asked to leave (drain)
 NODE_SLOWED = _declare("node_slowed", "The slow fault slowed a node down.",
                        {"node": str, "factor": float})
 NODE_DRAINED = _declare("node_drained", "A drained node's workers left the job.", {"node": str})
-FAILURE_DETECTED = _declare("failure_detected", "An agent suspects a peer (lease, connection, probe).",
+FAILURE_DETECTED = _declare("failure_detected",
+                            "An agent suspects a peer (lease, connection, probe).",
                             {"node": str, "how": str, "gen": int})
 ROUND_STARTED = _declare("round_started", "A membership round opened.",
                          {"gen": int, "suspects": _Nodes, "joiners": _Nodes})
@@ -151,7 +153,8 @@ CONNECTION_REOPENED = _declare("connection_reopened", "A link to a peer was open
                                {"node": str})
 FRAME_REJECTED = _declare("frame_rejected", "A control-plane frame failed its checks.",
                           {"node": str, "peer": str, "reason": str, "count": int})
-CONTROL_LOOP_DIED = _declare("control_loop_died", "The control loop raised (a bug): the node stops.",
+CONTROL_LOOP_DIED = _declare("control_loop_died",
+                             "The control loop raised (a bug): the node stops.",
                              {"error": str})
 PEER_ADDED = _declare("peer_added", "A new peer's address became known.",
                       {"node": str, "addr": str})
@@ -189,20 +192,19 @@ RECOVERED = _declare("recovered", "The first step after a recovery committed.",
                      {"step": int, "generation": int, "lost": _Nodes, "joined": _Nodes,
                       "drained": _Nodes, "seconds": float, "rounds": int, "plan": str,
                       "phases": dict, "bytes_moved": int})
-NODE_JOINED = _declare("node_joined", "A new node's first step committed.",
-                       {"node": str, "generation": int, "step": int, "seconds": float,
-                        "phases": dict, "received_bytes": int})
-WORKER_REJOINED = _declare("worker_rejoined", "A restarted worker's first step committed.",
-                           {"node": str, "generation": int, "step": int, "seconds": float,
-                            "phases": dict, "received_bytes": int})
-DRAIN_AGREED = _declare("drain_agreed", "The workers agreed to let nodes leave at a step.",
-                        {"nodes": _Nodes, "step": int, "force": bool, "reason": str, "plan": Any})
+_JOINED = {"node": str, "generation": int, "step": int, "seconds": float, "phases": dict,
+           "received_bytes": int}
+NODE_JOINED = _declare("node_joined", "A new node's first step committed.", _JOINED)
+WORKER_REJOINED = _declare("worker_rejoined", "A restarted worker's first step committed.", _JOINED)
+_DRAIN = {"nodes": _Nodes, "step": int, "force": bool, "reason": str, "plan": Any}
+DRAIN_AGREED = _declare("drain_agreed", "The workers agreed to let nodes leave at a step.", _DRAIN)
 DRAIN_REFUSED = _declare("drain_refused", "A drain was refused (no plan without the nodes).",
-                         {"nodes": _Nodes, "step": int, "force": bool, "reason": str, "plan": Any})
+                         _DRAIN)
 STRAGGLER = _declare("straggler", "A slow node was found and acted on (keep, replan, drain).",
                      {"node": str, "slowdown": float, "action": str, "predicted_ms": float,
                       "step": int, "plan": Any})
-STRAGGLER_MEASURED = _declare("straggler_measured", "Step time before and after a straggler action.",
+STRAGGLER_MEASURED = _declare("straggler_measured",
+                              "Step time before and after a straggler action.",
                               {"node": str, "action": str, "predicted_ms": float,
                                "before_s": float, "after_s": float})
 RESTORED = _declare("restored", "Training state was loaded from a checkpoint.",

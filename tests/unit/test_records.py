@@ -52,10 +52,12 @@ def test_events_name_their_run_and_attempt(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv("OOBLECK_RUN_ID", raising=False)
     runs.begin(tmp_path, "from-file")
-    EventLog(tmp_path / "events.jsonl", "kill-node").emit("node_killed", node="node1", signal="SIGKILL", pid=1)
+    EventLog(tmp_path / "events.jsonl", "kill-node").emit("node_killed", node="node1",
+                                                          signal="SIGKILL", pid=1)
     monkeypatch.setenv("OOBLECK_RUN_ID", "from-env")
     monkeypatch.setenv("OOBLECK_REQUEUE_COUNT", "2")
-    EventLog(tmp_path / "events.jsonl", "node0").emit("agent_started", pid=1, workers=1, port=4000, worker_pids=[2])
+    EventLog(tmp_path / "events.jsonl", "node0").emit("agent_started", pid=1, workers=1,
+                                                      port=4000, worker_pids=[2])
     rows = read_jsonl(tmp_path / "events.jsonl")
     assert [(r["run"], r["attempt"]) for r in rows] == [("from-file", 0), ("from-env", 2)]
 
