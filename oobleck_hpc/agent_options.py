@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
                    "cluster.gpus_per_node of --job, else 1)")
     p.add_argument("--run-dir", help="run directory (default: the job's run_dir, else runs/job)")
     for flag in ("--heartbeat-s", "--lease-s", "--probe-s", "--agreement-timeout-s"):
-        p.add_argument(flag, type=float)  # (default: the job's fault_tolerance, else control.py)
+        p.add_argument(flag, type=float)  # (default: the job's fault_tolerance, else config.py)
     p.add_argument("--startup-s", type=float, default=STARTUP_S,
                    help="how long to wait for the other agents to come up")
     p.add_argument("--quorum", choices=["majority", "none"], default="majority")

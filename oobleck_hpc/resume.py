@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oobleck_hpc import runs
+from oobleck_hpc.elastic import events as ev
 from oobleck_hpc.errors import EXIT_REQUEUE, GuaranteeExceeded
 from oobleck_hpc.files import write_json
 
@@ -189,7 +190,7 @@ class Resume:
                      f"{plan.digest()} ({len(plan.nodes)} nodes) in {seconds:.2f} s; written by "
                      f"plan {ts.plan_digest}")
             if self.events is not None:
-                self.events.emit("restored", step=step, path=str(ckpt.path),
+                self.events.emit(ev.RESTORED, step=step, path=str(ckpt.path),
                                  seconds=round(seconds, 3), plan=plan.digest(),
                                  written_by=ts.plan_digest)
 
@@ -299,7 +300,7 @@ class Resume:
 
         self.log(f"rank {self.rank}: stopping at step {engine.state.step} for a requeue: {reason}")
         if self.rank == 0 and self.events is not None:
-            self.events.emit("stopping", step=engine.state.step, reason=reason)
+            self.events.emit(ev.STOPPING, step=engine.state.step, reason=reason)
         if self.checkpointer is None:
             self.log("checkpoint.dir is not set: nothing saved; the requeued job starts over")
         else:
@@ -338,7 +339,7 @@ class Resume:
             from oobleck_hpc.checkpoint import read_latest_pointer
 
             root = self.job.checkpoint.dir
-            self.events.emit("fallback", reason=reason[:300], nodes=nodes,
+            self.events.emit(ev.FALLBACK, reason=reason[:300], nodes=nodes,
                              resume_from=read_latest_pointer(root) if root else None)
         self.stop.uninstall()
         return EXIT_REQUEUE
@@ -376,5 +377,5 @@ def _published(events: Any, root: Path, stats: Any) -> None:
         size = sum(f.stat().st_size for f in path.iterdir())
     except OSError:  # pruned meanwhile by a newer one
         size = stats.bytes
-    events.emit("checkpoint_saved", step=stats.step, bytes=size, seconds=round(stats.write_s, 3),
+    events.emit(ev.CHECKPOINT_SAVED, step=stats.step, bytes=size, seconds=round(stats.write_s, 3),
                 path=str(path))
