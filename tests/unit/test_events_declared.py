@@ -12,7 +12,7 @@ import pytest
 from oobleck_hpc.elastic import events
 from oobleck_hpc.elastic.events import KINDS, EventLog
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOT_EVENTS = {("bench/slurm.py", "membership")}  # a row of the echo worker's own record file
 SOURCES = sorted([*(ROOT / "oobleck_hpc").rglob("*.py"), *(ROOT / "bench").rglob("*.py")])
 
