@@ -234,7 +234,8 @@ class EventLog:
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Record one event; returns it (as written). `fields` must be JSON-serialisable
         (anything else is written with str()). An undeclared kind, or a field missing from or
-        unknown to its declaration (KINDS), is a programming error: ValueError at once."""
+        unknown to its declaration (KINDS), is a programming error: TypeError at once (as for a
+        wrong keyword argument; not a ValueError, which the recovery rounds catch as failures)."""
         check(kind, fields)
         event: dict[str, Any] = {"t": time.time(), "kind": kind}
         if self.source:
@@ -268,14 +269,14 @@ class EventLog:
 
 
 def check(kind: str, fields: dict[str, Any]) -> None:
-    """Raise ValueError unless `fields` are those that `kind` declares (KINDS)."""
+    """Raise TypeError unless `fields` are those that `kind` declares (KINDS)."""
     declared = KINDS.get(kind)
     if declared is None:
-        raise ValueError(f"event kind {kind!r} is not declared in oobleck_hpc/elastic/events.py")
+        raise TypeError(f"event kind {kind!r} is not declared in oobleck_hpc/elastic/events.py")
     missing = declared.fields.keys() - fields.keys()
     unknown = fields.keys() - declared.fields.keys() - declared.optional.keys()
     if missing or unknown:
-        raise ValueError(f"event {kind!r}: missing fields {sorted(missing)}, "
+        raise TypeError(f"event {kind!r}: missing fields {sorted(missing)}, "
                          f"undeclared fields {sorted(unknown)}")
 
 
