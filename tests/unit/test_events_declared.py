@@ -95,3 +95,43 @@ def test_optional_fields_may_be_left_out(tmp_path):
     log = EventLog(tmp_path / "events.jsonl", "node0")
     assert log.emit(events.AGENT_EXIT, code=0, reason="done")["code"] == 0
     assert log.emit(events.AGENT_EXIT, code=0, reason="done", how="early")["how"] == "early"
+
+
+def _kind_of(node: ast.AST) -> str | None:
+    """The kind an emit call's first argument names: a literal, `events.NAME`, or a bare NAME
+    that events declares (imported from it); None when it is computed."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+    value = getattr(events, name, None) if name and name.isupper() else None
+    return value if isinstance(value, str) else None
+
+
+def test_every_writer_passes_the_fields_its_kind_declares():
+    """The writer's check, done on the source of every `.emit(...)` call: a call that would
+    raise (a missing or undeclared field) on a path no test takes fails here. Calls whose kind
+    is computed, or whose fields are spread from a dict, are only checked at run time; they
+    must stay few (listed in the failure message)."""
+    wrong, dynamic, checked = [], [], 0
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "emit" and node.args):
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            kinds = _literals(node.args[0]) or [_kind_of(node.args[0])]
+            if None in kinds or any(k.arg is None for k in node.keywords):
+                dynamic.append(where)
+                continue
+            names = {k.arg for k in node.keywords}
+            for kind in kinds:
+                if kind not in KINDS or (str(path.relative_to(ROOT)), kind) in NOT_EVENTS:
+                    continue  # (undeclared kinds: test_every_kind_written_or_read_is_declared)
+                checked += 1
+                try:
+                    events.check(kind, dict.fromkeys(names))
+                except TypeError as e:
+                    wrong.append(f"{where}: {e}")
+    assert checked > 50, checked  # the scan sees the writers
+    assert wrong == []
+    assert len(dynamic) <= 3, dynamic
