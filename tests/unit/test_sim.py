@@ -20,7 +20,7 @@ from oobleck_hpc.sim.scenario import (PolicyTable, Scenario, TableBackend, load_
 from oobleck_hpc.sim.trace import (Trace, TraceEvent, exponential, fixed_interval, load_trace,
                                    node_names)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAPER = ROOT / "examples" / "bert-large-paper.yaml"
 
 
@@ -473,19 +473,6 @@ def test_example_traces_replay():
     assert jl.failures > 10 and any(e.kind == "add" for e in jl.events)
     res = run_policies(scenario_backends(s), replay, 9000.0)
     assert res["oobleck"].failures == 14
-
-
-def test_simulator_imports_nothing_heavy():
-    import subprocess
-    import sys
-
-    code = ("import sys, oobleck_hpc.sim, oobleck_hpc.sim.cli, oobleck_hpc.sim.planner_backend, "
-            "oobleck_hpc.sim.scenario, oobleck_hpc.sim.report; "
-            "print([m for m in ('torch', 'h5py', 'mpi4py', 'submitit', 'matplotlib') "
-            "if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout.strip()
-    assert out == "[]"
 
 
 def test_growth_compares_shrinking_spares_and_replacements_on_the_same_failures(tmp_path, capsys):
