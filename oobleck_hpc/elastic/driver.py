@@ -80,7 +80,7 @@ from __future__ import annotations
 import collections
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -99,6 +99,37 @@ if TYPE_CHECKING:
 
 class RoundOpened(Exception):
     """Raised from the engine's on_phase hook when the agents opened a membership round."""
+
+
+@dataclass(frozen=True)
+class Vote:
+    """A completed commit vote (`ElasticDriver._vote`), the same figures on every rank. Each
+    rank sends its ballot followed by its node's drain request (elastic/drain.py; 0 none,
+    1 asked, 2 forced), its step's forward and backward seconds and its step's seconds
+    (elastic/straggler.py: every rank must decide from the same figures, its own clock differs);
+    `cast` writes that layout and `counted` reads it back, nothing else does."""
+
+    ballot: list[float]  # every rank's ballot, elementwise max
+    drains: dict[str, bool]  # node asked to drain -> forced
+    compute: dict[int, float]  # rank -> its step's forward and backward seconds
+    seconds: float  # the step's time: the longest any rank took
+
+    @staticmethod
+    def cast(ballot: list[float], request: bool | None, compute_s: float,
+             seconds: float) -> list[float]:
+        """What one rank sends (`request`: its node's drain request, None when none)."""
+        return ballot + [0.0 if request is None else 2.0 if request else 1.0, compute_s, seconds]
+
+    @classmethod
+    def counted(cls, values: dict[str, list[list[float]]], plan) -> Vote:
+        """The vote from every rank's values (node -> one list per local rank)."""
+        every = [v for per_node in values.values() for v in per_node]
+        drains = {node: max(v[-3] for v in per_node) for node, per_node in values.items()}
+        return cls([max(v[i] for v in every) for i in range(len(every[0]) - 3)],
+                   {node: d == 2.0 for node, d in drains.items() if d},
+                   {plan.rank_of(node, lr): v[-2] for node, per_node in values.items()
+                    for lr, v in enumerate(per_node)},
+                   max(v[-1] for v in every))
 
 
 class ElasticDriver(RecoveryRounds, PlannedChanges):
@@ -312,8 +343,7 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                 result, why, phase, peer = None, str(e), "round", None
             if result is not None and result.ok:
                 try:
-                    agreed, drains, compute, step_s = self._vote(
-                        step, list(ballot), result.compute_s, result.seconds)
+                    vote = self._vote(step, list(ballot), result.compute_s, result.seconds)
                 except (Superseded, TimeoutError) as e:
                     # The vote did not complete here: whether the step commits is settled
                     # among the survivors (recover -> _reconcile); this engine keeps it prepared.
@@ -321,12 +351,12 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
                     continue
                 self.engine.commit()
                 self._committed()
-                self.agreed = agreed
+                self.agreed = vote.ballot
                 done, self._rolled = self._rolled + [result], []
-                if drains:
-                    self._drain(drains)
+                if vote.drains:
+                    self._drain(vote.drains)
                 elif self.stragglers is not None:
-                    self._straggle(compute, step_s)
+                    self._straggle(vote.compute, vote.seconds)
                 return done
             if result is not None:
                 why, phase = repr(result.error), result.phase
@@ -356,29 +386,18 @@ class ElasticDriver(RecoveryRounds, PlannedChanges):
             return
 
     def _vote(self, step: int, ballot: list[float], compute_s: float = 0.0,
-              seconds: float = 0.0):
+              seconds: float = 0.0) -> Vote:
         """The commit vote: every rank of the generation says, over the control plane, that it
-        holds step `step` prepared. Completes only when all did (then committing is safe
-        everywhere); Superseded when a round opened first. Returns the ballot's elementwise max,
-        the nodes asked to drain (node -> forced), every rank's compute seconds (rank ->
-        seconds) and the step's time (the longest any rank took): each rank appends its node's
-        drain request (elastic/drain.py; 0 none, 1 asked, 2 forced), `compute_s`, its step's
-        forward and backward time, and `seconds`, its step's time (elastic/straggler.py: every
-        rank must decide from the same figures, its own clock differs)."""
+        holds step `step` prepared, with its ballot, drain request and step times (`Vote`).
+        Completes only when all did (then committing is safe everywhere); Superseded when a
+        round opened first."""
         if self.faults is not None:
             self.faults("prepared", step + 1)
         sent = None if self.faults is None else (lambda: self.faults("vote", step + 1))
-        request = self.client.drain_request
-        mine = 0.0 if request is None else 2.0 if request else 1.0
-        values = self.client.exchange(f"commit-{step}", ballot + [mine, compute_s, seconds],
-                                      timeout=self.agree_s, gen=self.gen, on_sent=sent)
-        every = [v for per_node in values.values() for v in per_node]
-        drains = {node: max(v[-3] for v in per_node) for node, per_node in values.items()}
-        compute = {self.plan.rank_of(node, lr): v[-2] for node, per_node in values.items()
-                   for lr, v in enumerate(per_node)}
-        return ([max(v[i] for v in every) for i in range(len(ballot))],
-                {node: d == 2.0 for node, d in drains.items() if d}, compute,
-                max(v[-1] for v in every))
+        values = self.client.exchange(
+            f"commit-{step}", Vote.cast(ballot, self.client.drain_request, compute_s, seconds),
+            timeout=self.agree_s, gen=self.gen, on_sent=sent)
+        return Vote.counted(values, self.plan)
 
     def _committed(self) -> None:
         self._retries = 0
