@@ -61,6 +61,7 @@ Every transition goes to `<run_dir>/events.jsonl` (events.py) and a short line o
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -484,9 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     except OobleckError as e:
         print(f"oobleck_hpc.agent: error: {e}", file=sys.stderr)
         return e.exit_code
-    except OSError as e:
+    except OSError as e:  # a busy port is this node's passing trouble: requeue; else bad input
         print(f"oobleck_hpc.agent: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_REQUEUE if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL) else EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":
