@@ -62,7 +62,6 @@ Every transition goes to `<run_dir>/events.jsonl` (events.py) and a short line o
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import queue
 import signal
@@ -75,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oobleck_hpc.agent_options import AgentOptions, parse_args  # (re-exported: its command line)
+from oobleck_hpc.diagnostics import configure
 from oobleck_hpc.elastic.auth import run_secret
 from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.drain import POLL_S, SHARED_POLL_S, DrainWatch
@@ -478,7 +478,7 @@ def _describe(code: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    configure("INFO", fmt="%(asctime)s %(message)s")  # (OOBLECK_LOG_LEVEL, from the CLI)
     try:
         opts = parse_args(argv)
         return Agent(opts).run()

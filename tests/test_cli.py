@@ -99,3 +99,29 @@ def test_an_agent_whose_port_is_busy_exits_for_a_requeue_and_a_bad_path_as_bad_i
     monkeypatch.setattr(agent, "Agent", MissingFile)
     assert agent.main([]) == EXIT_BAD_INPUT
     assert "oobleck-roster.json" in capsys.readouterr().err
+
+
+def test_log_level_goes_before_the_command_and_reaches_the_processes_it_starts(
+        monkeypatch, capsys):
+    """`oobleck-hpc --log-level DEBUG plan ...` logs at DEBUG and exports the level
+    (OOBLECK_LOG_LEVEL) to the agents and workers the launchers start; without it, WARNING,
+    and the command's own output on stdout is the same but for its timings."""
+    import logging
+    import os
+    from pathlib import Path
+
+    from oobleck_hpc.diagnostics import LOG_LEVEL_ENV
+
+    job = str(Path(__file__).parents[1] / "examples" / "gpt-tiny-local.yaml")
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)
+    outs = []
+    for argv, level in ((["plan", job], logging.WARNING),
+                        (["--log-level", "DEBUG", "plan", job], logging.DEBUG)):
+        monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+        monkeypatch.setattr(root, "handlers", [])  # (basicConfig acts on a root without any)
+        assert cli.main(argv) == 0
+        assert root.level == level
+        outs.append([line for line in capsys.readouterr().out.splitlines()
+                     if not line.startswith("took ")])  # (its timings vary)
+    assert os.environ[LOG_LEVEL_ENV] == "DEBUG" and outs[0] == outs[1] != []
