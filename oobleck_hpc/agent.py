@@ -61,7 +61,7 @@ Every transition goes to `<run_dir>/events.jsonl` (events.py) and a short line o
 
 from __future__ import annotations
 
-import logging
+import errno
 import os
 import queue
 import signal
@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oobleck_hpc.agent_options import AgentOptions, parse_args  # (re-exported: its command line)
+from oobleck_hpc.diagnostics import configure
 from oobleck_hpc.elastic.auth import run_secret
 from oobleck_hpc.elastic.control import ControlPlane
 from oobleck_hpc.elastic.drain import POLL_S, SHARED_POLL_S, DrainWatch
@@ -477,16 +478,16 @@ def _describe(code: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    configure("INFO", fmt="%(asctime)s %(message)s")  # (OOBLECK_LOG_LEVEL, from the CLI)
     try:
         opts = parse_args(argv)
         return Agent(opts).run()
     except OobleckError as e:
         print(f"oobleck_hpc.agent: error: {e}", file=sys.stderr)
         return e.exit_code
-    except OSError as e:
+    except OSError as e:  # a busy port is this node's passing trouble: requeue; else bad input
         print(f"oobleck_hpc.agent: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_REQUEUE if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL) else EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

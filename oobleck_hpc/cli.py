@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from oobleck_hpc.diagnostics import LEVELS, configure
 from oobleck_hpc.errors import OobleckError
 
 COMMANDS = {
@@ -35,6 +36,9 @@ COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command, or only of `command`'s module when it is a known one."""
     parser = argparse.ArgumentParser(prog="oobleck-hpc", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", choices=LEVELS, default=None,
+                        help="how much diagnostics to log on stderr, here and in the agents and "
+                        "workers this command starts (default WARNING; agents INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in [COMMANDS[command]] if command in COMMANDS else COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -43,7 +47,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    command = next((a for a in argv if a in COMMANDS), None)  # (after --log-level LEVEL)
+    args = build_parser(command).parse_args(argv)
+    configure("WARNING", args.log_level)
     try:
         return int(args.func(args) or 0)
     except OobleckError as e:

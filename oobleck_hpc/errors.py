@@ -4,6 +4,8 @@ Each error carries a message that says what happened, the numbers involved and w
 Exit codes for the launcher (documented in README, "Exit codes"):
 
 - 0   training finished
+- 1   (kill-node, drain, grow only) the request was made but not confirmed within --wait, or
+      the job ended first: look at the run's events
 - 2   bad input (config, profile, plan): fix the input; never requeue
 - 3   unrecoverable error inside training: do not requeue
 - 75  fault tolerance exceeded or a pre-timeout/preemption signal: a checkpoint is on disk,
@@ -13,6 +15,7 @@ Exit codes for the launcher (documented in README, "Exit codes"):
 from __future__ import annotations
 
 EXIT_OK = 0
+EXIT_UNCONFIRMED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UNRECOVERABLE = 3
 EXIT_REQUEUE = 75

@@ -139,7 +139,7 @@ def test_losing_the_batch_node_beyond_the_guarantee_requeues_and_resumes(slurm_c
             wait_until(lambda: "Restarts=1" in subprocess.run(
                 ["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout,
                 60, "Slurm to requeue the job")
-        except AssertionError as e:
+        except TimeoutError as e:
             raise AssertionError(f"{e}; {killed.stderr.strip()}; agents' logs:\n"
                                  + logs(run_dir, f"agent-{job_id}-r0-*")[-6000:]) from None
         # The killed nodes stay DOWN: the job comes back on the two nodes left.

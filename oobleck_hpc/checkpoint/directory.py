@@ -35,6 +35,7 @@ from oobleck_hpc.checkpoint.state import (
 )
 from oobleck_hpc.errors import CheckpointError
 from oobleck_hpc.files import fsync_dir, write_atomic
+from oobleck_hpc.polling import wait_until
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp\.")
@@ -260,10 +261,8 @@ def prune(root: str | Path, keep: int) -> None:
 
 def wait_published(root: str | Path, step: int, timeout_s: float = 300.0, poll_s: float = 0.05) -> bool:
     """Wait until `step-<step>` is published under `root` (True) or `timeout_s` passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if (Path(root) / f"step-{step}" / "MANIFEST.json").exists():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
+    manifest = Path(root) / f"step-{step}" / "MANIFEST.json"
+    try:
+        return wait_until(manifest.exists, timeout_s, str(manifest), every_s=poll_s)
+    except TimeoutError:
+        return False

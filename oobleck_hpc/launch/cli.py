@@ -22,12 +22,14 @@ in RUN_DIR move to RUN_DIR/history/<its id>/ first, so runs never mix. A watchdo
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Callable
 
 from oobleck_hpc.errors import (
     EXIT_BAD_INPUT,
     EXIT_OK,
     EXIT_REQUEUE,
+    EXIT_UNCONFIRMED,
     EXIT_UNRECOVERABLE,
     ConfigError,
 )
@@ -119,8 +121,8 @@ def _kill_node(args: argparse.Namespace) -> int:
     try:
         kill_node(args.run_dir, args.node, getattr(signal, sig))
     except (FileNotFoundError, KeyError, ProcessLookupError) as e:
-        print(f"oobleck-hpc kill-node: error: {e}")
-        return 2
+        print(f"oobleck-hpc kill-node: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"{args.node} of {args.run_dir} {KILLED[sig]} ({sig} to its agent and workers)")
     return 0
 
@@ -148,8 +150,8 @@ def _drain(args: argparse.Namespace) -> int:
         check_running(run_dir)
         request_drain(run_dir, args.nodes, args.force, known=Roster.load(roster).names)
     except (OobleckError, OSError, ValueError) as e:
-        print(f"oobleck-hpc drain: error: {e}")
-        return 2
+        print(f"oobleck-hpc drain: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"asked {', '.join(args.nodes)} of the job in {run_dir} to drain: "
           f"{'they leave' if len(args.nodes) > 1 else 'it leaves'} at the next step boundary "
           "(events drain_agreed / drain_refused)")
@@ -158,8 +160,8 @@ def _drain(args: argparse.Namespace) -> int:
     waiting = set(args.nodes)
     while waiting and time.monotonic() < deadline:
         if (why := not_running(run_dir)) is not None:
-            print(f"oobleck-hpc drain: {why}")
-            return 2
+            print(f"oobleck-hpc drain: {why}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         for e in events.read():
             if e["t"] >= t0 and e.get("kind") in ("drain_agreed", "drain_refused"):
                 mine = waiting & set(e.get("nodes", []))
@@ -174,8 +176,8 @@ def _drain(args: argparse.Namespace) -> int:
         time.sleep(0.2)
     if waiting and args.wait > 0:
         print(f"no verdict for {', '.join(sorted(waiting))} within {args.wait:.0f} s (see "
-              f"{run_dir / 'events.jsonl'})")
-        return 1
+              f"{run_dir / 'events.jsonl'})", file=sys.stderr)
+        return EXIT_UNCONFIRMED
     return 0
 
 
@@ -190,8 +192,9 @@ def _grow(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     t0 = time.time()
     if args.nodes < 1:
-        print(f"oobleck-hpc grow: error: --nodes {args.nodes}: grow by at least one node")
-        return 2
+        print(f"oobleck-hpc grow: error: --nodes {args.nodes}: grow by at least one node",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         if args.run_dir.isdigit() and not run_dir.exists():
             from oobleck_hpc.launch.slurm import run_dir_of_job
@@ -216,8 +219,8 @@ def _grow(args: argparse.Namespace) -> int:
                   "job runs on fewer nodes than it started with, else waits as a spare for the "
                   "next loss")
     except (OobleckError, OSError, ValueError, TimeoutError, RuntimeError) as e:
-        print(f"oobleck-hpc grow: error: {e}")
-        return 2
+        print(f"oobleck-hpc grow: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     deadline = time.monotonic() + args.wait
     joined: set[str] = set()
     events = Tail(run_dir / "events.jsonl")  # each poll reads only what was appended
@@ -225,8 +228,8 @@ def _grow(args: argparse.Namespace) -> int:
         if (why := not_running(run_dir)) is not None:
             print(f"{len(joined)} of {args.nodes} node(s) joined: {why} (a grown node joins "
                   "while the job runs on fewer nodes than it started with, else it waits as a "
-                  "spare for the next loss)")
-            return 1
+                  "spare for the next loss)", file=sys.stderr)
+            return EXIT_UNCONFIRMED
         for e in events.read():
             if (e.get("kind") == "node_joined" and e.get("node") not in before | joined
                     and e["t"] >= t0):
@@ -236,8 +239,8 @@ def _grow(args: argparse.Namespace) -> int:
         time.sleep(0.2)
     if len(joined) < args.nodes and args.wait > 0:
         print(f"{len(joined)} of {args.nodes} node(s) joined within {args.wait:.0f} s (see "
-              f"{run_dir / 'events.jsonl'})")
-        return 1
+              f"{run_dir / 'events.jsonl'})", file=sys.stderr)
+        return EXIT_UNCONFIRMED
     return 0
 
 

@@ -56,6 +56,7 @@ from oobleck_hpc import runs
 from oobleck_hpc.elastic.events import EventLog
 from oobleck_hpc.errors import EXIT_REQUEUE
 from oobleck_hpc.files import write_atomic, write_json
+from oobleck_hpc.polling import wait_until
 
 
 def run_verdict(run_dir: Path, tag: str) -> tuple[int, dict[str, int], runs.Outcome]:
@@ -252,14 +253,14 @@ def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None, reason: str
 def shrink_when_pending(job_id: str, nodes: int, timeout_s: float = 300.0) -> bool:
     """Wait until the requeued job `job_id` is PENDING, then make it ask for `nodes` nodes.
     True when the update was taken."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if job_fields(job_id).get("JobState") == "PENDING":
-            done = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"NumNodes={nodes}",
-                                   f"NumTasks={nodes}"], capture_output=True, timeout=60)
-            return done.returncode == 0
-        time.sleep(0.5)
-    return False
+    try:
+        wait_until(lambda: job_fields(job_id).get("JobState") == "PENDING", timeout_s,
+                   f"job {job_id} to be pending", every_s=0.5)
+    except TimeoutError:
+        return False
+    done = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"NumNodes={nodes}",
+                           f"NumTasks={nodes}"], capture_output=True, timeout=60)
+    return done.returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:
