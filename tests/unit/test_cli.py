@@ -112,7 +112,7 @@ def test_log_level_goes_before_the_command_and_reaches_the_processes_it_starts(
 
     from oobleck_hpc.diagnostics import LOG_LEVEL_ENV
 
-    job = str(Path(__file__).parents[1] / "examples" / "gpt-tiny-local.yaml")
+    job = str(Path(__file__).parents[2] / "examples" / "gpt-tiny-local.yaml")
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", root.level)
     outs = []
