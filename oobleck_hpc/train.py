@@ -214,6 +214,9 @@ def save_final_state(driver, job, run_dir: Path) -> None:
 
 
 def entry() -> int:
+    from oobleck_hpc.diagnostics import configure
+
+    configure("WARNING")  # the level `oobleck-hpc --log-level` exported (OOBLECK_LOG_LEVEL)
     try:
         return main()
     except OobleckError as e:
