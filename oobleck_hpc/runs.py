@@ -82,11 +82,13 @@ def say(who: str, msg: str) -> None:
 
 
 def read_requeue_record(run_dir: str | os.PathLike[str]) -> dict | None:
-    """RUN_DIR/requeue.json (REQUEUE_RECORD); None: there is none, or it is torn."""
+    """RUN_DIR/requeue.json (REQUEUE_RECORD); None: there is none, or it is torn or not an
+    object (a file is read as untrusted)."""
     try:
-        return json.loads((Path(run_dir) / REQUEUE_RECORD).read_text())
-    except (FileNotFoundError, ValueError):
+        record = json.loads((Path(run_dir) / REQUEUE_RECORD).read_text())
+    except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def new_run_id() -> str:

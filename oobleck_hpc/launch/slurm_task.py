@@ -226,11 +226,7 @@ def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None, reason: str
     ask for that many nodes once it is PENDING (`shrink_when_pending`). Records a `requeued`
     event (its reason: RUN_DIR/requeue.json's, else `reason`)."""
     restart = int(tag.rpartition("-r")[2] or 0)
-    record = {}
-    try:
-        record = json.loads((run_dir / runs.REQUEUE_RECORD).read_text())
-    except (OSError, ValueError):
-        pass
+    record = runs.read_requeue_record(run_dir) or {}
     if record.get("restart_count") != restart or reason:
         record = {}  # an earlier attempt's, or the caller knows better
     EventLog(run_dir / "events.jsonl", source="driver").emit(
