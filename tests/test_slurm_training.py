@@ -161,7 +161,7 @@ def test_sbatch_script_trains_to_the_reference(slurm_cluster, tmp_path, monkeypa
     try:
         state = wait_until(lambda: (st := _job_state(job_id)) not in (
             "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "") and st, 80,
-            f"job {job_id} to end", every=0.5)
+            f"job {job_id} to end", every_s=0.5)
     except BaseException:
         subprocess.run(["scancel", job_id], capture_output=True)
         raise
@@ -228,7 +228,7 @@ def run_with_fault(slurm_cluster, tmp_path, reference, name: str, action: str,
         try:
             if not batch_host:  # (the survivors may finish before Slurm notices a batch host)
                 wait_until(lambda: node not in current_job_nodes(submitted.job_id), 40,
-                           f"Slurm to drop {node} from job {submitted.job_id}", every=0.5)
+                           f"Slurm to drop {node} from job {submitted.job_id}", every_s=0.5)
         finally:
             if action == "freeze-node":
                 subprocess.run([str(slurm_cluster), "thaw-node", node], check=True,
