@@ -4,7 +4,7 @@ MACs on vs off, on the same job, alternating within one run.
     python bench/auth.py --json              # 4 nodes x 2 workers, gpt-tiny, 3 reps
     python bench/auth.py --json --reps 5 --steps 80
 
-On: the product as it ships (elastic/auth.py: every frame sealed with HMAC-SHA256, every HELLO
+On: the product as it ships (control/auth.py: every frame sealed with HMAC-SHA256, every HELLO
 checked). Off: the same code with the MAC computation replaced by a constant (a sitecustomize
 on the PYTHONPATH of the off runs only: key derivation and sealing cost nothing; the HELLO's
 fields, the 32 bytes per frame and the replay cache stay -- a few dozen bytes per message and
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recovery import job_dict, oobleck_once, start, stop, wait_steps  # noqa: E402
 
 SHIM = '''
-import oobleck_hpc.elastic.auth as auth
+import oobleck_hpc.control.auth as auth
 
 def _mac(self, body):
     self.seq += 1

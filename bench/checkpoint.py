@@ -23,7 +23,7 @@ each owning an equal share of the layers, one of them the training state), as ra
     target       blocking_s <= 10 % of write_s (target_met_deferred: with defer_copy)
 
 `engine` (per model): the same through the real training path -- a one-rank Engine (gloo world of
-one, the whole model on one stage) whose loop calls oobleck_hpc.resume exactly as train.py does:
+one, the whole model on one stage) whose loop calls oobleck_hpc.checkpoint.resume exactly as train.py does:
 `Resume.start` (restore) before the engine, `after_step` after each committed step, with a
 checkpoint every 4 steps (defer_copy; the engine fences before its optimizer step):
 
@@ -174,7 +174,7 @@ def bench_model(name: str, root: Path, ranks: int, saves: int) -> dict:
 
 
 def bench_engine(name: str, root: Path, saves: int) -> dict:
-    """The training path: Engine + oobleck_hpc.resume, one rank (see the module docstring)."""
+    """The training path: Engine + oobleck_hpc.checkpoint.resume, one rank (see the module docstring)."""
     import datetime
 
     import torch.distributed as dist
@@ -185,7 +185,7 @@ def bench_engine(name: str, root: Path, saves: int) -> dict:
     from oobleck_hpc.models.base import build_model
     from oobleck_hpc.planning import plan_job
     from oobleck_hpc.profiling import resolve_profile
-    from oobleck_hpc.resume import Resume
+    from oobleck_hpc.checkpoint.resume import Resume
 
     every = 4
     warm, plain_steps = 3, 3 + 2 * saves

@@ -3,7 +3,7 @@
     python bench/control_plane.py --json                     # 8 nodes x 2 workers, 5 repetitions
     python bench/control_plane.py --json --nodes 16 --reps 3
 
-Real processes (oobleck_hpc.elastic.local.LocalAgents with echo workers, no torch): per
+Real processes (oobleck_hpc.launch.local_agents.LocalAgents with echo workers, no torch): per
 repetition a fresh set of agents, then
 
     kill     SIGKILL of one node's process group (agent + workers, as when a machine dies):
@@ -21,7 +21,7 @@ issue 5 is 5 s in total), hang agree_s <= lease_s + heartbeat_s.
 `--steady N,...`: N control planes in this process (real sockets on loopback, no agents or
 workers), each left running `--seconds` after all have heard from their subjects: messages
 sent + received per agent per second, and the most sockets and threads one agent holds. The
-monitoring topology (elastic/topology.py) keeps all three constant in N; the full mesh before
+monitoring topology (control/topology.py) keeps all three constant in N; the full mesh before
 it had every agent heartbeat every other: 2 (N - 1) / heartbeat_s messages per agent per second
 (`full_mesh_msgs_per_agent_per_s`, the formula) and N - 1 links with a thread each.
 
@@ -61,11 +61,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from oobleck_hpc.elastic.control import ControlPlane
-from oobleck_hpc.elastic import events as ev
-from oobleck_hpc.elastic.events import read_events
-from oobleck_hpc.elastic.local import LocalAgents
-from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
+from oobleck_hpc.control.plane import ControlPlane
+from oobleck_hpc.records import events as ev
+from oobleck_hpc.records.events import read_events
+from oobleck_hpc.launch.local_agents import LocalAgents
+from oobleck_hpc.control.wire import NodeAddress, Roster, free_ports
 from oobleck_hpc.testing.netsim import Sim, scenarios
 
 SECRET = bytes.fromhex(os.environ.get("BENCH_SECRET") or os.urandom(32).hex())

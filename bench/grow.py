@@ -69,8 +69,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recovery import job_dict, start, stop, wait_steps  # noqa: E402  (the same job and helpers)
 
-from oobleck_hpc.elastic import events as ev  # noqa: E402
-from oobleck_hpc.elastic.events import read_events, read_jsonl  # noqa: E402
+from oobleck_hpc.records import events as ev  # noqa: E402
+from oobleck_hpc.records.events import read_events, read_jsonl  # noqa: E402
 
 
 HZ = os.sysconf("SC_CLK_TCK")

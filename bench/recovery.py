@@ -17,12 +17,12 @@ workers, `oobleck-hpc kill-node`) to the first training step committed afterward
   the last checkpoint step before `--kill-at` committed, so that it leaves one or two steps
   later, at no checkpoint: as the kill's recovery, it is timed without a periodic save in its
   window); the survivors recover in place. Phases from the run's events
-  (elastic/driver.py): detect (kill -> first survivor noticed: a dropped agent connection or a
+  (recovery/driver.py): detect (kill -> first survivor noticed: a dropped agent connection or a
   failed step), agree (-> the new generation reached rank 0), plan (-> reconfigure() done),
   regroup (-> process groups rebuilt on the new store), transfer (-> last rank finished copying
   layer state), first_step (-> the replayed step committed). `recovery_s` = kill -> committed.
 - checkpoint-restart baseline (what torchrun elastic / Varuna do): the same job checkpointing
-  every step (oobleck_hpc/checkpoint, async, as resume.py does); after `--kill-at` steps node1 is killed
+  every step (oobleck_hpc/checkpoint, async, as checkpoint/resume.py does); after `--kill-at` steps node1 is killed
   and, as those launchers do, every other process is stopped at once (detection is taken as
   free), the job is relaunched on the survivors, reloads the latest checkpoint and resumes:
   `restart_baseline_s` = kill -> first step committed by the relaunched job.
@@ -60,9 +60,9 @@ from pathlib import Path
 
 import yaml
 
-from oobleck_hpc.elastic import events as ev
-from oobleck_hpc.elastic.events import read_events, read_jsonl
-from oobleck_hpc.report import recovery_phases
+from oobleck_hpc.records import events as ev
+from oobleck_hpc.records.events import read_events, read_jsonl
+from oobleck_hpc.records.report import recovery_phases
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def cpu_hog(n: int) -> list[subprocess.Popen]:
 
 def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) -> dict:
     """One in-place recovery: mode kill, hang, kill_under_hog or drain (module docstring)."""
-    from oobleck_hpc.elastic.drain import request_drain
+    from oobleck_hpc.control.drain import request_drain
     from oobleck_hpc.launch.local import kill_node
 
     run_dir = work / f"oobleck-{mode}"

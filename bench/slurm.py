@@ -1,7 +1,7 @@
 """Node loss under a real Slurm controller: how fast the survivors agree, and how fast Slurm notices.
 
 Needs the local cluster (slurm/dev-cluster.sh up; SLURM_CONF exported). Per repeat: submit a
-4-node job whose per-node program is the real agent (oobleck_hpc.agent) with 2 echo workers per
+4-node job whose per-node program is the real agent (oobleck_hpc.control.agent) with 2 echo workers per
 node, wait until all 8 workers hold generation 0, `dev-cluster.sh kill-node n3`, then measure
 
 - submit_to_gen0_s      submission -> every worker has the generation-0 membership
@@ -68,7 +68,7 @@ def one_run(base: Path, index: int) -> dict:
         "name": f"bench-slurm-{index}", "run_dir": str(run_dir),
         "cluster": {"launch": "slurm", "nodes": 4, "gpus_per_node": 2, "device": "cpu"},
         "fault_tolerance": {"heartbeat_s": 0.5, "lease_s": 3.0},
-        "slurm": {"time_min": 5, "agent_command": "{python} -m oobleck_hpc.agent --job {job} "
+        "slurm": {"time_min": 5, "agent_command": "{python} -m oobleck_hpc.control.agent --job {job} "
                   "--run-dir {run_dir} -- {python} -m oobleck_hpc.testing.echo_worker"},
     }))
     workers = [f"{n}.{r}" for n in NODES for r in (0, 1)]

@@ -8,14 +8,14 @@ analytic A40 profile: two 2-node pipelines on 4 nodes), each through `oobleck-hp
 - baseline: no fault;
 - slowed: node1's worker slowed `--factor` times from step `--slow-at` on (the `slow` fault: its
   agent stops and continues it on a duty cycle), straggler handling off (`straggler: none`);
-- mitigated: the same, `straggler: auto` (elastic/straggler.py: detect, then the action the
+- mitigated: the same, `straggler: auto` (recovery/straggler.py: detect, then the action the
   planner predicts fastest among keep, rebalance the batch, exclude the node);
 - excluded: the same, `straggler: exclude`.
 
 Step times are medians over the steps after the action (or, without one, after the detection
 window would have ended): `baseline_step_s`, `slowed_step_s`, `mitigated_step_s`,
 `excluded_step_s`. `action`: what auto chose; `detect_steps`: committed steps from the slowdown
-to the decision (the rule, elastic/straggler.py: the median over the last `straggler_steps` = 5
+to the decision (the rule, recovery/straggler.py: the median over the last `straggler_steps` = 5
 steps, and at least `straggler_window_s` = 1 s of them (WINDOW_S; default 10 s), of the node's
 compute relative to its own baseline and to the median node is >= `straggler_ratio` = 1.5: a
 window's majority of slowed steps). Target: mitigated_step_s within 10 % of the better of keeping
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import yaml
 
-from oobleck_hpc.elastic import events as ev
-from oobleck_hpc.elastic.events import read_events, read_jsonl
+from oobleck_hpc.records import events as ev
+from oobleck_hpc.records.events import read_events, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_S = 1.0

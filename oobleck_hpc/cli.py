@@ -19,13 +19,12 @@ COMMANDS = {
     "plan": "oobleck_hpc.planning.cli",
     "profile": "oobleck_hpc.profiling.cli", "profiles": "oobleck_hpc.profiling.cli",
     "simulate": "oobleck_hpc.sim.cli",
-    "watch": "oobleck_hpc.launch.cli_watch",
-    "submit": "oobleck_hpc.launch.cli_slurm",
-    "run": "oobleck_hpc.launch.cli", "kill-node": "oobleck_hpc.launch.cli",
-    "drain": "oobleck_hpc.launch.cli", "grow": "oobleck_hpc.launch.cli",
-    "chaos": "oobleck_hpc.chaos",
-    "report": "oobleck_hpc.report",
-    "export": "oobleck_hpc.export",
+    "submit": "oobleck_hpc.launch.cli_slurm", "run": "oobleck_hpc.launch.cli",
+    "kill-node": "oobleck_hpc.operate.cli", "drain": "oobleck_hpc.operate.cli",
+    "grow": "oobleck_hpc.operate.cli", "watch": "oobleck_hpc.operate.cli",
+    "chaos": "oobleck_hpc.operate.chaos",
+    "report": "oobleck_hpc.records.report",
+    "export": "oobleck_hpc.checkpoint.export",
 }
 """Each command and the module that registers it (and runs it). A command given on the command
 line imports its own module only: `kill-node` must act at once, also on a machine whose cores

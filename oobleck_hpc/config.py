@@ -26,7 +26,7 @@ from oobleck_hpc.schema import build as _build
 from oobleck_hpc.schema import walk as _walk
 
 # The control plane's defaults, here once: the job file's fault_tolerance, the agent's flags
-# (agent_options.py), elastic/control.py's constructor and the protocol simulator
+# (control/agent_options.py), control/plane.py's constructor and the protocol simulator
 # (testing/netsim.py) take them from here. (Importing this module imports no torch.)
 HEARTBEAT_S = 0.5
 """Interval of the agents' heartbeats on the control plane."""
@@ -34,6 +34,8 @@ LEASE_S = 3.0
 """A node whose heartbeat is older than this is declared lost."""
 STARTUP_S = 60.0
 """How long the agents wait for each other's first connection at start."""
+FENCED_GRACE_S = 2.0
+"""How long a fenced node's workers get to exit before its agent kills them."""
 
 
 @dataclass
@@ -170,7 +172,7 @@ class ClusterConfig:
     """'auto' picks cuda when GPUs are visible, else cpu."""
     spares: int = 0
     """Extra nodes that start idle (workers ready, no layers) and are swapped in by the round
-    of a loss, so the job goes on at full size (elastic/membership.py, step 7). Under Slurm
+    of a loss, so the job goes on at full size (control/membership.py, step 7). Under Slurm
     the job allocates nodes + spares; the last ones of the allocation are the spares."""
     kill_grace_s: float = 20.0
     """Local launcher: how long the nodes still running get to exit once the run finished (its
@@ -204,7 +206,7 @@ class FaultToleranceConfig:
     and constraints, the time it has left) whose agents join the running job; replacements end
     with the job (launch/slurm.py). Locally, `oobleck-hpc grow` adds nodes by hand."""
     straggler: Literal["auto", "none", "rebalance", "exclude"] = "auto"
-    """A node persistently slower than the others (elastic/straggler.py): auto takes what the
+    """A node persistently slower than the others (recovery/straggler.py): auto takes what the
     planner predicts fastest (keep, re-split the batch, exclude the node); rebalance or
     exclude force that action; none turns detection off."""
     straggler_ratio: float = 1.5
@@ -218,7 +220,7 @@ class FaultToleranceConfig:
     drain_poll_s: float = 30.0
     """Under Slurm: how often each node's agent asks slurmctld whether an administrator set its
     node to DRAIN (`scontrol update nodename=... state=drain`); the node then leaves the job at
-    a step boundary, nothing replayed (elastic/drain.py). 0: never ask."""
+    a step boundary, nothing replayed (control/drain.py). 0: never ask."""
 
     def check(self, where: _Where) -> None:
         if self.straggler_ratio <= 1:
@@ -290,7 +292,7 @@ class SlurmConfig:
     'pmi2' for MPICH builds; must be listed by `srun --mpi=list` on the cluster."""
     agent_command: str | None = None
     """The per-node command; placeholders {python} {job} {run_dir} {roster}. Default:
-    '{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}'."""
+    '{python} -m oobleck_hpc.control.agent --job {job} --run-dir {run_dir}'."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run in the batch script before anything else (module load, conda activate)."""
     extra: dict[str, str] = field(default_factory=dict)
@@ -337,7 +339,7 @@ class FaultConfig:
     phase: Literal["forward", "backward", "gradient_sync", "reduce", "prepared", "vote",
                    "optimizer", "commit", "checkpoint", "reconfiguration", "transfer",
                    "rendezvous", "restore"] = "forward"
-    """Where in the step (or around it) the fault fires; elastic/faults.py lists every window:
+    """Where in the step (or around it) the fault fires; control/faults.py lists every window:
     forward, backward, gradient_sync (the per-layer gradient all-reduces); reduce (inside the
     step's final statistics all-reduce, after this rank posted it); prepared (after that
     all-reduce, before the commit vote); vote (this rank's vote sent, the outcome not known);
@@ -379,7 +381,7 @@ class JobConfig:
     """Where events, metrics and logs go; default runs/<name>."""
     group_access: bool = False
     """The run's files (RUN_DIR, checkpoints, logs) are the user's alone (0700 / 0600); true (a
-    team's run): its group may read them too (0750 / 0640), not RUN_DIR/secret (runs.py)."""
+    team's run): its group may read them too (0750 / 0640), not RUN_DIR/secret (records/runs.py)."""
     source: str = field(default="<python>", compare=False, repr=False)
     """The file this job was read from (for error messages); not a YAML key."""
 

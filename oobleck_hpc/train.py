@@ -1,14 +1,14 @@
 """A training worker, top to bottom: config -> bootstrap -> profile -> plan -> run loop.
 
 One process per GPU (on CPU: per pretend GPU), started by its node agent (`python -m
-oobleck_hpc.agent`; the local launcher and Slurm both run one per node) with the OOBLECK_*
-environment (bootstrap/environment.py, elastic/client.py): this node's name, local rank, the link
+oobleck_hpc.control.agent`; the local launcher and Slurm both run one per node) with the OOBLECK_*
+environment (bootstrap/environment.py, control/client.py): this node's name, local rank, the link
 to the agent, and in `extra` the job file (OOBLECK_JOB), the run directory (OOBLECK_RUN_DIR) and
 the metrics file (OOBLECK_METRICS, optional). The membership the agent sends names the nodes and
 who hosts the rendezvous store. Every rank computes the same plan from the same profile and node
 list; its rank is derived from the plan (node order, GPU index). A lost node is recovered in
-place by the elastic driver (elastic/driver.py) inside `driver.step()`; beyond the guarantee the
-checkpoint fallback takes over (resume.py). For exact comparisons with a reference (tests,
+place by the elastic driver (recovery/driver.py) inside `driver.step()`; beyond the guarantee the
+checkpoint fallback takes over (checkpoint/resume.py). For exact comparisons with a reference (tests,
 `oobleck-hpc chaos`): `model.dtype: float64` builds the model in fp64, and
 `train.save_final_params: true` writes the final parameters to RUN_DIR/final (one file per layer).
 
@@ -62,16 +62,16 @@ def main() -> int:
     from oobleck_hpc.checkpoint import read_latest_pointer
     from oobleck_hpc.config import load_job
     from oobleck_hpc.data import dataset_for
-    from oobleck_hpc.elastic.auth import run_secret
-    from oobleck_hpc.elastic.client import AgentClient
-    from oobleck_hpc.elastic.driver import Drained, ElasticDriver, RecoveryError
-    from oobleck_hpc.elastic.events import EventLog
-    from oobleck_hpc.elastic.faults import FaultInjector
-    from oobleck_hpc.elastic.membership import Fenced
+    from oobleck_hpc.control.auth import run_secret
+    from oobleck_hpc.control.client import AgentClient
+    from oobleck_hpc.recovery.driver import Drained, ElasticDriver, RecoveryError
+    from oobleck_hpc.records.events import EventLog
+    from oobleck_hpc.control.faults import FaultInjector
+    from oobleck_hpc.control.membership import Fenced
     from oobleck_hpc.models.base import build_model
     from oobleck_hpc.profiling import resolve_profile
-    from oobleck_hpc.progress import Progress
-    from oobleck_hpc.resume import Resume
+    from oobleck_hpc.records.progress import Progress
+    from oobleck_hpc.checkpoint.resume import Resume
 
     # Who am I, and what is the job. The node agent started this process and owns its link.
     env = detect()
@@ -106,8 +106,8 @@ def main() -> int:
         joins = bool(env.extra.get("spare") or env.extra.get("rejoin_after_gen"))
         if joins:
             # A spare (cluster.spares): it waits until a loss swaps it in, then receives its
-            # layers and the step to train from the members (elastic/driver.py, join). A worker
-            # restarted after a crash (agent.py) joins the next generation the same way.
+            # layers and the step to train from the members (recovery/driver.py, join). A worker
+            # restarted after a crash (control/agent.py) joins the next generation the same way.
             after = env.extra.get("rejoin_after_gen")
             if after:
                 plan, comm = driver.join(env.extra["first_nodes"].split(","), int(after))
@@ -117,7 +117,7 @@ def main() -> int:
                                 events, restore=False)
         else:
             plan, comm = driver.start(first_step)
-            # Restore the latest checkpoint (if any) onto this run's plan (resume.py); a node
+            # Restore the latest checkpoint (if any) onto this run's plan (checkpoint/resume.py); a node
             # lost meanwhile: rendezvous again among the survivors and restore again.
             while True:
                 try:
@@ -131,7 +131,7 @@ def main() -> int:
             driver.build_engine(state=ckpt.state, layer_states=ckpt.layer_states)
 
         # The run loop: each step commits only when every rank holds it (the commit vote); a
-        # lost node is recovered in place inside driver.step() (oobleck_hpc/elastic/driver.py).
+        # lost node is recovered in place inside driver.step() (oobleck_hpc/recovery/driver.py).
         metrics = Path(env.extra["metrics"]) if env.extra.get("metrics") else None
         progress = Progress(job.train.steps, job.train.log_every, metrics, run=events.run,
                             attempt=events.attempt, joined=joins)
@@ -140,7 +140,7 @@ def main() -> int:
             try:
                 results = driver.step(ckpt.ballot(driver.engine))
             except Drained:
-                # This node leaves on notice at a step boundary (elastic/drain.py): its
+                # This node leaves on notice at a step boundary (control/drain.py): its
                 # in-flight checkpoint shards first, then the agent lets it go.
                 ckpt.finish()
                 client.leave(drained=True)
@@ -166,7 +166,7 @@ def main() -> int:
         progress.finish()
         if driver.rank == 0:
             losses = progress.losses
-            # The run's verdict (oobleck_hpc/runs.py): every step of the job is committed.
+            # The run's verdict (oobleck_hpc/records/runs.py): every step of the job is committed.
             events.emit("run_finished", steps=driver.engine.state.step, total=job.train.steps,
                         model=job.model.name,
                         wall_s=round(wall, 3), first_loss=losses[0] if losses else math.nan,

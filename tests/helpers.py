@@ -7,7 +7,7 @@ from oobleck_hpc.polling import wait_until  # noqa: F401 (re-exported for the te
 
 
 def not_private(root, group_access: bool = False) -> dict[str, str]:
-    """Every path under `root` (itself included) whose mode is not a run's (oobleck_hpc/runs.py,
+    """Every path under `root` (itself included) whose mode is not a run's (oobleck_hpc/records/runs.py,
     "Private"): 0700 folders and 0600 files, or 0750 and 0640 with `group_access`; the secret
     0600 always (a symbolic link has no mode of its own: its target is checked where it lies).
     Returns path -> its mode."""

@@ -20,10 +20,10 @@ from oobleck_hpc.bootstrap.environment import (
     detect,
 )
 from oobleck_hpc.config import job_from_dict
-from oobleck_hpc.elastic import wire
-from oobleck_hpc.elastic.wire import NodeAddress, Roster
+from oobleck_hpc.control import wire
+from oobleck_hpc.control.wire import NodeAddress, Roster
 from oobleck_hpc.errors import ConfigError
-from oobleck_hpc.runs import Outcome, outcome, verdict
+from oobleck_hpc.records.runs import Outcome, outcome, verdict
 
 SLURM_ENV = {
     "SLURM_JOB_ID": "42", "SLURMD_NODENAME": "gpu07", "SLURM_JOB_NODELIST": "gpu[05-08]",
@@ -242,7 +242,7 @@ def test_sbatch_parameters_and_agent_command():
     assert sbatch_parameters(spared)["nodes"] == 10  # the spares are allocated with the job
     assert (members(spared), members(job)) == (8, 0)
     assert agent_argv(None, python="/p y", job_file="/r/job.yaml", run_dir="/r") == [
-        "/p y", "-m", "oobleck_hpc.agent", "--job", "/r/job.yaml", "--run-dir", "/r"]
+        "/p y", "-m", "oobleck_hpc.control.agent", "--job", "/r/job.yaml", "--run-dir", "/r"]
     assert "{run_dir}" in DEFAULT_AGENT_COMMAND
     assert agent_argv("{python} -m x --roster {roster}", python="py", job_file="j",
                       run_dir="/r") == ["py", "-m", "x", "--roster", "/r/roster.json"]
@@ -278,13 +278,13 @@ def test_submit_dry_run_prints_flags(tmp_path):
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
     assert shown["sbatch"]["nodes"] == 3 and shown["sbatch"]["additional_parameters"]["no-kill"]
-    assert shown["agent"][1:3] == ["-m", "oobleck_hpc.agent"]
+    assert shown["agent"][1:3] == ["-m", "oobleck_hpc.control.agent"]
 
 
 def test_a_replacement_agent_adds_itself_to_the_running_jobs_roster(tmp_path):
     """`agent --join` (join_roster_file): appended as a grown node with its address and a free
     port; a name already in the roster -- a lost node given back to the job -- gets a suffix."""
-    from oobleck_hpc.elastic.wire import join_roster_file
+    from oobleck_hpc.control.wire import join_roster_file
 
     path = tmp_path / "roster.json"
     Roster((NodeAddress("n1", "10.0.0.1", 40001), NodeAddress("n2", "10.0.0.2", 40002)),

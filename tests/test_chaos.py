@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck_hpc.chaos import KILL_GRACE_S, KINDS, PHASES, check_steps, draw_campaign, trial_job
-from oobleck_hpc.chaos_oracle import (RECOVERY_PHASES, START_PHASES, STEP_PHASES,
+from oobleck_hpc.operate.chaos import KILL_GRACE_S, KINDS, PHASES, check_steps, draw_campaign, trial_job
+from oobleck_hpc.operate.chaos_oracle import (RECOVERY_PHASES, START_PHASES, STEP_PHASES,
                                       expected_outcomes, has_quorum, judge, positions,
                                       quorum_ways, round_orders)
 from oobleck_hpc.config import FaultConfig, job_from_dict
@@ -75,7 +75,7 @@ def test_draws_are_valid_and_cover_nodes_steps_phases_kinds_counts(nodes, steps,
 
 
 def test_every_window_is_in_one_class():
-    from oobleck_hpc.chaos import AFTER_STEP_PHASES
+    from oobleck_hpc.operate.chaos import AFTER_STEP_PHASES
     classes = START_PHASES + STEP_PHASES + RECOVERY_PHASES + AFTER_STEP_PHASES
     assert sorted(classes) == sorted(PHASES)
 
@@ -154,7 +154,7 @@ def _covered(plan, lost: set[str]) -> bool:
     (4, 10**9, 1, 1), (1, 450_000, 1, 1), (2, 450_000, 1, 3), (0, 450_000, 1, 3),
     (2, 450_000, 2, 0)])
 def test_expected_outcome_against_brute_force_on_the_plan(seed, memory, f, extra):
-    from oobleck_hpc.elastic.recovery import MAX_ROUNDS
+    from oobleck_hpc.recovery.rounds import MAX_ROUNDS
 
     profile, templates, plan = _plan(seed, memory, f, extra)
     n0, nodes = min(templates), list(plan.nodes)
@@ -260,7 +260,7 @@ def test_a_drain_is_taken_only_where_the_verdict_accepts_it():
 
 
 def test_a_crashed_worker_is_a_loss_only_before_a_step_committed():
-    """A crash's worker is restarted in place once the node committed a step (agent.py): no
+    """A crash's worker is restarted in place once the node committed a step (control/agent.py): no
     loss from step 2 on; a loss at the start and inside step 1; either where step 1's commit
     may have happened on a local peer."""
     F = FaultConfig
@@ -304,10 +304,10 @@ def test_as_many_faults_at_one_step_as_a_recovery_has_rounds_may_fall_back():
     """Chaos seed 20261126, trial 13: a grow and a crash in step 12's prepared window, a hang
     while the survivors reconfigure, an exit during the transfer: four rounds in the recovery
     of one step, and the ranks that counted MAX_ROUNDS failed rounds fell back -- as
-    elastic/recovery.py bounds a recovery. In place stays possible (one by one, every round
+    recovery/rounds.py bounds a recovery. In place stays possible (one by one, every round
     keeps the quorum and a replica of every layer). Three faults at one step do not."""
-    from oobleck_hpc.chaos_oracle import rounds_at_one_step
-    from oobleck_hpc.elastic.recovery import MAX_ROUNDS
+    from oobleck_hpc.operate.chaos_oracle import rounds_at_one_step
+    from oobleck_hpc.recovery.rounds import MAX_ROUNDS
 
     F = FaultConfig
     profile, templates, plan = _plan(0, 10**9, 1, 3)

@@ -1,4 +1,4 @@
-"""The control plane with real processes: node agents (`python -m oobleck_hpc.agent`) on this
+"""The control plane with real processes: node agents (`python -m oobleck_hpc.control.agent`) on this
 machine, each owning echo workers (oobleck_hpc/testing/echo_worker.py: no torch), killed and
 stopped with real signals. A node = one agent and its workers, in their own process group; a node
 failure kills the group. Every test has a hard timeout and kills every group it started.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_hpc.elastic.events import read_events
-from oobleck_hpc.elastic.local import LocalAgents
-from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_port, free_ports
+from oobleck_hpc.records.events import read_events
+from oobleck_hpc.launch.local_agents import LocalAgents
+from oobleck_hpc.control.wire import NodeAddress, Roster, free_port, free_ports
 
 SECRET = bytes(range(32))
 """The run secret of the control planes built here (their tests are not about it)."""
@@ -241,7 +241,7 @@ def test_crashes_worker_crash_report_and_hang(cluster_factory):
         wait_for("its retry round", c, lambda: len(c.events("retry_round")) == crash)
         gen += 1
         # (decided on node4 before the next crash: a crash while the round is open is answered
-        # by that round, with no retry round of its own -- control.py, probe(); seen under load)
+        # by that round, with no retry round of its own -- plane.py, probe(); seen under load)
         wait_for("the retry round's decision on node4", c,
                  lambda g=gen: c.events("agreement_reached", source="node4", gen=g))
     t = time.time()
@@ -324,7 +324,7 @@ def test_failure_during_agreement_store_host_death_and_quorum_loss(cluster_facto
 def test_agent_rejects_bad_roster_and_unknown_node(tmp_path):
     roster = tmp_path / "roster.json"
     roster.write_text(json.dumps({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 70000}]}))
-    cmd = [sys.executable, "-m", "oobleck_hpc.agent", "--node", "a", "--roster", str(roster),
+    cmd = [sys.executable, "-m", "oobleck_hpc.control.agent", "--node", "a", "--roster", str(roster),
            "--", "true"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "nodes[0].port" in r.stderr and "70000" in r.stderr
@@ -350,7 +350,7 @@ def test_single_node_job_runs_workers_to_completion(tmp_path):
 def test_agent_options_from_job_file(tmp_path, monkeypatch):
     """Under Slurm the agent gets only --job and --run-dir: node name from SLURMD_NODENAME,
     roster from RUN_DIR/roster.json, settings from the job, worker = oobleck_hpc.train."""
-    from oobleck_hpc.agent import parse_args
+    from oobleck_hpc.control.agent import parse_args
     from oobleck_hpc.config import load_job
 
     job = load_job(ROOT / "examples" / "gpt-tiny-local.yaml")
@@ -539,8 +539,8 @@ def test_flaky_connection_is_retried_and_a_dead_peer_still_detected_at_once(tmp_
     still suspected at once."""
     import socket as socketlib
 
-    from oobleck_hpc.elastic.control import ControlPlane
-    from oobleck_hpc.elastic.events import EventLog
+    from oobleck_hpc.control.plane import ControlPlane
+    from oobleck_hpc.records.events import EventLog
 
     pa, pb, store = free_ports(3)  # distinct (free_port() twice may return one port twice)
     roster = Roster((NodeAddress("a", "127.0.0.1", pa), NodeAddress("b", "127.0.0.1", pb)), store)
@@ -584,8 +584,8 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
     probe is dropped, b's probe for its own error is not started, and once c answers again the
     round decides with all three. Probing during the round would have suspected a member only
     slow to answer (seen: a healthy member lost in a grow's round on a loaded machine)."""
-    from oobleck_hpc.elastic.control import ControlPlane
-    from oobleck_hpc.elastic.events import EventLog
+    from oobleck_hpc.control.plane import ControlPlane
+    from oobleck_hpc.records.events import EventLog
 
     *ports, store = free_ports(4)
     roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip("abc", ports)), store)
@@ -625,14 +625,14 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
 
 @pytest.mark.timeout(120)
 def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_path, monkeypatch):
-    """40 control planes in this process with the socket caps lowered to a few (links.py:
+    """40 control planes in this process with the socket caps lowered to a few (loop.py:
     OUT_CAP; inbound.py: IN_CAP), so that a round's messages to and from every member must
     queue for slots, close links after use, and ask senders to close (DROP): a kill is agreed by
     every survivor on the same view, then a second kill too, and no agent ever held more
     sockets than its caps allow or more threads than its loop and the one that checks lost
     connections."""
-    from oobleck_hpc.elastic import control, inbound, links
-    from oobleck_hpc.elastic.control import ControlPlane
+    from oobleck_hpc.control import plane as control, inbound, loop as links
+    from oobleck_hpc.control.plane import ControlPlane
 
     monkeypatch.setattr(links, "OUT_CAP", 3)
     monkeypatch.setattr(control, "OUT_CAP", 3)

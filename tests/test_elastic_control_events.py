@@ -7,8 +7,8 @@ import multiprocessing as mp
 
 import pytest
 
-from oobleck_hpc.elastic.events import NODE_DRAINED, SIGNAL, STOPPING, EventLog, read_events
-from oobleck_hpc.elastic.wire import Roster
+from oobleck_hpc.records.events import NODE_DRAINED, SIGNAL, STOPPING, EventLog, read_events
+from oobleck_hpc.control.wire import Roster
 from oobleck_hpc.errors import ConfigError
 
 

@@ -3,7 +3,7 @@ another process -- malformed frames, forged messages without the run's secret, r
 -- never kills its event loop, evicts a member or adds a stranger.
 
 The attacks are the ones that worked before (issue 28), sent over raw sockets to live agents
-(`python -m oobleck_hpc.agent` with echo workers: test_elastic_control.Cluster)."""
+(`python -m oobleck_hpc.control.agent` with echo workers: test_elastic_control.Cluster)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import pytest
 from helpers import wait_until
 from test_elastic_control import SECRET, Cluster
 
-from oobleck_hpc.elastic.auth import AuthFailed, Sealer, keys, load_secret
-from oobleck_hpc.elastic.wire import NodeAddress, Roster, free_ports
+from oobleck_hpc.control.auth import AuthFailed, Sealer, keys, load_secret
+from oobleck_hpc.control.wire import NodeAddress, Roster, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -149,8 +149,8 @@ def test_malformed_frames_close_one_connection_and_never_the_event_loop(tmp_path
 def test_an_event_loop_that_dies_fences_its_node_at_once(tmp_path):
     """A bug in the loop (here: a timer that raises) fences the node: its agent exits, and its
     peer sees the loss within a second (its port refuses), not after the lease."""
-    from oobleck_hpc.elastic.control import ControlPlane
-    from oobleck_hpc.elastic.events import EventLog, read_events
+    from oobleck_hpc.control.plane import ControlPlane
+    from oobleck_hpc.records.events import EventLog, read_events
 
     pa, pb, store = free_ports(3)
     roster = Roster((NodeAddress("a", "127.0.0.1", pa), NodeAddress("b", "127.0.0.1", pb)), store)
@@ -291,7 +291,7 @@ def test_an_authentic_hello_is_taken_once_fresh_for_its_sender_and_its_addressee
 
 
 def test_the_secret_file_is_private_kept_by_a_requeue_and_required(tmp_path, monkeypatch):
-    from oobleck_hpc import runs
+    from oobleck_hpc.records import runs
     from oobleck_hpc.errors import ConfigError
 
     monkeypatch.delenv("OOBLECK_SECRET_FILE", raising=False)
@@ -311,13 +311,13 @@ def test_the_secret_file_is_private_kept_by_a_requeue_and_required(tmp_path, mon
     port = free_ports(1)[0]
     (tmp_path / "roster.json").write_text(json.dumps(
         {"nodes": [{"name": "a", "host": "127.0.0.1", "port": port}]}))
-    r = subprocess.run([sys.executable, "-m", "oobleck_hpc.agent", "--node", "a", "--run-dir",
+    r = subprocess.run([sys.executable, "-m", "oobleck_hpc.control.agent", "--node", "a", "--run-dir",
                         str(tmp_path), "--", "true"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and str(path) in r.stderr, r.stderr
 
 
 def test_sealed_frames_verify_once_in_order_and_cost_microseconds():
-    from oobleck_hpc.elastic.auth import Replays
+    from oobleck_hpc.control.auth import Replays
 
     nonce = os.urandom(16).hex()
     send, back = keys(SECRET, nonce, "node1", "node0")

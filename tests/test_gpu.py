@@ -88,7 +88,7 @@ def check(code, rows, run_dir, reference) -> None:
 
 @pytest.mark.timeout(120)
 def test_the_compute_clock_times_the_gpu_not_the_kernel_launches():
-    """engine.ComputeClock on CUDA (a straggler's evidence, elastic/straggler.py): around work
+    """engine.ComputeClock on CUDA (a straggler's evidence, recovery/straggler.py): around work
     the GPU takes far longer to run than the host to launch, it reads the GPU's time."""
     import time
 

@@ -24,7 +24,7 @@ KILLED, SIGKILLED = None, -9
 
 
 def _finished(run_dir: Path, steps: int = 3) -> None:
-    """The record of a run whose last step committed (what rank 0 writes: oobleck_hpc/runs.py)."""
+    """The record of a run whose last step committed (what rank 0 writes: oobleck_hpc/records/runs.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "events.jsonl", "a") as f:
         f.write(json.dumps({"t": time.time(), "kind": "run_finished", "steps": steps,
@@ -76,7 +76,7 @@ def _wait_for(procs: dict[str, subprocess.Popen], kill_grace_s: float, run_dir: 
 
 
 def _stopped(p: subprocess.Popen) -> subprocess.Popen:
-    from oobleck_hpc.elastic.local import _state
+    from oobleck_hpc.launch.local_agents import _state
 
     p.send_signal(signal.SIGSTOP)
     while _state(p.pid) not in ("T", "t"):

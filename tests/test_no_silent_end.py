@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck_hpc.chaos import AGENT_KILL_GRACE_S, kill_leftovers
-from oobleck_hpc.elastic.events import read_events, read_jsonl
+from oobleck_hpc.operate.chaos import AGENT_KILL_GRACE_S, kill_leftovers
+from oobleck_hpc.records.events import read_events, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 150
@@ -92,7 +92,7 @@ def check_finished(code: int, events, rows, run_dir: Path, ended_at: float,
                    steps: int = STEPS) -> None:
     """Exit 0, every step 1..`steps` once, exit.json and report say finished, and the run
     trained on for twice the longest grace period after `ended_at` (the node's early end)."""
-    from oobleck_hpc.report import build
+    from oobleck_hpc.records.report import build
 
     out = (run_dir.parent / "out.log").read_text()
     assert code == 0, f"exit {code}\n{out[-3000:]}"
@@ -232,7 +232,7 @@ def test_a_run_stopped_before_its_last_step_is_never_reported_finished(tmp_path)
     assert last < STEPS
     record = json.loads((run_dir / "exit.json").read_text())
     assert record["code"] == 3 and not record["finished"] and record["last_step"] == last, record
-    from oobleck_hpc.report import build, text
+    from oobleck_hpc.records.report import build, text
 
     report = build(run_dir)
     assert not report["finished"]

@@ -1,4 +1,4 @@
-"""A run's files are its user's alone (issue 28; oobleck_hpc/runs.py, "Private").
+"""A run's files are its user's alone (issue 28; oobleck_hpc/records/runs.py, "Private").
 
 - `runs.begin` makes RUN_DIR 0700 (0750 with the job's `group_access`) even when it was made
   0755 before, and what it writes is 0600 (0640); the secret is 0600 either way; the caller's
@@ -24,7 +24,7 @@ import time
 import pytest
 from helpers import not_private, wait_until
 
-from oobleck_hpc import runs
+from oobleck_hpc.records import runs
 
 NOBODY = 65534
 
@@ -94,7 +94,7 @@ def test_drain_and_grow_create_their_requests_privately(tmp_path, umask_022):
     import argparse
 
     from oobleck_hpc.cli import build_parser
-    from oobleck_hpc.launch.cli import _private
+    from oobleck_hpc.operate.cli import _private
 
     def command(args: argparse.Namespace) -> int:
         (tmp_path / "made").mkdir()
@@ -134,7 +134,7 @@ def test_read_own_reads_only_a_regular_file_of_the_jobs_user(tmp_path):
 
 def test_the_drain_watch_ignores_another_users_request_once_and_takes_the_users(tmp_path):
     needs_root()
-    from oobleck_hpc.elastic.drain import DrainWatch, request_drain, request_path
+    from oobleck_hpc.control.drain import DrainWatch, request_drain, request_path
 
     asked, ignored = [], []
     path = request_path(tmp_path, "node1")
@@ -162,9 +162,9 @@ def test_the_local_launcher_ignores_another_users_grow_request(tmp_path):
     from types import SimpleNamespace
 
     from oobleck_hpc.config import JobConfig
-    from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.records.events import read_events
     from oobleck_hpc.launch.local import LocalRun, request_grow
-    from oobleck_hpc.story import Story
+    from oobleck_hpc.records.story import Story
 
     class Agents:
         def __init__(self):
@@ -194,7 +194,7 @@ def test_the_local_launcher_ignores_another_users_grow_request(tmp_path):
 def test_a_linked_grow_request_is_ignored_once_and_removed(tmp_path):
     """A symbolic link in RUN_DIR/grow (to a file anywhere) is not followed (no root needed)."""
     from oobleck_hpc.config import JobConfig
-    from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.records.events import read_events
     from oobleck_hpc.launch.local import GROW_DIR, LocalRun
 
     target = tmp_path / "elsewhere.json"

@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from oobleck_hpc.config import job_from_dict
-from oobleck_hpc.elastic.events import read_events
+from oobleck_hpc.records.events import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
@@ -199,7 +199,7 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
 
     from oobleck_hpc.engine import reference_run
     from oobleck_hpc.launch.local import kill_node
-    from oobleck_hpc.story import Tail
+    from oobleck_hpc.records.story import Tail
 
     said: list[str] = []
 
@@ -296,9 +296,9 @@ class StoreStranger:
         self.answered: list[tuple[int, bytes]] = []
 
     def payloads(self, gen: int) -> list[bytes]:
-        from oobleck_hpc.elastic.auth import hello
-        from oobleck_hpc.elastic.rendezvous import store_prefix
-        from oobleck_hpc.elastic.wire import frame
+        from oobleck_hpc.control.auth import hello
+        from oobleck_hpc.recovery.rendezvous import store_prefix
+        from oobleck_hpc.control.wire import frame
 
         body, sealer, _ = hello(self.WRONG, "rank", store_prefix(self.WRONG, gen), "", 0)
         return [frame(sealer.seal(body)), b"\x00garbage" * 50, b"\x0f" + b"\0" * 7]
@@ -334,7 +334,7 @@ class StoreStranger:
 def test_kill_store_host_and_coordinator(tmp_path, reference):
     """node0 hosts generation 0's store and is the first node of the roster (rank 0).
     Strangers on the stores meanwhile (`StoreStranger`) get no answer: a store serves the run's
-    own ranks only (elastic/store.py)."""
+    own ranks only (recovery/store.py)."""
     stranger = StoreStranger()
     code, rows, run_dir = run_job(tmp_path, during=stranger, faults=[
         {"node": 0, "step": 3, "phase": "forward", "kind": "kill"}])
@@ -456,8 +456,8 @@ def test_guarantee_exceeded_raises_at_once():
     communication (the training loop then falls back to the last checkpoint)."""
     import time
 
-    from oobleck_hpc.elastic.client import Membership
-    from oobleck_hpc.elastic.driver import ElasticDriver
+    from oobleck_hpc.control.client import Membership
+    from oobleck_hpc.recovery.driver import ElasticDriver
     from oobleck_hpc.engine import TrainState
     from oobleck_hpc.errors import GuaranteeExceeded
 
@@ -502,8 +502,8 @@ def test_a_recovery_that_rolls_the_last_step_forward_runs_no_further_step():
     step() returns the rolled step (chaos seed 7007, trial 76: it ran a step past the last,
     whose collectives waited on the ranks at the end; rounds without a loss followed for
     ever). Deterministic here; `test_crash_in_the_vote_of_the_last_step` runs the real race."""
-    from oobleck_hpc.elastic.driver import ElasticDriver
-    from oobleck_hpc.elastic.membership import Superseded
+    from oobleck_hpc.recovery.driver import ElasticDriver
+    from oobleck_hpc.control.membership import Superseded
     from oobleck_hpc.engine import StepResult, TrainState
     from oobleck_hpc.profiling import resolve_profile
 
@@ -545,8 +545,8 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
     was the one behind)."""
     from types import SimpleNamespace
 
-    from oobleck_hpc.elastic.driver import ElasticDriver
-    from oobleck_hpc.elastic.recovery import Recovery
+    from oobleck_hpc.recovery.driver import ElasticDriver
+    from oobleck_hpc.recovery.rounds import Recovery
     from oobleck_hpc.engine import StepResult, TrainState
 
     job = job_from_dict(job_dict(Path("/nonexistent")))
@@ -590,9 +590,9 @@ def test_generations_without_a_loss_end_in_the_fallback_even_after_a_reconfigura
     the checkpoint fallback takes over."""
     from dataclasses import replace
 
-    from oobleck_hpc.elastic.client import Membership
-    from oobleck_hpc.elastic.driver import ElasticDriver
-    from oobleck_hpc.elastic.recovery import MAX_RETRIES, Recovery, RecoveryError
+    from oobleck_hpc.control.client import Membership
+    from oobleck_hpc.recovery.driver import ElasticDriver
+    from oobleck_hpc.recovery.rounds import MAX_RETRIES, Recovery, RecoveryError
     from oobleck_hpc.engine import TrainState
     from oobleck_hpc.planning.cost import job_profile
     from oobleck_hpc.planning.reconfigure import reconfigure
@@ -646,8 +646,8 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
     import threading
     import time
 
-    from oobleck_hpc.elastic.rendezvous import open_store
-    from oobleck_hpc.elastic.membership import Superseded
+    from oobleck_hpc.recovery.rendezvous import open_store
+    from oobleck_hpc.control.membership import Superseded
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -732,14 +732,14 @@ def test_a_store_op_on_a_frozen_host_fails_once_a_round_opens():
     import time
     from types import SimpleNamespace
 
-    from oobleck_hpc.elastic.driver import ElasticDriver
-    from oobleck_hpc.elastic.rendezvous import open_store
-    from oobleck_hpc.elastic.wire import free_port
+    from oobleck_hpc.recovery.driver import ElasticDriver
+    from oobleck_hpc.recovery.rendezvous import open_store
+    from oobleck_hpc.control.wire import free_port
 
     port = free_port()
     host = subprocess.Popen([sys.executable, "-c", f"""
 import time
-from oobleck_hpc.elastic.rendezvous import open_store
+from oobleck_hpc.recovery.rendezvous import open_store
 store = open_store("127.0.0.1", {port}, True, 30.0, secret=b"s" * 32, generation=2)
 print("up", flush=True)
 time.sleep(120)

@@ -1,4 +1,4 @@
-"""The rendezvous store and strangers (issue 28; elastic/rendezvous.py, elastic/store.py): the
+"""The rendezvous store and strangers (issue 28; recovery/rendezvous.py, recovery/store.py): the
 store's name derived from the run's secret and the generation, its answers against torch's own
 store, the listener bound to the store host's address, and strangers refused. One process, no training (the stranger during
 a real run: tests/test_recovery.py, test_kill_store_host_and_coordinator)."""
@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from oobleck_hpc.elastic.auth import AUTH_DEADLINE_S, SECRET_ENV, hello, run_secret, write_secret
-from oobleck_hpc.elastic.rendezvous import open_store, store_prefix
-from oobleck_hpc.elastic.wire import frame, free_port
+from oobleck_hpc.control.auth import AUTH_DEADLINE_S, SECRET_ENV, hello, run_secret, write_secret
+from oobleck_hpc.recovery.rendezvous import open_store, store_prefix
+from oobleck_hpc.control.wire import frame, free_port
 from oobleck_hpc.errors import ConfigError
 
 SECRET = bytes(range(32))
@@ -74,7 +74,7 @@ def _outcome(store, op: str, args):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("seed", range(4))
 def test_the_store_answers_as_torchs_own(seed):
-    """The run's store (elastic/store.py) against torch's HashStore, the same random
+    """The run's store (recovery/store.py) against torch's HashStore, the same random
     operations on both: the same answers, in the order given."""
     import torch.distributed as dist
 

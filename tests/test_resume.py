@@ -37,7 +37,7 @@ import yaml
 from helpers import as_nobody, not_private
 
 from oobleck_hpc.errors import EXIT_REQUEUE
-from oobleck_hpc.runs import read_jsonl
+from oobleck_hpc.records.runs import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -332,7 +332,7 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
     code, out, err = finish(proc, 100)
     if how == "cli":
         assert asked.returncode == 0 and "drain of node0 refused" in asked.stdout, asked.stdout
-    from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.records.events import read_events
 
     events = read_events(run_dir / "events.jsonl")
     asked = [(e["node"], e["force"], e["by"]) for e in events if e["kind"] == "drain_requested"]
@@ -361,7 +361,7 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
 
 def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_path, monkeypatch):
     from oobleck_hpc.launch.requeue import run_with_requeue
-    from oobleck_hpc.runs import attempt as restart_count
+    from oobleck_hpc.records.runs import attempt as restart_count
 
     monkeypatch.delenv("OOBLECK_ATTEMPT", raising=False)
     monkeypatch.delenv("OOBLECK_RESTART_COUNT", raising=False)
@@ -377,7 +377,7 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
             return EXIT_REQUEUE
         return EXIT_REQUEUE if attempt.index == 1 else 0
 
-    from oobleck_hpc.elastic.events import EventLog, read_events
+    from oobleck_hpc.records.events import EventLog, read_events
 
     code, attempts = run_with_requeue(launch, nodes=4, run_dir=tmp_path, max_requeues=3,
                                       log=lambda m: None,
@@ -404,7 +404,7 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
 
 
 def test_restart_count_takes_the_largest_source(monkeypatch):
-    from oobleck_hpc.runs import attempt as restart_count
+    from oobleck_hpc.records.runs import attempt as restart_count
 
     for key in ("SLURM_RESTART_COUNT", "OOBLECK_REQUEUE_COUNT", "OOBLECK_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)
@@ -420,10 +420,10 @@ def test_a_fallback_from_a_recovery_records_its_survivors_for_the_requeue(tmp_pa
     """A GuaranteeExceeded raised by a recovery names the nodes still alive (its `survivors`):
     rank 0's requeue.json and the fallback event carry them, so the requeue starts on them."""
     from oobleck_hpc.config import load_job
-    from oobleck_hpc.elastic.events import FALLBACK, EventLog, read_events
+    from oobleck_hpc.records.events import FALLBACK, EventLog, read_events
     from oobleck_hpc.errors import GuaranteeExceeded
-    from oobleck_hpc.resume import Resume
-    from oobleck_hpc.runs import REQUEUE_RECORD, read_requeue_record
+    from oobleck_hpc.checkpoint.resume import Resume
+    from oobleck_hpc.records.runs import REQUEUE_RECORD, read_requeue_record
 
     job = load_job(write_job(tmp_path, "survivors", every_steps=0))
     run_dir = tmp_path / "run"

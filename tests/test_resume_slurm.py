@@ -27,7 +27,7 @@ import pytest
 import yaml
 from helpers import wait_until
 
-from oobleck_hpc.elastic.events import read_events
+from oobleck_hpc.records.events import read_events
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The real per-node agents (oobleck_hpc.agent, elastic control plane) under the real Slurm
+"""The real per-node agents (oobleck_hpc.control.agent, elastic control plane) under the real Slurm
 controller of slurm/dev-cluster.sh, with the echo worker (oobleck_hpc/testing/echo_worker.py) as
 each node's 2 workers: a node killed or frozen mid-run is agreed away by the survivors, and the
 job finishes on them -- same job id, no requeue."""
@@ -19,7 +19,7 @@ from helpers import wait_until
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 NODES = ["n1", "n2", "n3", "n4"]
-AGENT = ("{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir} "
+AGENT = ("{python} -m oobleck_hpc.control.agent --job {job} --run-dir {run_dir} "
          "-- {python} -m oobleck_hpc.testing.echo_worker")
 
 

@@ -4,7 +4,7 @@ The per-node program is `python -m oobleck_hpc.bootstrap probe`: it reads the MP
 roster, binds its published port, records its NodeEnvironment and then beats every 0.2 s for a
 while, so the tests can see which nodes kept running after a node was killed or frozen.
 
-Both launch paths leave the run's files private (oobleck_hpc/runs.py, "Private"): `submit`
+Both launch paths leave the run's files private (oobleck_hpc/records/runs.py, "Private"): `submit`
 0700 / 0600; the batch script, here with the job's `group_access`, 0750 / 0640.
 """
 

@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from oobleck_hpc.config import job_from_dict
-from oobleck_hpc.elastic.events import read_events, read_jsonl
+from oobleck_hpc.records.events import read_events, read_jsonl
 from helpers import wait_until
 from test_recovery import LLAMA  # the tiny Llama example's model section, in fp64
 

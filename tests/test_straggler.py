@@ -1,5 +1,5 @@
-"""Straggler detection and the re-split (pure: elastic/straggler.py, planning/instantiate.py), and
-the slow fault that makes a straggler (elastic/faults.py: two busy-loop processes)."""
+"""Straggler detection and the re-split (pure: recovery/straggler.py, planning/instantiate.py), and
+the slow fault that makes a straggler (control/faults.py: two busy-loop processes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from oobleck_hpc.elastic.straggler import RECOVERED, Tracker, choose
+from oobleck_hpc.recovery.straggler import RECOVERED, Tracker, choose
 from oobleck_hpc.planning.cost import predicted_step_ms
 from oobleck_hpc.planning.instantiate import resplit
 from test_chaos import _plan
@@ -92,10 +92,10 @@ def test_rebalance_gives_the_slow_pipeline_fewer_microbatches_and_choose_takes_t
 
 
 def test_the_slow_fault_stretches_a_process_s_computation_by_its_factor():
-    """DutyCycle (elastic/faults.py): a busy loop slowed 3x gets a third of the CPU time that
+    """DutyCycle (control/faults.py): a busy loop slowed 3x gets a third of the CPU time that
     the same loop beside it gets unslowed (measured side by side: the machine may be shared)."""
 
-    from oobleck_hpc.elastic.faults import DutyCycle
+    from oobleck_hpc.control.faults import DutyCycle
 
     def cpu_s(pid: int) -> float:  # (not the fault's own clock: that is what is checked)
         with open(f"/proc/{pid}/stat") as f:

@@ -24,9 +24,9 @@ from test_elastic_control_trust import AFTER_HELLO, MALFORMED, Speaker, forged, 
 from test_recovery import StoreStranger, job_dict, rel, run_job
 
 from oobleck_hpc.config import job_from_dict
-from oobleck_hpc.elastic.auth import load_secret
-from oobleck_hpc.elastic.events import read_events
-from oobleck_hpc.elastic.wire import Roster
+from oobleck_hpc.control.auth import load_secret
+from oobleck_hpc.records.events import read_events
+from oobleck_hpc.control.wire import Roster
 
 pytestmark = pytest.mark.slow
 
@@ -109,12 +109,12 @@ def attack(run_dir: Path, record: dict) -> None:
 
 
 def attack_store(run_dir: Path, roster: Roster, secret: bytes) -> list[bytes]:
-    """Strangers on generation 0's store (elastic/store.py; hosted by node0's worker): another
+    """Strangers on generation 0's store (recovery/store.py; hosted by node0's worker): another
     run's HELLO, garbage, torch's client's first bytes, a 60 MB header, an authentic HELLO
     replayed, and 200 idle connections. Returns what the store answered (nothing may be)."""
-    from oobleck_hpc.elastic.auth import hello
-    from oobleck_hpc.elastic.rendezvous import store_prefix
-    from oobleck_hpc.elastic.wire import frame
+    from oobleck_hpc.control.auth import hello
+    from oobleck_hpc.recovery.rendezvous import store_prefix
+    from oobleck_hpc.control.wire import frame
 
     addr = (roster.address(roster.names[0]).host, roster.store_port)
     body, sealer, _ = hello(secret, "rank", store_prefix(secret, 0), "", 0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_hpc.launch.watch import (
+from oobleck_hpc.operate.watch import (
     JobLock,
     Observation,
     Watchdog,
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # resumes from the latest checkpoint, and on its first run dies (SIGKILL) or hangs after step 3.
 JOB = textwrap.dedent("""
     import os, sys, time, signal
-    from oobleck_hpc.launch.watch import JobLock, beat, record_exit
+    from oobleck_hpc.operate.watch import JobLock, beat, record_exit
 
     run_dir, ckpt_dir, total, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     with JobLock(run_dir):  # first thing, before the slow imports
@@ -66,7 +66,7 @@ JOB = textwrap.dedent("""
 WATCH_CLI = textwrap.dedent("""
     import sys
     from oobleck_hpc import cli
-    cli.COMMAND_MODULES[:] = ["oobleck_hpc.launch.cli_watch"]
+    cli.COMMAND_MODULES[:] = ["oobleck_hpc.operate.cli"]
     sys.exit(cli.main(["watch", *sys.argv[1:]]))
 """)
 
@@ -150,7 +150,7 @@ def test_never_starts_a_second_copy_of_a_live_job(tmp_path):
             pass
         holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from oobleck_hpc.launch.watch import _WatchLock
+            from oobleck_hpc.operate.watch import _WatchLock
             from pathlib import Path
             with _WatchLock(Path({str(run_dir)!r})):
                 print("locked", flush=True); time.sleep(30)
@@ -186,7 +186,7 @@ def test_gives_up_after_max_restarts(tmp_path):
 def test_job_lock_refuses_while_held_and_frees_on_release(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from oobleck_hpc.launch.watch import JobLock
+        from oobleck_hpc.operate.watch import JobLock
         with JobLock({str(tmp_path)!r}):
             print("locked", flush=True); time.sleep(30)
     """)], cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -12,7 +12,7 @@
                                   every 0.2 s) for S seconds, noting any SIGUSR2/SIGTERM it gets;
                                   exits CODE on a job's first run (restart 0), else 0 -- and
                                   then, as a training run's rank 0 does, records the run
-                                  finished (its `run_finished` event: the verdict, runs.py)
+                                  finished (its `run_finished` event: the verdict, records/runs.py)
     discover-step --run-dir DIR --nodes A,B,.. [--min-nodes K] [--members K] [--mpi M] [--log F]
                                   run the discovery step from the batch script, leaving out
                                   nodes that cannot run a step (discovery.run_discovery_step);
@@ -23,7 +23,7 @@
     members JOB.yaml              print generation 0's node count for discover-step's --members:
                                   cluster.nodes for a job with cluster.spares, else 0 (all)
     umask JOB.yaml                print the umask the job's files are made under: 077, or 027
-                                  with its group_access (oobleck_hpc/runs.py, "Private")
+                                  with its group_access (oobleck_hpc/records/runs.py, "Private")
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def _probe(args: argparse.Namespace) -> int:
         record["signals"] = signals
         (out / f"{env.node}.json").write_text(json.dumps(record, indent=1) + "\n")
     code = args.first_run_exit if env.restart_count == 0 else 0
-    if code == 0:  # the job's verdict is its record (oobleck_hpc/runs.py), not this exit code
-        from oobleck_hpc.elastic.events import EventLog
+    if code == 0:  # the job's verdict is its record (oobleck_hpc/records/runs.py), not this exit code
+        from oobleck_hpc.records.events import EventLog
 
         EventLog(Path(args.run_dir) / "events.jsonl", source=f"{env.node}/probe").emit(
             "run_finished", steps=1, total=1, model="probe")
@@ -136,7 +136,7 @@ def _members(args: argparse.Namespace) -> int:
 
 
 def _umask(args: argparse.Namespace) -> int:
-    from oobleck_hpc import runs
+    from oobleck_hpc.records import runs
     from oobleck_hpc.config import load_job
 
     print(f"{runs.umask(load_job(args.job).group_access):03o}")

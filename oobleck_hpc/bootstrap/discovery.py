@@ -5,7 +5,7 @@ every task the same list in the same order (MPI rank order = Slurm's node order 
 0 picks the port of the first rendezvous point (the generation-0 store, hosted by the first node)
 and broadcasts it, and every task checks that all computed the same roster digest. Rank 0 writes
 
-    RUN_DIR/roster.json      the elastic agents' input (oobleck_hpc.elastic.wire.Roster format)
+    RUN_DIR/roster.json      the elastic agents' input (oobleck_hpc.control.wire.Roster format)
     RUN_DIR/discovery.json   the full record: job id, restart count, device counts, digest
 
 atomically (temporary file + rename), then every task calls MPI_Finalize and exits.
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from oobleck_hpc.bootstrap.environment import NodeEnvironment, current_job_nodes, detect
-from oobleck_hpc.elastic.wire import NodeAddress, Roster, reserve_port
+from oobleck_hpc.control.wire import NodeAddress, Roster, reserve_port
 from oobleck_hpc.files import write_json
 
 ROSTER_FILE = "roster.json"

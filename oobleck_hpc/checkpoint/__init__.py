@@ -69,7 +69,7 @@ on one rank and broadcast the step (then `open_checkpoint(root, step, verify=Fal
 let every rank run `find_latest` (deterministic for the same files, but every rank then reads every
 file). `Checkpoint.layer(i)` verifies the checksum of what it reads in any case.
 
-Leaving for a requeue (resume.py): `StopSignals.install()` makes SIGUSR2 (before the time limit)
+Leaving for a requeue (checkpoint/resume.py): `StopSignals.install()` makes SIGUSR2 (before the time limit)
 and SIGTERM (preemption) set a flag read at step boundaries; on it every rank saves the current
 step synchronously, rank 0 waits until the checkpoint is published, and all return
 errors.EXIT_REQUEUE (75). On GuaranteeExceeded no complete state is left to save: the ranks only
@@ -78,7 +78,7 @@ checkpoint. The launcher, never a worker, requeues the job (launch/).
 
 Periodic saving (`Checkpointer.due`) is by steps and/or minutes (`CheckpointConfig`). All ranks
 must save the same steps: the step rule is identical everywhere; the minutes rule reads a local
-clock, so with several ranks the caller must agree on it before calling `save` (resume.py puts
+clock, so with several ranks the caller must agree on it before calling `save` (checkpoint/resume.py puts
 each rank's `due` on the step's commit vote and acts on the vote's maximum).
 
 Modules

@@ -1,5 +1,5 @@
 """Stop requests from Slurm or a person: signals that only set a flag the training loop reads at
-its next step boundary (resume.py then checkpoints and leaves with errors.EXIT_REQUEUE, and the
+its next step boundary (checkpoint/resume.py then checkpoints and leaves with errors.EXIT_REQUEUE, and the
 launcher requeues the job)."""
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ Step (`Engine.step()`), for the global batch at `state.cursor`:
    cursor) advances: the step is committed. `step(commit=False)` stops before the update with
    the step *prepared* (reduced, clipped gradients in place) and leaves `commit()` /
    `rollback()` to the caller: the elastic layer commits only after every member voted that it
-   holds the prepared step (elastic/driver.py), so no rank applies a step another rank may
+   holds the prepared step (recovery/driver.py), so no rank applies a step another rank may
    lack. `commit()` is local (no peer involved).
 
 Failures are values: any exception in 1-3 (a peer died, a collective timed out) is caught and

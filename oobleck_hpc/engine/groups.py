@@ -11,7 +11,7 @@ Lifecycle (the elastic layer relies on exactly this):
 `init` wraps the caller's store in a `PrefixStore("oobleck/gen<generation>/")`, so a rebuilt
 world never reads keys left by an older one (torchft does the same; the generation number comes
 from the agents' agreement, one decision per generation; the elastic driver's store is itself
-the generation's, open to the run's ranks only: elastic/store.py). After `destroy` or `abandon` nothing
+the generation's, open to the run's ranks only: recovery/store.py). After `destroy` or `abandon` nothing
 of the old groups is left in torch.distributed; the same processes can `init` a new generation
 with a different world size and rank. The collective timeout is short (the job's
 `fault_tolerance.collective_timeout_s`): it bounds how long a hung peer can stall anything.

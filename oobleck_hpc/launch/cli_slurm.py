@@ -1,7 +1,7 @@
 """`oobleck-hpc submit JOB.yaml`: submit a job to Slurm (submitit; see oobleck_hpc/launch/slurm.py).
 
 Prints the Slurm job id and where its logs go; `--wait` tells the run as it goes (the same lines
-as `oobleck-hpc run`: oobleck_hpc/story.py, from RUN_DIR/events.jsonl and metrics.jsonl on the
+as `oobleck-hpc run`: oobleck_hpc/records/story.py, from RUN_DIR/events.jsonl and metrics.jsonl on the
 shared filesystem), blocks until the job ends and prints how its agents' step ended (nodes, lost
 nodes, exit code) as JSON. `--dry-run` prints the sbatch parameters and the per-node command
 without submitting. Imports submitit only when run.
@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from oobleck_hpc import runs
+    from oobleck_hpc.records import runs
     from oobleck_hpc.config import load_job
     from oobleck_hpc.launch import slurm
     from oobleck_hpc.launch.cli import check_local_inputs
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                                       job_file=run_dir / "job.yaml", run_dir=run_dir),
         }, indent=1))
         return 0
-    with runs.private_files(job.group_access):  # RUN_DIR, job.yaml, submitit's files (runs.py)
+    with runs.private_files(job.group_access):  # RUN_DIR, job.yaml, submitit's files (records/runs.py)
         submitted = slurm.submit(job)
     run_dir = job.resolved_run_dir.absolute()
     print(f"submitted job {submitted.job_id}: {job.cluster.nodes} nodes; run dir {run_dir}; "
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import time
 
-    from oobleck_hpc import runs
+    from oobleck_hpc.records import runs
     from oobleck_hpc.launch.local import Console
 
     console = Console(run_dir / "events.jsonl", run=runs.slurm_run_id(submitted.job_id),

@@ -1,8 +1,8 @@
 """The embedded local launcher (`launch: local`): pretend nodes as per-node agents on this machine.
 
 `launch_local(job)` starts one node agent per node of the job ("node0", "node1", ...: each
-`python -m oobleck_hpc.agent` in its own session, owning its `gpus_per_node` workers
-`python -m oobleck_hpc.train`; elastic/local.py) and waits. Nothing is hosted here: the control
+`python -m oobleck_hpc.control.agent` in its own session, owning its `gpus_per_node` workers
+`python -m oobleck_hpc.train`; launch/local_agents.py) and waits. Nothing is hosted here: the control
 plane runs between the agents and generation 0's rendezvous store is hosted by a worker of the
 first node (later ones by a survivor), so the launcher is no single point of failure either.
 
@@ -15,23 +15,23 @@ first node (later ones by a survivor), so the launcher is no single point of fai
   `run_finished` event: the last step is committed; the others exit within moments) or after a
   forwarded stop signal. What is left then is killed. An agent that exits, with any code,
   ends nothing: a drained, excluded or lost node leaves while the others train on.
-- Exit code (`job_exit_code`): the run's verdict (oobleck_hpc/runs.py, the one rule of every
+- Exit code (`job_exit_code`): the run's verdict (oobleck_hpc/records/runs.py, the one rule of every
   launcher): 0 only if the run finished -- its last step committed -- whoever was lost on the
   way; else 2 if any node reported bad input; else 75 if any node asked for a requeue
   (checkpoint fallback, no quorum, a stop signal); else 3. An agent's own exit code says how
-  its node ended (oobleck_hpc/agent.py). On 2 the bad input's error is printed.
+  its node ended (oobleck_hpc/control/agent.py). On 2 the bad input's error is printed.
 - Ctrl-C / SIGTERM: forwarded to every agent (which forward them to their workers), then as above.
 - RUN_DIR/agents.json names each node's agent pid (its process group): what kill-node uses.
 - Growing (`oobleck-hpc grow RUN_DIR --nodes k` from another shell, `grow()`): a request file in
   RUN_DIR/grow/ that the launcher answers by starting k more agents (`LocalAgents.add`: new
   nodes at the end of the roster, outside generation 0). They join like spares: a round adds
-  them while the job runs on fewer nodes than it started with (elastic/membership.py, step 7),
+  them while the job runs on fewer nodes than it started with (control/membership.py, step 7),
   else they wait for the next loss. The answer names them; agents.json lists them. A request
   file the job's user does not own is not read (runs.read_own): a `request_ignored` event
   says why, and the file is removed.
 - The console: rank 0's progress (its stdout), and one line per event that matters -- the plan,
   a fault, the agreement, the recovery with its time, a checkpoint, a fallback, the end --
-  told from RUN_DIR/events.jsonl as it grows (`Console`, oobleck_hpc/story.py).
+  told from RUN_DIR/events.jsonl as it grows (`Console`, oobleck_hpc/records/story.py).
 """
 
 from __future__ import annotations
@@ -45,17 +45,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oobleck_hpc import runs
+from oobleck_hpc.records import runs
 from oobleck_hpc.config import JobConfig
-from oobleck_hpc.elastic.local import _state
+from oobleck_hpc.launch.local_agents import _state
 from oobleck_hpc.errors import EXIT_BAD_INPUT
 from oobleck_hpc.files import write_json
-from oobleck_hpc.story import Story, Tail
+from oobleck_hpc.records.story import Story, Tail
 
 
 @dataclass
 class Console:
-    """Prints the run's story (oobleck_hpc/story.py) from its events file as it grows; one for
+    """Prints the run's story (oobleck_hpc/records/story.py) from its events file as it grows; one for
     the whole run, across requeued attempts. `poll()` often, and once at the end. `run`: only
     that run's events (the file may still hold an earlier run's until the new one starts).
     `metrics` (with `every` and `total`): also a progress line every `every` steps from the
@@ -114,7 +114,7 @@ class LocalRun:
         return [f"node{i}" for i in range(self.job.cluster.nodes)]
 
     def run(self) -> int:
-        from oobleck_hpc.elastic.local import LocalAgents
+        from oobleck_hpc.launch.local_agents import LocalAgents
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.metrics is not None:
@@ -186,7 +186,7 @@ class LocalRun:
         folder = self.run_dir / GROW_DIR
         if not folder.is_dir():
             return
-        from oobleck_hpc.elastic.events import EventLog
+        from oobleck_hpc.records.events import EventLog
 
         for request in sorted(folder.glob("*.request")):
             answer: dict[str, Any]
@@ -211,7 +211,7 @@ class LocalRun:
     def _ignore(self, request: Path, key: tuple, reason: str) -> None:
         """A grow request the job's user does not own: an event, and away with it (RUN_DIR/grow
         is the user's: its files can be removed whoever owns them; else it is told once)."""
-        from oobleck_hpc.elastic.events import EventLog
+        from oobleck_hpc.records.events import EventLog
 
         self._ignored.add(key)
         log = EventLog(self.run_dir / "events.jsonl", source="launcher")
@@ -274,7 +274,7 @@ def job_exit_code(codes: dict[str, int | None], run_dir: Path, run: str | None =
 def bad_input_message(run_dir: Path, since: float = 0.0) -> str:
     """The console line for a job that ended with 2: the first node's reason (its `agent_exit`
     event) and the last error line of its log (the worker's own message)."""
-    from oobleck_hpc.elastic.events import read_events
+    from oobleck_hpc.records.events import read_events
 
     path = Path(run_dir) / "events.jsonl"
     evs = [e for e in read_events(str(path)) if e.get("t", 0) >= since] if path.exists() else []
@@ -293,8 +293,8 @@ def bad_input_message(run_dir: Path, since: float = 0.0) -> str:
 
 def kill_node(run_dir: str | Path, node: str, sig: int = signal.SIGKILL) -> float:
     """Kill (or hang: SIGSTOP) one node of a running local job from another shell; returns the
-    time the signal was sent. The command's own light module does it (launch/kill.py)."""
-    from oobleck_hpc.launch.kill import kill_node as send
+    time the signal was sent. The command's own light module does it (operate/kill.py)."""
+    from oobleck_hpc.operate.kill import kill_node as send
 
     return send(run_dir, node, sig)
 

@@ -12,10 +12,10 @@ machine `oobleck-hpc run` plays that role with `run_with_requeue`:
   is the OOBLECK_RESTART_COUNT a watchdog restart set, else 0) and OOBLECK_ATTEMPT = "<base attempt>.r<k>", which
   names the attempt's temporary checkpoint directories (checkpoint/writer.py) so that leftovers of an
   attempt never mix into the next one's checkpoints;
-- exit 75: the job's rank 0 left RUN_DIR/requeue.json (resume.py) naming the nodes still alive
+- exit 75: the job's rank 0 left RUN_DIR/requeue.json (checkpoint/resume.py) naming the nodes still alive
   when it knew them (the guarantee was exceeded because nodes died); the next attempt starts on
   that many nodes -- "the nodes it has" -- and otherwise on as many as before. It plans for them
-  and resumes from the latest checkpoint (resume.py), so the restart is as on Slurm;
+  and resumes from the latest checkpoint (checkpoint/resume.py), so the restart is as on Slurm;
 - any other code ends the loop (0 done, 2 bad input, 3 unrecoverable: never requeued);
 - after `max_requeues` requeues the loop gives up and returns 75 (the watchdog, if one watches,
   may still restart the job from its checkpoint).
@@ -23,7 +23,7 @@ machine `oobleck-hpc run` plays that role with `run_with_requeue`:
 Records: every attempt appends to the run's metrics file (each line names its attempt: a step
 replayed after a fallback appears once per attempt that ran it) and events file (with `events`,
 the loop adds a `requeued` event per requeue); the per-node logs of a requeued attempt
-(RUN_DIR/logs) are kept as RUN_DIR/logs-attempt<k> (oobleck_hpc/runs.py: the run directory).
+(RUN_DIR/logs) are kept as RUN_DIR/logs-attempt<k> (oobleck_hpc/records/runs.py: the run directory).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from oobleck_hpc import runs
-from oobleck_hpc.elastic import events as ev
+from oobleck_hpc.records import runs
+from oobleck_hpc.records import events as ev
 from oobleck_hpc.errors import EXIT_REQUEUE
 
 _log = functools.partial(runs.say, "requeue")
@@ -99,7 +99,7 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
                 log(f"attempt {index} exited 75 after {attempt.seconds:.1f} s "
                     f"({attempt.reason}); requeue {index + 1}/{max_requeues} on {nodes} nodes"
                     + (f" (alive: {', '.join(alive)})" if alive else ""))
-            else:  # the console tells it (oobleck_hpc/story.py)
+            else:  # the console tells it (oobleck_hpc/records/story.py)
                 events.emit(ev.REQUEUED, next_attempt=base_restarts + index + 1, nodes=nodes,
                             alive=alive, reason=attempt.reason[:300],
                             seconds=round(attempt.seconds, 3))

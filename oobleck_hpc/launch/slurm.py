@@ -12,7 +12,7 @@ The only module that imports submitit. The shape of a submitted job:
            meanwhile `Supervisor` (supervise.py) gives back nodes the agents agreed away that
            the job still holds, and with fault_tolerance.replace submits replacement jobs
            (JoinDriver: agents with --join) that end with the run (slurm_task.end_replacements)
-        3. verdict (slurm_task.run_verdict, oobleck_hpc/runs.py: 0 only if the run finished):
+        3. verdict (slurm_task.run_verdict, oobleck_hpc/records/runs.py: 0 only if the run finished):
            0 -> done (the submitit result); 75 -> `scontrol
            requeue` (same job id comes back and resumes from its checkpoint); else the batch
            script exits with it (sacct: FAILED with that code; `wait_result` reads the record)
@@ -60,7 +60,7 @@ from pathlib import Path
 
 import submitit
 
-from oobleck_hpc import runs
+from oobleck_hpc.records import runs
 from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wait_for_discovery
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
 from oobleck_hpc.config import JobConfig
@@ -71,7 +71,7 @@ from oobleck_hpc.launch.slurm_task import (REPLACEMENTS_DIR, begin_run, end_repl
                                           run_verdict)
 from oobleck_hpc.launch.supervise import Supervisor
 
-DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.agent --job {job} --run-dir {run_dir}"
+DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.control.agent --job {job} --run-dir {run_dir}"
 """The per-node command (the elastic agent). Override per job with `slurm.agent_command`."""
 
 DISCOVERY_TIMEOUT_S = 300
@@ -138,7 +138,7 @@ class SlurmDriver:
     members: int = 0
     """Generation 0's node count (`members`): the allocation's nodes after it are spares."""
     group_access: bool = False
-    """The job's: the run's files are also its user's group's to read (runs.py, "Private")."""
+    """The job's: the run's files are also its user's group's to read (records/runs.py, "Private")."""
 
     def __call__(self) -> LaunchResult:
         env = detect()
@@ -280,7 +280,7 @@ def submit_replacement(job: JobConfig, run_dir: Path, count: int, reason: str,
     job (`JoinDriver`); it ends with the job (`end_replacements`).
     Records RUN_DIR/replacements/ID.json and a `replacement_submitted` event; returns its id."""
     from oobleck_hpc.bootstrap.discovery import Discovery
-    from oobleck_hpc.elastic.events import EventLog
+    from oobleck_hpc.records.events import EventLog
 
     require_controller()
     python, run_dir = python or sys.executable, run_dir.absolute()

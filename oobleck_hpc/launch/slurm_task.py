@@ -3,7 +3,7 @@
 For slurm/train.sbatch: `... --run-dir DIR --tag JOB-rK --begin` makes the job RUN_DIR's current
 run (`begin_run`); `--recorded` prints the exit code recorded for this run to publish
 (`recorded_outcome`), or nothing; `--verdict` prints the verdict of this attempt (`run_verdict`:
-the run's record says whether it finished, oobleck_hpc/runs.py).
+the run's record says whether it finished, oobleck_hpc/records/runs.py).
 
 1. Runs the agent and records its exit code in DIR/exit/TAG/NODE: `srun` reports only the highest
    code of a step, and an unfinished run's outcome (requeue, bad input, failed) is a rule over
@@ -35,7 +35,7 @@ the run's record says whether it finished, oobleck_hpc/runs.py).
 5. Points the training's per-step metrics at DIR/metrics.jsonl (OOBLECK_METRICS, unless the
    environment already names a file), as `oobleck-hpc run` does for a local job: the current
    plan's rank 0 appends one JSON line per committed step, on whichever node it runs.
-6. Run records (oobleck_hpc/runs.py): a Slurm job is one run, `slurm-JOBID`, its requeues are
+6. Run records (oobleck_hpc/records/runs.py): a Slurm job is one run, `slurm-JOBID`, its requeues are
    its attempts (SLURM_RESTART_COUNT). `begin_run` (the drivers, before anything starts) moves
    an earlier run's records to DIR/history/ and exports OOBLECK_RUN_ID to the job's steps.
 """
@@ -52,8 +52,8 @@ import sys
 import time
 from pathlib import Path
 
-from oobleck_hpc import runs
-from oobleck_hpc.elastic.events import EventLog
+from oobleck_hpc.records import runs
+from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.errors import EXIT_REQUEUE
 from oobleck_hpc.files import write_atomic, write_json
 from oobleck_hpc.polling import wait_until

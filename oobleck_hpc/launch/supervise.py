@@ -46,7 +46,7 @@ class Supervisor(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        from oobleck_hpc.story import Tail
+        from oobleck_hpc.records.story import Tail
 
         events, seen, pids = Tail(self.run_dir / "events.jsonl"), set(), {}
         asked = arrived = 0
@@ -70,7 +70,7 @@ class Supervisor(threading.Thread):
                     print(f"oobleck: generation {e['gen']}: {err}", file=sys.stderr, flush=True)
 
     def _give_back(self, lost: list[str], pids: dict[str, list[int]]) -> None:
-        from oobleck_hpc.elastic.events import EventLog
+        from oobleck_hpc.records.events import EventLog
 
         fields = job_fields(self.job_id)
         current = expand_hostlist(fields.get("NodeList", ""))

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from oobleck_hpc.story import plural
+from oobleck_hpc.records.story import plural
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -394,7 +394,7 @@ def predicted_step_ms(plan: Plan, profile: ModelProfile,
     every rank's pipeline plus its segments' all-reduces, the slowest of them, then the
     statistics all-reduce z and the optimizer step (every rank at once, its own layers).
     `profile` is the one the plan's templates were built from (`job_profile`). `slowdown`:
-    node -> factor its computations take longer (a straggler, elastic/straggler.py); a pipeline
+    node -> factor its computations take longer (a straggler, recovery/straggler.py); a pipeline
     runs at the pace of its slowest node."""
     slowdown = slowdown or {}
     pipe = [executed_pipeline_ms(p.template, p.microbatches, profile)

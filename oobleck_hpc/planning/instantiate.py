@@ -58,7 +58,7 @@ def _costs(templates: Mapping[int, Template], profile: ModelProfile, sizes: list
 
 def resplit(plan: Plan, profile: ModelProfile, slowdown: Mapping[str, float]) -> Plan:
     """The same pipelines, the global batch re-split (`split_microbatches`) with each pipeline's
-    costs times the slowdown of its slowest node (elastic/straggler.py): a slow pipeline gets
+    costs times the slowdown of its slowest node (recovery/straggler.py): a slow pipeline gets
     fewer microbatches. {} gives the split the plan would have without one."""
     from dataclasses import replace
 

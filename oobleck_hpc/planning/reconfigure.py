@@ -130,7 +130,7 @@ def plan_from_groups(groups: list[list[str]], templates: Mapping[int, Template],
                      profile: ModelProfile, generation: int) -> Plan | None:
     """The plan whose pipelines are `groups` (node lists), each on the template of its size,
     the batch split over them; None if the batch cannot feed them. Also how a joining node
-    rebuilds the members' plan from its groups (elastic/driver.py, join)."""
+    rebuilds the members' plan from its groups (recovery/driver.py, join)."""
     if B < len(groups):
         return None
     nodes = [n for g in sorted(groups, key=len, reverse=True) for n in g]

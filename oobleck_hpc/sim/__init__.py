@@ -10,7 +10,7 @@ shares add up to the simulated time exactly.
 - `policies.py`        the three policies as documented models
 - `scenario.py`        table-driven scenarios (published measurements; the paper preset)
 - `planner_backend.py` the same policies driven by our planner and profiles
-- `report.py`          table, JSON, plot; `cli.py` the `oobleck-hpc simulate` command
+- `records/report.py`          table, JSON, plot; `cli.py` the `oobleck-hpc simulate` command
 
 Nothing here imports torch, h5py, mpi4py or submitit (matplotlib only for --plot).
 

@@ -1,4 +1,4 @@
-"""The smallest worker that follows the agent <-> worker interface (elastic/client.py).
+"""The smallest worker that follows the agent <-> worker interface (control/client.py).
 
 Used by the control-plane tests and as a template for a real worker, with no torch import:
 
@@ -12,10 +12,10 @@ Used by the control-plane tests and as a template for a real worker, with no tor
   "leave"} or {how: "done", code, reason}) makes it leave the job early (`client.leave()`, exit
   0) or exit on purpose with `code`; a file `STOP` makes it say "done" and exit 0, after
   recording the run finished as a training run's rank 0 does (its `run_finished` event: the
-  job's verdict is its record, oobleck_hpc/runs.py);
+  job's verdict is its record, oobleck_hpc/records/runs.py);
 - exits with the fencing's exit code when fenced (3 excluded, 75 requeue, 2 bad input).
 
-Run it under an agent:  python -m oobleck_hpc.agent ... -- python -m oobleck_hpc.testing.echo_worker
+Run it under an agent:  python -m oobleck_hpc.control.agent ... -- python -m oobleck_hpc.testing.echo_worker
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from oobleck_hpc.elastic.client import AgentClient, Membership
-from oobleck_hpc.elastic.events import EventLog
-from oobleck_hpc.elastic.membership import Fenced, Superseded
+from oobleck_hpc.control.client import AgentClient, Membership
+from oobleck_hpc.records.events import EventLog
+from oobleck_hpc.control.membership import Fenced, Superseded
 
 
 def digest(m: Membership) -> str:

@@ -1,13 +1,13 @@
 """The control plane's protocol at thousands of agents: the agents' own code -- `MembershipCore`
-(elastic/membership.py) and `Monitor` (elastic/topology.py), exactly as control.py drives them
+(control/membership.py) and `Monitor` (control/topology.py), exactly as plane.py drives them
 -- on a discrete-event model of the network, every agent in this one process.
 
 Network model (`NetModel`): a message takes latency_s plus a uniform jitter up to jitter_s,
 delivered in order per pair (TCP); with probability `loss` a segment is lost and TCP resends it
 after rto_s. A path can be cut (one direction, or both across a partition): its messages are
-dropped, and the sender's link fails after connect_timeout_s (links.py: the connect timeout),
+dropped, and the sender's link fails after connect_timeout_s (loop.py: the connect timeout),
 once per pair. A crashed agent's connections close: each peer that had one open sees it after
-one delay plus the liveness check (links.py `reach`: two round trips). A stopped agent (SIGSTOP)
+one delay plus the liveness check (loop.py `reach`: two round trips). A stopped agent (SIGSTOP)
 runs nothing and its messages wait in the kernel until it resumes.
 
 What is measured (`Sim.run_scenario`):
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from oobleck_hpc.config import HEARTBEAT_S, LEASE_S
-from oobleck_hpc.elastic.membership import Decision, MembershipCore
-from oobleck_hpc.elastic.topology import MONITORS, Monitor
+from oobleck_hpc.control.membership import Decision, MembershipCore
+from oobleck_hpc.control.topology import MONITORS, Monitor
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Sim:
     k: int = MONITORS
     hold_s: float = 1e-3
     """How long a coordinator holds the first re-broadcast of a changed proposal in a round,
-    doubled for each further one (control.py: HOLD_S; membership.py: hold_rebroadcasts)."""
+    doubled for each further one (plane.py: HOLD_S; membership.py: hold_rebroadcasts)."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -69,7 +69,7 @@ class Sim:
         self.cores = {m: MembershipCore(m, self.names, 1, lambda: next(ports),
                                         hold_rebroadcasts=True) for m in self.names}
         self.monitors = {m: Monitor(c, self.heartbeat_s, self.lease_s, startup_s=self.lease_s,
-                                    k=self.k) for m, c in self.cores.items()}  # control.py's
+                                    k=self.k) for m, c in self.cores.items()}  # plane.py's
         self.now = 0.0
         self._q: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
@@ -172,7 +172,7 @@ class Sim:
         for dst, msg in core.outbox:
             self._send(m, dst, msg)
         core.outbox.clear()
-        if core.held and m not in self._held:  # control.py's HOLD_S, in simulated time
+        if core.held and m not in self._held:  # plane.py's HOLD_S, in simulated time
             self._held.add(m)
             self._push(self.now + core.hold_delay(self.hold_s, self.lease_s / 2), "flush", m)
         for kind, fields in core.notes:

@@ -31,7 +31,7 @@ def test_grow_answers_a_job_that_ended_at_once_and_returns_when_it_ends_while_wa
     import time
 
     from oobleck_hpc.launch import local
-    from oobleck_hpc.launch.watch import JobLock, record_exit
+    from oobleck_hpc.operate.watch import JobLock, record_exit
 
     monkeypatch.setattr(local, "grow", lambda run_dir, count: ["node5"])  # the launcher's answer
     run_dir = tmp_path / "run"
@@ -70,7 +70,7 @@ def test_an_agent_whose_port_is_busy_exits_for_a_requeue_and_a_bad_path_as_bad_i
     file: the agent exits 75 (requeue); any other OSError stays 2 (bad input), on stderr."""
     import socket
 
-    from oobleck_hpc import agent
+    from oobleck_hpc.control import agent
     from oobleck_hpc.errors import EXIT_REQUEUE
 
     held = socket.socket()

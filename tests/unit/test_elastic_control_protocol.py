@@ -1,4 +1,4 @@
-"""The membership protocol (oobleck_hpc/elastic/membership.py) under simulated networks.
+"""The membership protocol (oobleck_hpc/control/membership.py) under simulated networks.
 
 No processes: N `MembershipCore`s exchange messages through per-link FIFO queues; a seeded random
 scheduler interleaves deliveries, crashes, false suspicions (a slow node taken for dead) and
@@ -28,7 +28,7 @@ from collections import deque
 
 import pytest
 
-from oobleck_hpc.elastic.membership import Decision, MembershipCore
+from oobleck_hpc.control.membership import Decision, MembershipCore
 
 
 class SimNet:
@@ -325,7 +325,7 @@ def test_a_vote_takes_one_value_per_member_from_members_for_open_keys_only():
     its second value for a key, a value from a non-member, a value for a generation two
     ahead, a fifth open key, and gathered values from another than the coordinator are all
     ignored (issue 28: forged values became every member's result of the exchange)."""
-    from oobleck_hpc.elastic.exchange import OPEN_PER_NODE
+    from oobleck_hpc.control.exchange import OPEN_PER_NODE
 
     coordinator = MembershipCore("n0", ("n0", "n1", "n2", "n3"), 999, lambda: 1,
                                  members0=("n0", "n1", "n2"))

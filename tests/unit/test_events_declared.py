@@ -1,4 +1,4 @@
-"""Every event kind is declared once (oobleck_hpc/elastic/events.py): the writer refuses what its
+"""Every event kind is declared once (oobleck_hpc/records/events.py): the writer refuses what its
 declaration does not say, and every kind written or read anywhere in the package and the benches
 is declared -- a typo in a writer or a reader fails here, not in a report that silently lacks it."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_hpc.elastic import events
-from oobleck_hpc.elastic.events import KINDS, EventLog
+from oobleck_hpc.records import events
+from oobleck_hpc.records.events import KINDS, EventLog
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_EVENTS = {("bench/slurm.py", "membership")}  # a row of the echo worker's own record file

@@ -1,5 +1,5 @@
 """Pretrained weights in (`model.weights`, models/hf_weights.py) and standard weights out
-(`oobleck-hpc export`, oobleck_hpc/export.py), against transformers itself, in fp64:
+(`oobleck-hpc export`, oobleck_hpc/checkpoint/export.py), against transformers itself, in fp64:
 
 - weights saved by `save_pretrained` (one file, and sharded), tied and untied, loaded into our
   layers equal the transformers model's parameters and logits before any step;

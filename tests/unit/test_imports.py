@@ -4,7 +4,9 @@
 - no module of oobleck_hpc imports from `tests`, and no file of oobleck_hpc/ mentions OOBLECK_TEST;
 - production code never imports `oobleck_hpc.testing` (test and benchmark support only);
 - no module of oobleck_hpc is longer than 500 lines after its docstring;
-- no function of oobleck_hpc/elastic/ is longer than 60 lines.
+- no function of oobleck_hpc/control/ or oobleck_hpc/recovery/ is longer than 60 lines;
+- the directions of import between packages (DESIGN.md): the control plane never imports torch,
+  the engine never imports recovery, each heavy dependency lives in its one module.
 
 The dependency graph: every module `oobleck_hpc/a/b.py` is the node `oobleck_hpc.a.b`, and a
 package's `__init__.py` is the node of the package (`oobleck_hpc/a/__init__.py` -> `oobleck_hpc.a`).
@@ -51,8 +53,9 @@ def _is_type_checking(node: ast.If) -> bool:
             or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def _import_nodes(tree: ast.AST):
-    """Every Import / ImportFrom node, at any depth, outside `if TYPE_CHECKING:` bodies."""
+def _import_nodes(tree: ast.AST, lazy: bool = True):
+    """Every Import / ImportFrom node, at any depth, outside `if TYPE_CHECKING:` bodies; with
+    lazy=False, only those that run when the module is imported (not inside a function)."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -61,16 +64,18 @@ def _import_nodes(tree: ast.AST):
         if isinstance(node, ast.If) and _is_type_checking(node):
             stack.extend(node.orelse)
             continue
+        if not lazy and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _imported_names(module: str, path: Path, modules: set[str] | frozenset = frozenset()
-                    ) -> list[tuple[str, int]]:
+def _imported_names(module: str, path: Path, modules: set[str] | frozenset = frozenset(),
+                    lazy: bool = True) -> list[tuple[str, int]]:
     """(absolute dotted name, line) of everything `module` imports: `a.b` for `import a.b`;
     for `from a.b import c`, `a.b.c` when that is one of `modules`, else `a.b`."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
-    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+    for node in _import_nodes(ast.parse(path.read_text(), str(path)), lazy):
         if isinstance(node, ast.Import):
             out += [(alias.name, node.lineno) for alias in node.names]
             continue
@@ -91,14 +96,15 @@ def _enclosing(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def dependency_graph(package: Path = PACKAGE) -> dict[str, dict[str, int]]:
-    """module -> {module it depends on -> line of the first import that makes it so}."""
+def dependency_graph(package: Path = PACKAGE, lazy: bool = True) -> dict[str, dict[str, int]]:
+    """module -> {module it depends on -> line of the first import that makes it so}; with
+    lazy=False, only the imports that run when the module is imported."""
     modules = _modules(package)
     graph: dict[str, dict[str, int]] = {}
     for module, path in modules.items():
         own = set(_enclosing(module)) | ({module} if path.name == "__init__.py" else set())
         deps: dict[str, int] = {}
-        for name, line in _imported_names(module, path, set(modules)):
+        for name, line in _imported_names(module, path, set(modules), lazy):
             target = name
             while target and target not in modules:
                 target = target.rpartition(".")[0]
@@ -206,7 +212,7 @@ def test_production_code_never_imports_the_testing_support():
 
 def test_no_function_of_the_elastic_layer_is_longer_than_60_lines():
     long = []
-    for path in sorted((PACKAGE / "elastic").glob("*.py")):
+    for path in sorted([*(PACKAGE / "control").glob("*.py"), *(PACKAGE / "recovery").glob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
@@ -265,3 +271,74 @@ def test_the_unit_tier_starts_no_process():
                  for number, line in enumerate(path.read_text().splitlines(), 1)
                  if any(name in line for name in STARTS_A_PROCESS)]
     assert not offenders, "\n".join(offenders) + "\nFix: move these tests to tests/"
+
+
+def _reach(graph: dict[str, dict[str, int]], start: str) -> dict[str, list[str]]:
+    """Every module `start` imports, directly or through others (lazy imports too), with one
+    chain of imports that gets there."""
+    chains = {start: [start]}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        for dep in graph.get(module, ()):
+            if dep not in chains:
+                chains[dep] = chains[module] + [dep]
+                todo.append(dep)
+    return chains
+
+
+def _external(module: str, lazy: bool = True) -> set[str]:
+    """The top-level names of what `module` imports from outside the package (torch, h5py...),
+    with `torch.distributed` kept whole."""
+    path = _modules()[module]
+    out = set()
+    for name, _ in _imported_names(module, path, lazy=lazy):
+        if not name.startswith("oobleck_hpc"):
+            out.add("torch.distributed" if name.startswith("torch.distributed") else name.split(".")[0])
+    return out
+
+
+NEVER = {
+    "oobleck_hpc.control": {"torch", "oobleck_hpc.recovery", "oobleck_hpc.engine"},
+    "oobleck_hpc.records": {"torch", "oobleck_hpc.recovery", "oobleck_hpc.engine"},
+    "oobleck_hpc.planning": {"torch.distributed", "h5py", "mpi4py", "submitit"},
+    "oobleck_hpc.engine": {"oobleck_hpc.recovery", "oobleck_hpc.control"},
+}
+"""Package -> what none of its modules may import, lazily or not, nor load when imported through
+any chain of imports (DESIGN.md, "Directions of import"): agents start without torch; the engine
+reports failures as values. (A lazy import elsewhere runs only where it is called: a function of
+config that imports the models is one the agents never call, and the tests that start agents
+check that torch stays out of them.)"""
+
+OWNERS = {"h5py": "oobleck_hpc.profiling.store", "mpi4py": "oobleck_hpc.bootstrap.discovery",
+          "submitit": "oobleck_hpc.launch.slurm"}
+"""Each heavy dependency and the one module that imports it."""
+
+
+def test_the_directions_of_import_between_packages_hold():
+    graph, loaded = dependency_graph(), dependency_graph(lazy=False)
+
+    def forbidden(module: str, never: set[str], lazy: bool) -> set[str]:
+        bad = {n for n in never if module == n or module.startswith(n + ".")}
+        return bad | (_external(module, lazy) & never)
+
+    offenders = []
+    for package, never in NEVER.items():
+        for module in sorted(m for m in graph if m == package or m.startswith(package + ".")):
+            direct = set(graph[module]) | {module}
+            for dep in sorted(direct):
+                if bad := forbidden(dep, never, lazy=dep == module):
+                    offenders.append(f"{module} imports {sorted(bad)} (via {dep})")
+            for reached, chain in sorted(_reach(loaded, module).items()):
+                if bad := forbidden(reached, never, lazy=False):
+                    offenders.append(f"importing {module} loads {sorted(bad)}: "
+                                     + " -> ".join(chain))
+    for dependency, owner in OWNERS.items():
+        offenders += [f"{module} imports {dependency} (only {owner} may)"
+                      for module in graph if module != owner and dependency in _external(module)]
+    assert not offenders, "\n".join(offenders) + "\nFix: move the code to the side it belongs to"
+
+
+def test_the_direction_check_sees_a_chain_of_imports():
+    graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {}}
+    assert _reach(graph, "a") == {"a": ["a"], "b": ["a", "b"], "c": ["a", "b", "c"]}

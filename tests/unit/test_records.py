@@ -1,6 +1,6 @@
 """Run records and the user's view, without processes: run ids and the run directory
-(oobleck_hpc/runs.py), the console's story (oobleck_hpc/story.py), the metrics writer's
-numbering (progress.Progress) and the report (oobleck_hpc/report.py) on a hand-made run."""
+(oobleck_hpc/records/runs.py), the console's story (oobleck_hpc/records/story.py), the metrics writer's
+numbering (progress.Progress) and the report (oobleck_hpc/records/report.py) on a hand-made run."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_hpc import runs
-from oobleck_hpc.elastic.events import EventLog, read_jsonl
-from oobleck_hpc.story import Story, tell
+from oobleck_hpc.records import runs
+from oobleck_hpc.records.events import EventLog, read_jsonl
+from oobleck_hpc.records.story import Story, tell
 
 
 def test_a_new_run_moves_the_previous_runs_records_to_history(tmp_path, monkeypatch):
@@ -228,7 +228,7 @@ def row(step: int, t: float, attempt: int = 0, seconds: float = 0.1) -> dict:
 
 
 def test_report_breaks_a_recovery_into_phases_and_counts_the_time_lost(tmp_path):
-    from oobleck_hpc.report import PHASES, build, text
+    from oobleck_hpc.records.report import PHASES, build, text
 
     rows = [row(1, 1.2), row(2, 1.4), row(3, 1.6), row(4, 2.3), row(5, 2.5), row(6, 2.7)]
     write_run(tmp_path / "run", RUN, rows)
@@ -251,7 +251,7 @@ def test_report_breaks_a_recovery_into_phases_and_counts_the_time_lost(tmp_path)
 def test_report_tells_start_up_apart_from_training(tmp_path):
     """Issue 27: the console said 87 samples/s, the report 22 for the same run, and the plot
     began at the first step. The report names start-up as a phase and gives both figures."""
-    from oobleck_hpc.report import build, text
+    from oobleck_hpc.records.report import build, text
 
     rows = [row(1, 1.2), row(2, 1.4), row(3, 1.6), row(4, 2.3), row(5, 2.5), row(6, 2.7)]
     write_run(tmp_path / "run", RUN, rows)
@@ -275,7 +275,7 @@ def test_report_tells_start_up_apart_from_training(tmp_path):
 
 
 def test_report_counts_replayed_steps_of_a_fallback_as_lost_work(tmp_path):
-    from oobleck_hpc.report import build, text
+    from oobleck_hpc.records.report import build, text
 
     events = [ev(0.0, "run_started", "launcher", job="demo", steps=5),
               ev(2.0, "fallback", "node0/0", reason="no replica", resume_from=2),
@@ -305,7 +305,7 @@ def test_report_counts_replayed_steps_of_a_fallback_as_lost_work(tmp_path):
 
 
 def test_report_refuses_what_is_not_a_run_directory(tmp_path):
-    from oobleck_hpc.report import ReportError, build
+    from oobleck_hpc.records.report import ReportError, build
 
     with pytest.raises(ReportError, match="no events.jsonl"):
         build(tmp_path)
@@ -316,7 +316,7 @@ def test_report_refuses_what_is_not_a_run_directory(tmp_path):
 
 def test_report_plot_marks_the_run(tmp_path):
     pytest.importorskip("matplotlib")
-    from oobleck_hpc.report import main
+    from oobleck_hpc.records.report import main
 
     rows = [row(k, 1.0 + 0.2 * k) for k in range(1, 7)]
     write_run(tmp_path / "run", RUN, rows)
@@ -346,7 +346,7 @@ class Result:
 
 
 def test_metrics_lines_count_steps_from_one_and_name_their_attempt(tmp_path, capsys):
-    from oobleck_hpc.progress import Progress
+    from oobleck_hpc.records.progress import Progress
 
     path = tmp_path / "metrics.jsonl"
     # an earlier attempt of the same run recorded steps 1..3; this attempt resumes after step 1
@@ -368,7 +368,7 @@ def test_the_metrics_keep_a_step_whose_writer_crashed_and_rejoined(tmp_path):
     commit vote; restarted, it rejoined as rank 0 at step 2 without step 1, and wrote steps
     2.. while the survivors, who kept step 1, never write: step 1 was missing. A writer that
     joined late leaves a gap to the others, who append after each recovery."""
-    from oobleck_hpc.progress import Progress
+    from oobleck_hpc.records.progress import Progress
 
     path = tmp_path / "metrics.jsonl"
     survivor = Progress(total=4, log_every=1, metrics=path, run="r")
@@ -386,7 +386,7 @@ def test_the_metrics_keep_a_step_whose_writer_crashed_and_rejoined(tmp_path):
 
 
 def test_a_recovery_is_named_by_what_left_or_came():
-    from oobleck_hpc.report import what
+    from oobleck_hpc.records.report import what
 
     assert what({"lost": ["node2"], "joined": [], "drained": []}) == "lost node2"
     assert what({"lost": ["node3"], "joined": [], "drained": ["node3"]}) == "drained node3"

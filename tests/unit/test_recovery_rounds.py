@@ -1,5 +1,5 @@
 """The recovery rounds' escalation, without processes: which errors end in-place recovery at once
-(the checkpoint fallback) and which start another round (elastic/recovery.py)."""
+(the checkpoint fallback) and which start another round (recovery/rounds.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from oobleck_hpc.elastic import recovery  # noqa: E402
+from oobleck_hpc.recovery import rounds as recovery  # noqa: E402
 from oobleck_hpc.errors import GuaranteeExceeded, PlanningError  # noqa: E402
 
 NODES = ("node0", "node1", "node2", "node3")

@@ -1,4 +1,4 @@
-"""The control plane's monitoring topology and suspicion rule (oobleck_hpc/elastic/topology.py),
+"""The control plane's monitoring topology and suspicion rule (oobleck_hpc/control/topology.py),
 pure: K rings with constant degree at any size, and lease expiries that suspect a node only
 when most of its observers report it."""
 
@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from oobleck_hpc.elastic.topology import MONITORS, Detector, Rings
+from oobleck_hpc.control.topology import MONITORS, Detector, Rings
 
 
 def names(n: int) -> tuple[str, ...]:
