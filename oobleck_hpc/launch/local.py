@@ -47,7 +47,7 @@ from typing import Any
 
 from oobleck_hpc.records import runs
 from oobleck_hpc.config import JobConfig
-from oobleck_hpc.launch.local_agents import _state
+from oobleck_hpc.launch.local_agents import process_state
 from oobleck_hpc.errors import EXIT_BAD_INPUT
 from oobleck_hpc.files import write_json
 from oobleck_hpc.records.story import Story, Tail
@@ -167,7 +167,7 @@ class LocalRun:
         while True:
             codes = {m: p.poll() for m, p in procs.items()}
             running = [m for m, c in codes.items() if c is None]
-            if not running or all(_state(procs[m].pid) in ("T", "t") for m in running):
+            if not running or all(process_state(procs[m].pid) in ("T", "t") for m in running):
                 break  # nobody left who could train (a stopped node never finishes alone)
             if over_at is None and (any(runs.is_finished_event(e, run) for e in events.read())
                                     or self._stopping_since(5.0)):

@@ -141,7 +141,7 @@ class LocalAgents:
         os.killpg(pid, sig)
         if sig == signal.SIGSTOP:
             deadline = time.monotonic() + 5
-            while _state(pid) not in ("T", "t") and time.monotonic() < deadline:
+            while process_state(pid) not in ("T", "t") and time.monotonic() < deadline:
                 time.sleep(0.001)
         return t
 
@@ -183,7 +183,7 @@ class LocalAgents:
         self.logs.clear()
 
 
-def _state(pid: int) -> str:
+def process_state(pid: int) -> str:
     """The process state letter from /proc (R, S, T, Z, ...); '' if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
