@@ -28,6 +28,7 @@ it counts.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def _module_name(path: Path, package: Path) -> str:
     return ".".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
 def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
 
@@ -287,7 +289,8 @@ def _reach(graph: dict[str, dict[str, int]], start: str) -> dict[str, list[str]]
     return chains
 
 
-def _external(module: str, lazy: bool = True) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _external(module: str, lazy: bool = True) -> frozenset[str]:
     """The top-level names of what `module` imports from outside the package (torch, h5py...),
     with `torch.distributed` kept whole."""
     path = _modules()[module]
@@ -295,7 +298,7 @@ def _external(module: str, lazy: bool = True) -> set[str]:
     for name, _ in _imported_names(module, path, lazy=lazy):
         if not name.startswith("oobleck_hpc"):
             out.add("torch.distributed" if name.startswith("torch.distributed") else name.split(".")[0])
-    return out
+    return frozenset(out)
 
 
 NEVER = {
