@@ -1,4 +1,5 @@
-"""The agent side: one node agent per node, and the control plane between the agents.
+"""The agent side: one node agent per node; failure detection and agreement on who is still in
+the job, over the control plane between the agents.
 
 Standard library only (plus `config`, `files`, `errors`, `records` and the pure `planning`):
 agents start in tens of milliseconds and never import torch (tests/unit/test_imports.py checks
