@@ -47,9 +47,9 @@ Leaving (`after_step` on a stop signal, `fallback` on GuaranteeExceeded)
 the loop acts at its next step boundary: every rank saves the current step synchronously (its
 shards durable before it returns), rank 0 waits until the checkpoint is published, and all
 return errors.EXIT_REQUEUE (75). The launcher requeues: locally launch/requeue.py starts the job
-again, under Slurm the launch driver (launch/slurm.py, or slurm_task when the batch node is gone)
-runs `scontrol requeue` on the agents' 75 -- the workers never call scontrol themselves, so a
-job is requeued once.
+again, under Slurm the launch driver (launch/slurm_driver.py, or slurm_task when the batch node
+is gone) runs `scontrol requeue` on the agents' 75 -- the workers never call scontrol
+themselves, so a job is requeued once.
 
 When the guarantee is exceeded (a layer lost on every pipeline, fewer than n0 nodes) the
 survivors cannot write a complete checkpoint: they finish their in-flight save and leave with 75;
