@@ -57,7 +57,8 @@ the job resumes from the latest published checkpoint, losing at most one checkpo
 Rank 0 also writes RUN_DIR/requeue.json (reason, step, the nodes still alive) so that the local
 requeue role restarts the job on the nodes it has.
 
-Watchdog: rank 0 beats RUN_DIR/heartbeat (operate/watch.py) at most once a second and at the end.
+Watchdog: rank 0 beats RUN_DIR/heartbeat (operate/liveness.py) at most once a second and at
+the end.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ class Resume:
         self._hooked = engine
 
     def _beat(self, step: int, final: bool = False) -> None:
-        from oobleck_hpc.operate.watch import beat
+        from oobleck_hpc.operate.liveness import beat
 
         now = time.monotonic()
         if final or now - self._last_beat >= BEAT_EVERY_S:
