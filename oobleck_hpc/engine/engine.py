@@ -74,7 +74,7 @@ from oobleck_hpc.engine.groups import Comm, PlanGroups, Waiter
 from oobleck_hpc.engine.optim import clip_coefficient, lr_at, make_optimizer, set_lr
 from oobleck_hpc.engine.sampler import Dataset, GlobalSampler
 from oobleck_hpc.engine.schedule import Action, max_in_flight, pipeline_schedule, validate
-from oobleck_hpc.engine.stage import Segment, build_layers, make_segments
+from oobleck_hpc.engine.stage import build_layers, make_segments, transfer_buffers
 from oobleck_hpc.engine.state import StepResult, TrainState
 from oobleck_hpc.engine.tied import TiedGradients
 from oobleck_hpc.models.base import LayerModel
@@ -163,21 +163,12 @@ class Engine:
                                       recompute=job.train.recompute)
         self.tied = TiedGradients.build(model, plan, comm.rank, self.layers, groups.group)
 
-        # Preallocated transfer buffers: S - s activation slots (1F1B in-flight bound), one
-        # gradient buffer. Shapes come from the model, for this rank's rows.
         # Transfers carry the parameters' dtype (fp32; fp64 when a test builds the model so);
         # under bf16 autocast activations are cast up to it before they are sent.
-        n_rows = self.rows[1] - self.rows[0]
-        seq_len = job.data.seq_len or model.seq_len
-        self.act_slots: list[torch.Tensor] = []
-        if not self.first and n_rows:
-            shape, _ = model.layer_output_shape(info.layer_start - 1, n_rows, seq_len)
-            self.act_slots = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                              for _ in range(max(1, max_in_flight(self.actions)))]
-        self.grad_buf: torch.Tensor | None = None
-        if not self.last and n_rows:
-            shape, _ = model.layer_output_shape(info.layer_end - 1, n_rows, seq_len)
-            self.grad_buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.act_slots, self.grad_buf = transfer_buffers(
+            model, range(info.layer_start, info.layer_end), self.rows,
+            job.data.seq_len or model.seq_len, slots=max(1, max_in_flight(self.actions)),
+            first=self.first, last=self.last, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ per-layer state
 
@@ -392,7 +383,7 @@ class Engine:
             torch.autograd.backward(out, grad_tensors=grad if grad is None else grad.to(out.dtype))
             grad = inp.grad
             if final:
-                self._start_sync(self.segments[i])
+                self.segments[i].start_all_reduce()
         if not self.first:
             self._outputs[("SEND_GRAD", k)] = grad
 
@@ -404,15 +395,10 @@ class Engine:
         (groups.Comm.abandon)."""
         self.comm.wait(work, self._waiter, self.abort, sync=sync)
 
-    def _start_sync(self, seg: Segment) -> None:
-        if seg.group is not None:
-            seg.work = dist.all_reduce(seg.flat, op=dist.ReduceOp.SUM, group=seg.group,
-                                       async_op=True)
-
     def _sync(self, loss_sum: torch.Tensor) -> torch.Tensor:
         if self.microbatches == 0:  # a pipeline with no samples still joins the reductions
             for seg in self.segments:
-                self._start_sync(seg)
+                seg.start_all_reduce()
         for seg in self.segments:
             if seg.work is not None:
                 try:

@@ -1,4 +1,4 @@
-"""What one rank holds of a plan: its layers and their gradient segments.
+"""What one rank holds of a plan: its layers, their gradient segments, its transfer buffers.
 
 Layers [layer_start, layer_end) of the rank's stage come from one of three places
 (`build_layers`): another engine's modules, taken over as they are (a reconfiguration's kept
@@ -47,6 +47,13 @@ class Segment:
             x = checkpoint(m, x, use_reentrant=False) if self.recompute else m(x)
         return x
 
+    def start_all_reduce(self) -> None:
+        """Post the SUM all-reduce of the segment's gradients over its holders (`work`); a
+        segment held by this rank alone has no group and nothing to reduce."""
+        if self.group is not None:
+            self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group,
+                                        async_op=True)
+
 
 def build_layers(model: LayerModel, layers: range, device: torch.device,
                  adopted: Mapping[int, nn.Module], loaded: Collection[int]) -> dict[int, nn.Module]:
@@ -87,3 +94,21 @@ def make_segments(layers: Mapping[int, nn.Module], plan: Plan, rank: int, groups
             p.grad = seg.flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
     return segments
+
+
+def transfer_buffers(model: LayerModel, layers: range, rows: tuple[int, int], seq_len: int,
+                     slots: int, first: bool, last: bool, dtype: torch.dtype,
+                     device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The stage's preallocated receive buffers for its `rows` of each microbatch: `slots`
+    activation buffers (the 1F1B in-flight bound; none on the first stage) and one gradient
+    buffer (none on the last). Shapes come from the model: no shapes travel at run time."""
+    n_rows = rows[1] - rows[0]
+    act_slots: list[torch.Tensor] = []
+    if not first and n_rows:
+        shape, _ = model.layer_output_shape(layers.start - 1, n_rows, seq_len)
+        act_slots = [torch.empty(shape, dtype=dtype, device=device) for _ in range(slots)]
+    grad_buf: torch.Tensor | None = None
+    if not last and n_rows:
+        shape, _ = model.layer_output_shape(layers.stop - 1, n_rows, seq_len)
+        grad_buf = torch.empty(shape, dtype=dtype, device=device)
+    return act_slots, grad_buf
