@@ -192,7 +192,7 @@ def test_run_verdict_reads_the_record_and_this_attempts_codes(tmp_path):
 
 
 def test_recorded_outcome_is_published_unless_it_asks_to_resume(tmp_path):
-    from oobleck_hpc.launch.slurm import LaunchResult
+    from oobleck_hpc.launch.slurm_driver import LaunchResult
     from oobleck_hpc.launch.slurm_task import recorded_outcome
 
     record = {"job_id": "7", "restart_count": 0, "nodes": ["n1", "n2"], "lost_nodes": ["n1"],

@@ -88,11 +88,11 @@ def check(code, rows, run_dir, reference) -> None:
 
 @pytest.mark.timeout(120)
 def test_the_compute_clock_times_the_gpu_not_the_kernel_launches():
-    """engine.ComputeClock on CUDA (a straggler's evidence, recovery/straggler.py): around work
+    """engine/clock.py's ComputeClock on CUDA (a straggler's evidence, recovery/straggler.py): around work
     the GPU takes far longer to run than the host to launch, it reads the GPU's time."""
     import time
 
-    from oobleck_hpc.engine.engine import ComputeClock
+    from oobleck_hpc.engine.clock import ComputeClock
 
     a = torch.randn(4096, 4096, device="cuda")
     (a @ a).sum().item()  # (warm up: kernels, allocator)

@@ -14,15 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from oobleck_hpc.operate.watch import (
-    JobLock,
-    Observation,
-    Watchdog,
-    WatchError,
-    lock_holder,
-    watchdog_for,
-    write_run_record,
-)
+from oobleck_hpc.operate.liveness import JobLock, WatchError, lock_holder, write_run_record
+from oobleck_hpc.operate.watch import Observation, Watchdog, watchdog_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # resumes from the latest checkpoint, and on its first run dies (SIGKILL) or hangs after step 3.
 JOB = textwrap.dedent("""
     import os, sys, time, signal
-    from oobleck_hpc.operate.watch import JobLock, beat, record_exit
+    from oobleck_hpc.operate.liveness import JobLock, beat, record_exit
 
     run_dir, ckpt_dir, total, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     with JobLock(run_dir):  # first thing, before the slow imports
@@ -186,7 +179,7 @@ def test_gives_up_after_max_restarts(tmp_path):
 def test_job_lock_refuses_while_held_and_frees_on_release(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from oobleck_hpc.operate.watch import JobLock
+        from oobleck_hpc.operate.liveness import JobLock
         with JobLock({str(tmp_path)!r}):
             print("locked", flush=True); time.sleep(30)
     """)], cwd=ROOT, stdout=subprocess.PIPE, text=True)

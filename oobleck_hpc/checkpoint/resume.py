@@ -47,9 +47,9 @@ Leaving (`after_step` on a stop signal, `fallback` on GuaranteeExceeded)
 the loop acts at its next step boundary: every rank saves the current step synchronously (its
 shards durable before it returns), rank 0 waits until the checkpoint is published, and all
 return errors.EXIT_REQUEUE (75). The launcher requeues: locally launch/requeue.py starts the job
-again, under Slurm the launch driver (launch/slurm.py, or slurm_task when the batch node is gone)
-runs `scontrol requeue` on the agents' 75 -- the workers never call scontrol themselves, so a
-job is requeued once.
+again, under Slurm the launch driver (launch/slurm_driver.py, or slurm_task when the batch node
+is gone) runs `scontrol requeue` on the agents' 75 -- the workers never call scontrol
+themselves, so a job is requeued once.
 
 When the guarantee is exceeded (a layer lost on every pipeline, fewer than n0 nodes) the
 survivors cannot write a complete checkpoint: they finish their in-flight save and leave with 75;
@@ -57,7 +57,8 @@ the job resumes from the latest published checkpoint, losing at most one checkpo
 Rank 0 also writes RUN_DIR/requeue.json (reason, step, the nodes still alive) so that the local
 requeue role restarts the job on the nodes it has.
 
-Watchdog: rank 0 beats RUN_DIR/heartbeat (operate/watch.py) at most once a second and at the end.
+Watchdog: rank 0 beats RUN_DIR/heartbeat (operate/liveness.py) at most once a second and at
+the end.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ class Resume:
         self._hooked = engine
 
     def _beat(self, step: int, final: bool = False) -> None:
-        from oobleck_hpc.operate.watch import beat
+        from oobleck_hpc.operate.liveness import beat
 
         now = time.monotonic()
         if final or now - self._last_beat >= BEAT_EVERY_S:

@@ -1,7 +1,7 @@
 """Training data: text corpora tokenised once into a memory-mapped cache, or pre-tokenized
 files used in place; both checked against the model's vocabulary before anything starts.
 
-The job file's `data` section (config.py `DataConfig`):
+The job file's `data` section (`DataConfig`, configs/training.py):
 
     data:
       corpus: stdlib          # text: 'stdlib' (bundled, no download), a file or a directory

@@ -4,6 +4,9 @@
 - `groups`: `Comm` (one world per generation, fresh store prefix) and `PlanGroups` (the plan's
   groups, deduplicated by rank set); destroy and rebuild in the same processes.
 - `engine`: `Engine.step() -> StepResult` (failures as values).
+- `stage`: what a rank holds: its layers (adopted, allocated or built), gradient segments and
+  transfer buffers.
+- `clock`: `ComputeClock`, a rank's forward and backward time in a step (GPU time on CUDA).
 - `state`: `StepResult`, `TrainState`.
 - `reference`: `Reference`, `reference_run`: the single-process run every result must equal.
 - `sampler`: the global sampler (same global batches whatever the plan).

@@ -1,15 +1,16 @@
 """One rank's part of a plan: its stage, its 1F1B action list, per-layer gradient sync, AdamW.
 
-Build (once per plan): the rank builds only its layers [layer_start, layer_end), deterministic
-from (seed, layer) or read from the job's pretrained `model.weights` (models/hf_weights.py), so
-replicas start bit-identical without a broadcast. A layer whose state
-comes from elsewhere is never initialised: `adopt` (a reconfiguration's kept layers) hands over
-another engine's modules and AdamW state as they are -- the same tensors, nothing copied; a
-layer in `layer_states` (a checkpoint) or in `receive` (state that a transfer will write) is
-allocated uninitialised (`model.empty_layer`), so building an engine costs
-the same however many layers it receives. A layer's state has one format everywhere
+Build (once per plan; what the rank holds: engine/stage.py): the rank builds only its layers
+[layer_start, layer_end), deterministic from (seed, layer) or read from the job's pretrained
+`model.weights` (models/hf_weights.py), so replicas start bit-identical without a broadcast. A
+layer whose state comes from elsewhere is never initialised: `adopt` (a reconfiguration's kept
+layers) hands over another engine's modules and AdamW state as they are -- the same tensors,
+nothing copied; a layer in `layer_states` (a checkpoint) or in `receive` (state that a transfer
+will write) is allocated uninitialised (`model.empty_layer`), so building an engine costs the
+same however many layers it receives. A layer's state has one format everywhere
 (`checkpoint.layer_state`: param/, buffer/, optim/ tensors). Receive buffers are preallocated
-from `model.layer_output_shape`: no shapes travel at run time.
+from `model.layer_output_shape`: no shapes travel at run time. The step's compute time
+(`StepResult.compute_s`) is measured by engine/clock.py.
 
 Step (`Engine.step()`), for the global batch at `state.cursor`:
 
@@ -65,14 +66,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from oobleck_hpc.checkpoint import layer_state, load_layer_state
 from oobleck_hpc.config import JobConfig
+from oobleck_hpc.engine.clock import ComputeClock
 from oobleck_hpc.engine.groups import Comm, PlanGroups, Waiter
 from oobleck_hpc.engine.optim import clip_coefficient, lr_at, make_optimizer, set_lr
 from oobleck_hpc.engine.sampler import Dataset, GlobalSampler
 from oobleck_hpc.engine.schedule import Action, max_in_flight, pipeline_schedule, validate
+from oobleck_hpc.engine.stage import build_layers, make_segments, transfer_buffers
 from oobleck_hpc.engine.state import StepResult, TrainState
 from oobleck_hpc.engine.tied import TiedGradients
 from oobleck_hpc.models.base import LayerModel
@@ -82,69 +84,11 @@ PHASES = ("forward", "backward", "gradient_sync", "reduce", "optimizer", "commit
 
 
 @dataclass
-class Segment:
-    """Consecutive layers of this rank's stage with the same holder set: one flat gradient
-    buffer, one all-reduce."""
-
-    layers: list[int]
-    modules: list[nn.Module]
-    owners: tuple[int, ...]
-    group: dist.ProcessGroup | None
-    flat: torch.Tensor
-    counts_norm: bool
-    """This rank is the lowest holder: it adds the segment's squared norm to the global norm."""
-    work: dist.Work | None = None
-    recompute: bool = False
-    """train.recompute: each layer keeps only its input for backward, which runs its forward
-    again first (torch.utils.checkpoint; no dropout, so the same values, bit for bit)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for m in self.modules:
-            x = checkpoint(m, x, use_reentrant=False) if self.recompute else m(x)
-        return x
-
-
-@dataclass
 class _Failure(Exception):
     phase: str
     peer: int | None
     group: tuple[int, ...] | None
     cause: BaseException
-
-
-class ComputeClock:
-    """A rank's time in its forward and backward computations during a step
-    (`StepResult.compute_s`): host time on the CPU; on CUDA the GPU's own, from events recorded
-    on the compute stream around each computation (the host only launches kernels), read once
-    the step synchronised anyway (its loss and norm on the CPU)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.reset()
-
-    def reset(self) -> None:
-        self._host = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def start(self):
-        if not self.cuda:
-            return time.perf_counter()
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        return begin
-
-    def stop(self, start) -> None:
-        if not self.cuda:
-            self._host += time.perf_counter() - start
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._events.append((start, end))
-
-    def seconds(self) -> float:
-        if self._events:
-            self._events[-1][1].synchronize()
-        return self._host + sum(b.elapsed_time(e) for b, e in self._events) / 1000.0
 
 
 class Engine:
@@ -202,15 +146,9 @@ class Engine:
         # Layers: adopted, allocated for state that is loaded or received, or built fresh.
         adopted = {i: m for i, m in (adopt.layers.items() if adopt is not None else ())
                    if info.layer_start <= i < info.layer_end}
-        loaded = set(layer_states or ()) | set(receive)
-        self.layers: dict[int, nn.Module] = {}
-        for layer in range(info.layer_start, info.layer_end):
-            if layer in adopted:
-                self.layers[layer] = adopted[layer]
-            elif layer in loaded:
-                self.layers[layer] = model.empty_layer(layer, self.device)
-            else:
-                self.layers[layer] = model.build_layer(layer, self.device)
+        self.layers: dict[int, nn.Module] = build_layers(
+            model, range(info.layer_start, info.layer_end), self.device, adopted,
+            loaded=set(layer_states or ()) | set(receive))
         self.dtype = next((p.dtype for m in self.layers.values() for p in m.parameters()),
                           torch.float32)
         self.optimizer = make_optimizer(self.layers.values(), job.train, self.device)
@@ -221,50 +159,16 @@ class Engine:
         for layer, st in (layer_states or {}).items():
             self.load_layer_state(layer, st)
 
-        self.segments = self._make_segments()
+        self.segments = make_segments(self.layers, plan, comm.rank, groups, self.dtype, self.device,
+                                      recompute=job.train.recompute)
         self.tied = TiedGradients.build(model, plan, comm.rank, self.layers, groups.group)
 
-        # Preallocated transfer buffers: S - s activation slots (1F1B in-flight bound), one
-        # gradient buffer. Shapes come from the model, for this rank's rows.
         # Transfers carry the parameters' dtype (fp32; fp64 when a test builds the model so);
         # under bf16 autocast activations are cast up to it before they are sent.
-        n_rows = self.rows[1] - self.rows[0]
-        seq_len = job.data.seq_len or model.seq_len
-        self.act_slots: list[torch.Tensor] = []
-        if not self.first and n_rows:
-            shape, _ = model.layer_output_shape(info.layer_start - 1, n_rows, seq_len)
-            self.act_slots = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                              for _ in range(max(1, max_in_flight(self.actions)))]
-        self.grad_buf: torch.Tensor | None = None
-        if not self.last and n_rows:
-            shape, _ = model.layer_output_shape(info.layer_end - 1, n_rows, seq_len)
-            self.grad_buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-
-    # ------------------------------------------------------------------ construction
-
-    def _make_segments(self) -> list[Segment]:
-        segments: list[Segment] = []
-        for layer in range(self.info.layer_start, self.info.layer_end):
-            owners = self.plan.layer_owners(layer)
-            if segments and segments[-1].owners == owners:
-                segments[-1].layers.append(layer)
-                segments[-1].modules.append(self.layers[layer])
-            else:
-                segments.append(Segment([layer], [self.layers[layer]], owners,
-                                        self.groups.group(owners), torch.empty(0),
-                                        counts_norm=self.comm.rank == owners[0],
-                                        recompute=self.train.recompute))
-        for seg in segments:
-            params = [p for m in seg.modules for p in m.parameters()]
-            # empty, not zeros: every step zeroes it first (_pipeline), and an untouched
-            # allocation costs nothing until then
-            seg.flat = torch.empty(sum(p.numel() for p in params), dtype=self.dtype,
-                                   device=self.device)
-            offset = 0
-            for p in params:
-                p.grad = seg.flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-        return segments
+        self.act_slots, self.grad_buf = transfer_buffers(
+            model, range(info.layer_start, info.layer_end), self.rows,
+            job.data.seq_len or model.seq_len, slots=max(1, max_in_flight(self.actions)),
+            first=self.first, last=self.last, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ per-layer state
 
@@ -479,7 +383,7 @@ class Engine:
             torch.autograd.backward(out, grad_tensors=grad if grad is None else grad.to(out.dtype))
             grad = inp.grad
             if final:
-                self._start_sync(self.segments[i])
+                self.segments[i].start_all_reduce()
         if not self.first:
             self._outputs[("SEND_GRAD", k)] = grad
 
@@ -491,15 +395,10 @@ class Engine:
         (groups.Comm.abandon)."""
         self.comm.wait(work, self._waiter, self.abort, sync=sync)
 
-    def _start_sync(self, seg: Segment) -> None:
-        if seg.group is not None:
-            seg.work = dist.all_reduce(seg.flat, op=dist.ReduceOp.SUM, group=seg.group,
-                                       async_op=True)
-
     def _sync(self, loss_sum: torch.Tensor) -> torch.Tensor:
         if self.microbatches == 0:  # a pipeline with no samples still joins the reductions
             for seg in self.segments:
-                self._start_sync(seg)
+                seg.start_all_reduce()
         for seg in self.segments:
             if seg.work is not None:
                 try:

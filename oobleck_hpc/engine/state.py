@@ -31,7 +31,7 @@ class StepResult:
     compute_s: float = 0.0
     """This rank's time in its forward and backward computations (not waiting for peers): what
     a straggler's node is slow at (recovery/straggler.py). On GPUs the GPU's time
-    (engine.ComputeClock: CUDA events), not the host's time to launch the kernels."""
+    (engine/clock.py: CUDA events), not the host's time to launch the kernels."""
     error: BaseException | None = None
     phase: str | None = None
     """Where it failed: forward, backward, gradient_sync or optimizer."""

@@ -5,11 +5,12 @@ act on a running job -- kill-node, drain, grow, watch -- are in operate/cli.py.)
 rank 0 prints the plan, progress and a summary. `launch: slurm` jobs are submitted with
 `oobleck-hpc submit` instead. Nothing heavy is imported until the command runs.
 
-The command is the job's main process for the watchdog (`oobleck-hpc watch RUN_DIR`,
-operate/watch.py): it takes RUN_DIR/job.lock first (a second copy of the job refuses to start),
-records how to start it again (RUN_DIR/run.json), and how it ended (RUN_DIR/exit.json). A job
-that exits 75 (guarantee exceeded, or SIGTERM/SIGUSR2: checkpoint on disk) is started again and
-resumes from its checkpoint, at most --max-requeues times (launch/requeue.py).
+The command is the job's main process for the watchdog (`oobleck-hpc watch RUN_DIR`; the
+contract: operate/liveness.py): it takes RUN_DIR/job.lock first (a second copy of the job
+refuses to start), records how to start it again (RUN_DIR/run.json), and how it ended
+(RUN_DIR/exit.json). A job that exits 75 (guarantee exceeded, or SIGTERM/SIGUSR2: checkpoint
+on disk) is started again and resumes from its checkpoint, at most --max-requeues times
+(launch/requeue.py).
 
 Each invocation is a new run with its own id (oobleck_hpc/records/runs.py): the previous run's records
 in RUN_DIR move to RUN_DIR/history/<its id>/ first, so runs never mix. A watchdog restart
@@ -52,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from oobleck_hpc.records import runs
     from oobleck_hpc.config import load_job
-    from oobleck_hpc.operate.watch import JobLock, write_run_record
+    from oobleck_hpc.operate.liveness import JobLock, write_run_record
 
     overrides = {}
     if args.steps is not None:
@@ -92,7 +93,7 @@ def end_run(run_dir, code: int, metrics=None) -> None:
     (oobleck_hpc/records/runs.py: finished only when its last step is committed)."""
     from oobleck_hpc.records import runs
     from oobleck_hpc.records.events import EventLog
-    from oobleck_hpc.operate.watch import record_exit
+    from oobleck_hpc.operate.liveness import record_exit
     from oobleck_hpc.records.story import Story
 
     out = runs.outcome(run_dir, metrics=metrics)

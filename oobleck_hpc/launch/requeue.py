@@ -2,8 +2,8 @@
 
 Under Slurm a job that exits with errors.EXIT_REQUEUE (75: the guarantee was exceeded, or a
 pre-timeout / preemption signal arrived, and a checkpoint is on disk) is requeued by the launch
-driver (`scontrol requeue`, launch/slurm.py) and comes back with the nodes Slurm gives it. On one
-machine `oobleck-hpc run` plays that role with `run_with_requeue`:
+driver (`scontrol requeue`, launch/slurm_driver.py) and comes back with the nodes Slurm gives
+it. On one machine `oobleck-hpc run` plays that role with `run_with_requeue`:
 
     code = run_with_requeue(lambda attempt, nodes: launch(...), nodes=job.cluster.nodes,
                             run_dir=run_dir, max_requeues=3)

@@ -1,6 +1,8 @@
 """Launch a job on Slurm with submitit: one driver in the batch script, one agent per node.
 
-The only module that imports submitit. The shape of a submitted job:
+The only module that imports submitit: what the login node does (submit a job or a replacement,
+ask the controller, wait for the result). What runs inside the job -- `SlurmDriver`,
+`JoinDriver`, `LaunchResult` -- is launch/slurm_driver.py. The shape of a submitted job:
 
     sbatch  --nodes=N --no-kill --requeue --signal=USR2@90 --time=T ...   (submitit SlurmExecutor)
       batch script, first node:  python -m submitit.core._submit FOLDER  ->  SlurmDriver()
@@ -55,62 +57,24 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import submitit
 
-from oobleck_hpc.records import runs
-from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wait_for_discovery
-from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
+from oobleck_hpc.bootstrap.environment import current_job_nodes
 from oobleck_hpc.config import JobConfig
-from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE, OobleckError
+from oobleck_hpc.errors import OobleckError
 from oobleck_hpc.files import write_json
-from oobleck_hpc.launch.slurm_task import (REPLACEMENTS_DIR, begin_run, end_replacements,
-                                          job_fields, nodes_left, recorded_outcome, requeue,
-                                          run_verdict)
-from oobleck_hpc.launch.supervise import Supervisor
+from oobleck_hpc.launch.slurm_driver import JoinDriver, LaunchResult, SlurmDriver
+from oobleck_hpc.launch.slurm_task import REPLACEMENTS_DIR, job_fields
+from oobleck_hpc.records import runs
 
 DEFAULT_AGENT_COMMAND = "{python} -m oobleck_hpc.control.agent --job {job} --run-dir {run_dir}"
 """The per-node command (the elastic agent). Override per job with `slurm.agent_command`."""
 
-DISCOVERY_TIMEOUT_S = 300
 
 class SlurmUnavailable(OobleckError):
     """No Slurm controller answers (`scontrol ping`)."""
-
-
-@dataclass
-class LaunchResult:
-    """What the driver returns (the submitit job's result): how the agents' step ended."""
-
-    job_id: str
-    restart_count: int
-    nodes: list[str]
-    """Nodes the agents were started on (the discovery roster)."""
-    lost_nodes: list[str]
-    """Nodes the controller dropped from the job while the agents ran (node failures)."""
-    exit_code: int
-    """The verdict over the surviving agents' exit codes (see `verdict`)."""
-    discovery_s: float
-    run_s: float
-    log_dir: str
-    events: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_record(cls, record: dict, log_dir: str) -> LaunchResult:
-        """From RUN_DIR/launch-JOB-rK.json, written by the driver or by the last agent
-        (slurm_task.finish_without_driver, which records no timings)."""
-        return cls(job_id=record["job_id"], restart_count=record["restart_count"],
-                   nodes=record["nodes"], lost_nodes=record["lost_nodes"],
-                   exit_code=record["exit_code"], discovery_s=record.get("discovery_s", 0.0),
-                   run_s=record.get("run_s", 0.0), log_dir=record.get("log_dir", log_dir),
-                   events=record.get("events", [f"finished by the agent on "
-                                                f"{record.get('finished_by')} after the batch "
-                                                f"host {record.get('batch_host_lost')} was lost"]))
 
 
 def agent_argv(template: str | None, *, python: str, job_file: str | Path,
@@ -122,128 +86,6 @@ def agent_argv(template: str | None, *, python: str, job_file: str | Path,
                            run_dir=shlex.quote(str(run_dir)),
                            roster=shlex.quote(str(Path(run_dir) / "roster.json")))
     return shlex.split(text)
-
-
-@dataclass
-class SlurmDriver:
-    """The callable submitit runs in the batch script (once, on the first node)."""
-
-    job_file: str
-    run_dir: str
-    agent: list[str]
-    mpi: str = "pmix"
-    python: str = sys.executable
-    min_nodes: int = 1
-    """The fewest nodes the job's plan accepts (`min_nodes`): below it, requeue and wait."""
-    members: int = 0
-    """Generation 0's node count (`members`): the allocation's nodes after it are spares."""
-    group_access: bool = False
-    """The job's: the run's files are also its user's group's to read (records/runs.py, "Private")."""
-
-    def __call__(self) -> LaunchResult:
-        env = detect()
-        if env.source != "slurm":
-            raise RuntimeError("SlurmDriver runs inside a Slurm batch job (SLURM_JOB_ID unset)")
-        run_dir = Path(self.run_dir)
-        os.umask(runs.umask(self.group_access))  # the run's files and its steps' (srun passes it)
-        begin_run(run_dir, env.job_id, env.restart_count, self.group_access)  # + OOBLECK_RUN_ID
-        logs = run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        tag = f"{env.job_id}-r{env.restart_count}"
-        recorded = recorded_outcome(run_dir, env.job_id, env.restart_count)
-        if recorded is not None:  # the last agent requeued the job to publish this (slurm_task)
-            return self._end(LaunchResult.from_record(recorded, str(logs)))
-        nodes = current_job_nodes(env.job_id)  # fresh even if SLURM_JOB_NODELIST is stale
-        events = [f"start job {env.job_id} restart {env.restart_count} nodes {nodes}"]
-
-        t0 = time.monotonic()
-        try:
-            nodes = run_discovery_step(run_dir, nodes, python=self.python, mpi=self.mpi,
-                                       log=logs / f"discovery-{tag}.out",
-                                       min_nodes=self.min_nodes, members=self.members,
-                                       timeout_s=DISCOVERY_TIMEOUT_S)
-        except TooFewNodes as e:
-            print(f"oobleck: {e}; requeueing job {env.job_id}", file=sys.stderr, flush=True)
-            self._requeue(env.job_id, run_dir, tag, reason=str(e))
-        found = wait_for_discovery(run_dir, env.job_id, env.restart_count, timeout_s=30)
-        roster = list(found.roster.names)
-        discovery_s = time.monotonic() - t0
-        events.append(f"discovery {discovery_s:.2f} s: {roster}, digest {found.digest}")
-
-        t1, since = time.monotonic(), time.time()
-        (run_dir / "exit" / tag).mkdir(parents=True, exist_ok=True)  # one file per node (slurm_task)
-        agents = ["srun", "--no-kill", "--kill-on-bad-exit=0", f"--nodes={len(roster)}",
-                  f"--ntasks={len(roster)}", "--ntasks-per-node=1", f"--nodelist={','.join(roster)}",
-                  f"--output={logs}/agent-{tag}-%t.out", self.python, "-m",
-                  "oobleck_hpc.launch.slurm_task", "--run-dir", str(run_dir), "--tag", tag, "--",
-                  *self.agent]
-        supervisor = Supervisor(Path(self.job_file), run_dir, env.job_id, roster, since,
-                                self.python)
-        supervisor.start()
-        # the last agent requeues the job when this node dies (slurm_task): on the nodes left
-        step_rc = subprocess.run(agents, env={**os.environ,
-                                              "OOBLECK_MIN_NODES": str(self.min_nodes)}).returncode
-        supervisor.stop.set()
-        run_s = time.monotonic() - t1
-        survivors = set(current_job_nodes(env.job_id))
-        lost = [n for n in roster if n not in survivors]
-        rc, codes, out = run_verdict(run_dir, tag)
-        events.append(f"agents step exited {step_rc} after {run_s:.1f} s; lost nodes {lost}; "
-                      f"exit codes {codes}; the run {out.describe()}; verdict {rc}")
-        result = LaunchResult(env.job_id, env.restart_count, roster, lost, rc, discovery_s, run_s,
-                              str(logs), events)
-        write_json(run_dir / f"launch-{tag}.json", result.to_dict())
-        end_replacements(run_dir, f"the job's run ended with exit {rc}")
-        if rc == EXIT_REQUEUE:
-            self._requeue(env.job_id, run_dir, tag, nodes_left(roster, codes, self.min_nodes))
-        return self._end(result)
-
-    @staticmethod
-    def _end(result: LaunchResult) -> LaunchResult:
-        """Return the result (submitit publishes it; the job ends COMPLETED), or leave with the
-        verdict as the batch script's exit code (sacct: FAILED with that code; `wait_result`
-        reads the result from RUN_DIR/launch-JOB-rK.json)."""
-        if result.exit_code == EXIT_OK:
-            return result
-        print(f"oobleck: job {result.job_id} ended with exit {result.exit_code} (lost nodes "
-              f"{result.lost_nodes}); see {result.log_dir}", file=sys.stderr, flush=True)
-        raise SystemExit(result.exit_code)  # not an Exception: submitit lets it end the process
-
-    @staticmethod
-    def _requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None = None,
-                 reason: str = "") -> None:
-        """Ask Slurm to requeue this job (on `nodes` nodes: slurm_task.requeue), then wait until
-        it has (Restarts grows) and leave without a result: returning would make submitit
-        publish a result for a job that is coming back. Leaving by ourselves also matters where
-        Slurm tracks processes by parentage (proctrack/linuxproc): this process outlives the
-        killed batch shell there."""
-        before = _restarts(job_id)
-        requeue(job_id, run_dir, tag, nodes, reason)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and _restarts(job_id) == before:
-            time.sleep(1)
-        os._exit(EXIT_REQUEUE)
-
-
-@dataclass
-class JoinDriver:
-    """The callable a replacement job runs in its batch script: one agent per node, each with
-    `--join` (it adds its node to the running job's roster and joins like a spare)."""
-
-    run_dir: str
-    agent: list[str]
-    group_access: bool = False
-    """The job's (SlurmDriver.group_access)."""
-
-    def __call__(self) -> int:
-        os.umask(runs.umask(self.group_access))  # the agents' files (srun passes it on)
-        env = detect()
-        nodes = current_job_nodes(env.job_id)
-        logs = Path(self.run_dir) / "logs"
-        return subprocess.run(
-            ["srun", "--no-kill", "--kill-on-bad-exit=0", f"--nodes={len(nodes)}",
-             f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-             f"--output={logs}/agent-join-{env.job_id}-%t.out", *self.agent, "--join"]).returncode
 
 
 def run_dir_of_job(job_id: str) -> Path:
@@ -320,13 +162,6 @@ def submit_replacement(job: JobConfig, run_dir: Path, count: int, reason: str,
         "replacement_submitted", job_id=submitted.job_id, nodes=count, for_job=main,
         reason=reason)
     return submitted.job_id
-
-
-def _restarts(job_id: str) -> int:
-    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
-                         timeout=60).stdout
-    match = re.search(r"Restarts=(\d+)", out)
-    return int(match.group(1)) if match else -1
 
 
 def require_controller() -> None:

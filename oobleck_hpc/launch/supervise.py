@@ -1,7 +1,7 @@
 """The batch script's watch over a Slurm job's agents (`Supervisor`): it gives back nodes the
 agents agreed away that the job still holds, and with `fault_tolerance.replace` asks for
 replacement jobs (launch/slurm.py's `submit_replacement`, through `oobleck-hpc grow`). The
-submitit driver (slurm.py) runs one beside its agents step; slurm/train.sbatch runs
+submitit driver (slurm_driver.py) runs one beside its agents step; slurm/train.sbatch runs
 `python -m oobleck_hpc.launch.supervise` (below)."""
 
 from __future__ import annotations

@@ -244,7 +244,8 @@ def not_running(run_dir) -> str | None:
     from pathlib import Path
 
     from oobleck_hpc.records import runs
-    from oobleck_hpc.operate.watch import EXIT_RECORD, SLURM_ALIVE, lock_holder
+    from oobleck_hpc.operate.liveness import EXIT_RECORD, lock_holder
+    from oobleck_hpc.operate.watch import SLURM_ALIVE
 
     run_dir = Path(run_dir)
     run = runs.read_run_id(run_dir)

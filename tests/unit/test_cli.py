@@ -31,7 +31,7 @@ def test_grow_answers_a_job_that_ended_at_once_and_returns_when_it_ends_while_wa
     import time
 
     from oobleck_hpc.launch import local
-    from oobleck_hpc.operate.watch import JobLock, record_exit
+    from oobleck_hpc.operate.liveness import JobLock, record_exit
 
     monkeypatch.setattr(local, "grow", lambda run_dir, count: ["node5"])  # the launcher's answer
     run_dir = tmp_path / "run"

@@ -3,7 +3,8 @@
 - no import cycle between modules of oobleck_hpc;
 - no module of oobleck_hpc imports from `tests`, and no file of oobleck_hpc/ mentions OOBLECK_TEST;
 - production code never imports `oobleck_hpc.testing` (test and benchmark support only);
-- no module of oobleck_hpc is longer than 500 lines after its docstring;
+- no module of oobleck_hpc is longer than 400 lines after its docstring, unless its docstring is a
+  written protocol (PROTOCOL_MODULES);
 - no function of oobleck_hpc/control/ or oobleck_hpc/recovery/ is longer than 60 lines;
 - the directions of import between packages (DESIGN.md): the control plane never imports torch,
   the engine never imports recovery, each heavy dependency lives in its one module.
@@ -33,7 +34,15 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "oobleck_hpc"
-MAX_LINES = 500
+MAX_LINES = 400
+PROTOCOL_MODULES = {"oobleck_hpc/control/membership.py"}
+"""Modules whose docstring is a written protocol (the membership protocol and its safety
+argument): the specification stays next to the code it specifies, and the module is not held to
+MAX_LINES."""
+BEING_SPLIT = {"oobleck_hpc/control/agent.py", "oobleck_hpc/control/loop.py",
+               "oobleck_hpc/recovery/driver.py"}
+"""TEMPORARY (issue 30): modules over MAX_LINES that other branches of the issue split by
+concern; each of those branches removes its modules from this set."""
 MAX_FUNCTION_LINES = 60
 
 
@@ -177,7 +186,8 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"b": 1}}) is None
     # On the package itself: a lazy import (ModelConfig.check) and the package it runs first.
     real = dependency_graph()
-    assert {"oobleck_hpc.models.configs", "oobleck_hpc.models"} <= set(real["oobleck_hpc.config"])
+    assert {"oobleck_hpc.models.configs", "oobleck_hpc.models"} <= set(
+        real["oobleck_hpc.configs.training"])
 
 
 def test_no_import_cycles():
@@ -223,10 +233,10 @@ def test_no_function_of_the_elastic_layer_is_longer_than_60_lines():
     assert not long, "\n".join(long) + "\nFix: split it into named steps"
 
 
-def test_no_module_is_longer_than_500_lines():
-    """Lines after the module docstring: a module's written specification (the membership
-    protocol and its safety argument) stays next to the code it specifies."""
-    too_long = {}
+def test_no_module_is_longer_than_400_lines():
+    """Lines after the module docstring; a module whose docstring is a written protocol
+    (PROTOCOL_MODULES) is exempt, and so, for now, are the modules of BEING_SPLIT."""
+    too_long, split = {}, set()
     for path in _modules().values():
         name = path.relative_to(PACKAGE.parent).as_posix()
         text = path.read_text()
@@ -235,10 +245,14 @@ def test_no_module_is_longer_than_500_lines():
             isinstance(getattr(tree.body[0], "value", None), ast.Constant) and \
             isinstance(tree.body[0].value.value, str) else None
         lines = len(text.splitlines()) - (doc.end_lineno if doc is not None else 0)
-        if lines > MAX_LINES:
+        if lines > MAX_LINES and name in BEING_SPLIT:
+            split.add(name)
+        elif lines > MAX_LINES and name not in PROTOCOL_MODULES:
             too_long[name] = lines
     assert not too_long, (f"modules over {MAX_LINES} lines: {too_long}; split them by concern "
                           f"(one module per concern, re-exported where callers import them)")
+    assert split == BEING_SPLIT, (f"{sorted(BEING_SPLIT - split)} are no longer over {MAX_LINES} "
+                                  "lines: remove them from BEING_SPLIT")
 
 
 OPTIONAL_OWNERS = {"transformers": "oobleck_hpc.models.hf",

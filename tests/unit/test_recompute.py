@@ -12,7 +12,7 @@ import torch
 from test_planning_templates import random_profile
 
 from oobleck_hpc.config import job_from_dict
-from oobleck_hpc.engine.engine import Segment
+from oobleck_hpc.engine.stage import Segment
 from oobleck_hpc.errors import PlanningError
 from oobleck_hpc.models.base import build_model
 from oobleck_hpc.planning import cost, plan_job
