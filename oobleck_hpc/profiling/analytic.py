@@ -205,6 +205,18 @@ def _hf_layers(arch: HFArch, b: int, s: int, e: int) -> list[LayerCounts]:
                            tokens * d * e + 4 * tokens * V, 4)])
 
 
+def training_flops_per_sample(model: str | GPTConfig | HFArch, seq_len: int | None = None) -> float:
+    """FLOPs of one sample's forward and backward pass (3 x forward: backward = 2 x forward),
+    from the counts above: the "model FLOPs" of MFU, no recomputation counted. `seq_len`:
+    tokens per sample (default: the model's context length)."""
+    cfg = _model(model)
+    if isinstance(cfg, HFArch):
+        counts = _hf_layers(cfg, 1, seq_len or cfg.max_positions, 2)
+    else:
+        counts = _gpt_layers(cfg, 1, seq_len or cfg.seq_len, 2)
+    return 3.0 * sum(c.fwd_flops for c in counts)
+
+
 def analytic_profile(model: str | GPTConfig | HFArch, device: str, microbatch_size: int,
                      dtype: str = "bfloat16", gpus_per_node: int = 8,
                      matmul_efficiency: float | None = None, name: str | None = None,

@@ -18,6 +18,12 @@ def test_bundled_examples_load(path):
 
         assert load_scenario(path).name
         return
+    if path.name.startswith("fleet-"):  # a fleet of jobs (oobleck_hpc/fleet), each a job file
+        from oobleck_hpc.fleet.config import load_fleet
+
+        fleet, jobs = load_fleet(path)
+        assert len(jobs) == len(fleet.jobs) >= 1
+        return
     job = load_job(path)
     assert isinstance(job, JobConfig) and job.source == str(path)
 

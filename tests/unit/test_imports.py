@@ -320,12 +320,14 @@ NEVER = {
     "oobleck_hpc.records": {"torch", "oobleck_hpc.recovery", "oobleck_hpc.engine"},
     "oobleck_hpc.planning": {"torch.distributed", "h5py", "mpi4py", "submitit"},
     "oobleck_hpc.engine": {"oobleck_hpc.recovery", "oobleck_hpc.control"},
+    "oobleck_hpc.fleet": {"torch", "h5py", "mpi4py", "submitit", "oobleck_hpc.recovery",
+                          "oobleck_hpc.engine", "oobleck_hpc.control", "oobleck_hpc.launch"},
 }
 """Package -> what none of its modules may import, lazily or not, nor load when imported through
 any chain of imports (DESIGN.md, "Directions of import"): agents start without torch; the engine
-reports failures as values. (A lazy import elsewhere runs only where it is called: a function of
-config that imports the models is one the agents never call, and the tests that start agents
-check that torch stays out of them.)"""
+reports failures as values; the fleet's decision is arithmetic on the planner's curves. (A lazy
+import elsewhere runs only where it is called: a function of config that imports the models is
+one the agents never call, and the tests that start agents check that torch stays out of them.)"""
 
 OWNERS = {"h5py": "oobleck_hpc.profiling.store", "mpi4py": "oobleck_hpc.bootstrap.discovery",
           "submitit": "oobleck_hpc.launch.slurm"}
