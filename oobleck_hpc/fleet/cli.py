@@ -4,8 +4,9 @@ fleet's nodes would be shared, and what each job would train at.
 Builds every job's WAF curve (curves.py: its own planner, its templates once, instantiated for
 every node count) and the decision (allocate.py) over the pool's nodes. Prints each job's
 nodes, predicted samples/s, FLOP/s and WAF (weight x FLOP/s), the total WAF and the nodes left
-idle. --current gives the allocation running now: each job whose count changes then pays its
-transition_s x its WAF, amortised over the pool's MTBF, and the WAF before is printed too.
+idle. --current gives the allocation running now (a job it does not name has 0 nodes: it waits): each
+job whose count changes then pays its transition_s x its WAF, amortised over the pool's MTBF
+(starting a waiting job too), and the WAF before is printed too.
 --json: one object (keys fleet, nodes, mtbf_hours, jobs, total_waf, objective, idle_nodes,
 waf_before, seconds), each job with its whole curve (samples_per_s_by_nodes, index = nodes).
 
@@ -28,8 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("fleet", help="YAML fleet file")
     q.add_argument("--nodes", type=int, default=None, help="the pool's nodes (default: pool.nodes)")
     q.add_argument("--current", default=None, metavar="NAME=K,...",
-                   help="the node counts running now: moves away from them cost (default: a "
-                        "fresh start, nothing moves)")
+                   help="the node counts running now (a job not named: 0): moves away from "
+                        "them cost (default: a fresh start, nothing moves)")
     q.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     q.set_defaults(func=run)
 
@@ -47,7 +48,7 @@ def parse_current(text: str | None, names: list[str]) -> dict[str, int]:
                               f"NAME a job of the fleet", f"use e.g. {names[0]}=4; the jobs "
                               f"are: {', '.join(names)}")
         out[name] = int(count)
-    return out
+    return {name: out.get(name, 0) for name in names}  # a job not named waits: 0 nodes
 
 
 def plan_fleet(path: str, nodes: int | None, current_text: str | None = None) -> dict:

@@ -78,3 +78,22 @@ def test_fleet_plan_prints_the_allocation_and_its_json_adds_up(capsys):
     assert "total WAF" in out and "WAF now" in out
     assert cli.main(["fleet", "plan", str(TINY), "--current", "nobody=3"]) == 2
     assert "the jobs are: gpt-tiny-local" in capsys.readouterr().err
+
+
+def test_current_counts_name_the_jobs_and_a_job_not_named_waits():
+    from oobleck_hpc.fleet.cli import parse_current
+
+    assert parse_current(None, ["a", "b"]) == {}
+    assert parse_current("b=3", ["a", "b"]) == {"a": 0, "b": 3}
+    with pytest.raises(ConfigError, match="the jobs are: a, b"):
+        parse_current("a=x", ["a", "b"])
+
+
+def test_flops_per_sample_is_six_times_parameters_times_tokens_plus_attention():
+    from oobleck_hpc.profiling.analytic import training_flops_per_sample
+
+    # GPT-3 6.7B: 6 N s with N = 6.7e9, s = 2048, and attention's 12 n_layer d s^2 on top
+    assert training_flops_per_sample("gpt3-6.7b") == pytest.approx(6 * 6.7e9 * 2048, rel=0.1)
+    # half the tokens: half the dense FLOPs, a quarter of attention's
+    assert training_flops_per_sample("gpt3-6.7b", seq_len=1024) < \
+        training_flops_per_sample("gpt3-6.7b") / 2
