@@ -77,6 +77,7 @@ from oobleck_hpc.control.loop import EventLoop
 from oobleck_hpc.control.membership import Decision, LeaveKind, MembershipCore, Quorum
 from oobleck_hpc.control.topology import MONITORS, Monitor
 from oobleck_hpc.control.wire import NodeAddress, Roster, free_port
+from oobleck_hpc.polling import wait_until
 
 UNKNOWN_KEPT = 64
 """Messages kept for one node whose address is not known yet: a node grown into the job that a
@@ -184,12 +185,15 @@ class ControlPlane:
 
     def flush(self, timeout: float = 1.0) -> None:
         """Wait (bounded) until queued messages have been handed to the kernel."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def drained() -> bool:
             with self._lock:
-                if all(link.drained for link in self._links.values()):
-                    return
-            time.sleep(0.005)
+                return all(link.drained for link in self._links.values())
+
+        try:
+            wait_until(drained, timeout, "queued messages to be written", every_s=0.005)
+        except TimeoutError:
+            pass  # best effort: what a dead peer's link holds is lost with the agent anyway
 
     # ------------------------------------------------------------------ owner's API
 
