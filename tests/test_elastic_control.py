@@ -625,13 +625,13 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
 
 @pytest.mark.timeout(120)
 def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_path, monkeypatch):
-    """40 control planes in this process with the socket caps lowered to a few (loop.py:
+    """40 control planes in this process with the socket caps lowered to a few (links.py:
     OUT_CAP; inbound.py: IN_CAP), so that a round's messages to and from every member must
     queue for slots, close links after use, and ask senders to close (DROP): a kill is agreed by
     every survivor on the same view, then a second kill too, and no agent ever held more
     sockets than its caps allow or more threads than its loop and the one that checks lost
     connections."""
-    from oobleck_hpc.control import plane as control, inbound, loop as links
+    from oobleck_hpc.control import plane as control, inbound, links
     from oobleck_hpc.control.plane import ControlPlane
 
     monkeypatch.setattr(links, "OUT_CAP", 3)

@@ -359,7 +359,8 @@ def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_req
 # ----------------------------------------------------------------------------- the requeue loop
 
 
-def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_path, monkeypatch):
+def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_path, monkeypatch,
+                                                                          caplog):
     from oobleck_hpc.launch.requeue import run_with_requeue
     from oobleck_hpc.records.runs import attempt as restart_count
 
@@ -380,7 +381,6 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
     from oobleck_hpc.records.events import EventLog, read_events
 
     code, attempts = run_with_requeue(launch, nodes=4, run_dir=tmp_path, max_requeues=3,
-                                      log=lambda m: None,
                                       events=EventLog(tmp_path / "events.jsonl", "launcher"))
     assert code == 0 and [a.code for a in attempts] == [75, 75, 0]
     assert [s[1] for s in seen] == [4, 2, 2]  # attempt 1 left no record: same nodes again
@@ -393,11 +393,11 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
     assert "OOBLECK_ATTEMPT" not in os.environ  # restored after the loop
 
     code, attempts = run_with_requeue(lambda a: EXIT_REQUEUE, nodes=2, run_dir=tmp_path,
-                                      max_requeues=1, log=lambda m: None)
+                                      max_requeues=1)
     assert code == EXIT_REQUEUE and len(attempts) == 2  # gave up after one requeue
+    assert "giving up after 1 requeues" in caplog.text  # a warning (oobleck_hpc.launch.requeue)
     for bad_input in (0, 2, 3):
-        code, attempts = run_with_requeue(lambda a, c=bad_input: c, nodes=2, run_dir=tmp_path,
-                                          log=lambda m: None)
+        code, attempts = run_with_requeue(lambda a, c=bad_input: c, nodes=2, run_dir=tmp_path)
         assert code == bad_input and len(attempts) == 1  # never requeued
     with pytest.raises(ValueError):
         run_with_requeue(lambda a: 0, nodes=1, run_dir=tmp_path, max_requeues=-1)

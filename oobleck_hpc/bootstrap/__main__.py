@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from oobleck_hpc.bootstrap.environment import detect
+from oobleck_hpc.diagnostics import configure
 
 
 def _discover(args: argparse.Namespace) -> int:
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("job")
     p.set_defaults(func=_umask)
     args = parser.parse_args(argv)
+    configure("WARNING")  # (OOBLECK_LOG_LEVEL, from the CLI, else WARNING)
     return args.func(args)
 
 

@@ -28,18 +28,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from oobleck_hpc.bootstrap.environment import NodeEnvironment, current_job_nodes, detect
 from oobleck_hpc.control.wire import NodeAddress, Roster, reserve_port
 from oobleck_hpc.files import write_json
+from oobleck_hpc.polling import wait_until
 
 ROSTER_FILE = "roster.json"
 DISCOVERY_FILE = "discovery.json"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -157,19 +159,17 @@ def discover(run_dir: str | Path, env: NodeEnvironment | None = None,
 def wait_for_discovery(run_dir: str | Path, job_id: str, restart_count: int,
                        timeout_s: float = 60.0) -> Discovery:
     """Read the discovery of this job run (same job id and restart count), waiting for it."""
-    deadline = time.monotonic() + timeout_s
-    path = Path(run_dir) / DISCOVERY_FILE
-    while True:
+
+    def this_run() -> Discovery | None:
         try:
             found = Discovery.load(run_dir)
-            if (found.job_id, found.restart_count) == (job_id, restart_count):
-                return found
-        except (OSError, ValueError, KeyError):
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path}: no discovery for job {job_id} restart {restart_count} "
-                               f"after {timeout_s:.0f} s; did the discovery step run?")
-        time.sleep(0.1)
+        except (OSError, ValueError, KeyError):  # not written yet, or being replaced
+            return None
+        return found if (found.job_id, found.restart_count) == (job_id, restart_count) else None
+
+    return wait_until(this_run, timeout_s, f"the discovery of job {job_id} restart "
+                      f"{restart_count} in {Path(run_dir) / DISCOVERY_FILE} (did the discovery "
+                      "step run?)")
 
 
 class TooFewNodes(RuntimeError):
@@ -199,8 +199,8 @@ def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mp
                                       "true"], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) for n in nodes}
         bad = [n for n, p in tries.items() if _wait(p, 60) != 0]
-        print(f"discovery: attempt {attempt + 1} on {nodes} exited {rc}; nodes that cannot run "
-              f"a step: {bad or 'none'}", file=sys.stderr, flush=True)
+        logger.warning("discovery: attempt %d on %s exited %d; nodes that cannot run a step: %s",
+                       attempt + 1, nodes, rc, bad or "none")
         if not bad:
             raise RuntimeError(f"discovery step failed (exit {rc}) on nodes {nodes}, each of "
                                f"which runs a step alone; see {log}")

@@ -64,6 +64,7 @@ the end.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,7 +86,11 @@ if TYPE_CHECKING:
     from oobleck_hpc.profiling.profile import ModelProfile
 
 BEAT_EVERY_S = 1.0
+logger = logging.getLogger(__name__)
+"""What went wrong on the way (a refused checkpoint, a failed save or write): warnings."""
 _log = functools.partial(runs.say, "resume")
+"""The rank's account of a restore or a requeue (restored step N, stopping at step N, the
+step the requeued job resumes from): a worker's log says it at any log level."""
 
 
 @dataclass
@@ -163,7 +168,7 @@ class Resume:
         if self.rank == 0:
             found = find_latest(root)
             for why in found.skipped:
-                self.log(f"refused a checkpoint: {why}")
+                logger.warning("refused a checkpoint: %s", why)
             if found.checkpoint is not None:
                 step = found.checkpoint.step
         # Rank 0 may take long verifying a large checkpoint: the regroup's timeout bounds it.
@@ -260,7 +265,8 @@ class Resume:
                     self.faults("checkpoint", engine.state.step)
         except CheckpointError as e:
             # A failed save never stops training: the previous checkpoint stays the latest.
-            self.log(f"rank {self.rank}: checkpoint of step {engine.state.step} failed: {e}")
+            logger.warning("rank %d: checkpoint of step %d failed: %s", self.rank,
+                           engine.state.step, e)
 
     def _hook_fence(self, engine: Engine) -> None:
         """Make the engine call fence() before its optimizer changes the state (once per engine;
@@ -288,7 +294,7 @@ class Resume:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 beat(self.run_dir, step)
             except OSError as e:
-                self.log(f"cannot write the heartbeat in {self.run_dir}: {e}")
+                logger.warning("cannot write the heartbeat in %s: %s", self.run_dir, e)
             self._last_beat = now
 
     # ------------------------------------------------------------------ leaving
@@ -303,12 +309,12 @@ class Resume:
         if self.rank == 0 and self.events is not None:
             self.events.emit(ev.STOPPING, step=engine.state.step, reason=reason)
         if self.checkpointer is None:
-            self.log("checkpoint.dir is not set: nothing saved; the requeued job starts over")
+            logger.warning("checkpoint.dir is not set: nothing saved; the requeued job starts over")
         else:
             self._save(engine, sync=True)
             if self.rank == 0 and not wait_published(self.checkpointer.root, engine.state.step, 120):
-                self.log(f"the checkpoint of step {engine.state.step} was not published within "
-                         f"120 s; the job resumes from the latest published one")
+                logger.warning("the checkpoint of step %d was not published within 120 s; the job "
+                               "resumes from the latest published one", engine.state.step)
         if self.rank == 0:
             self._write_requeue_record(reason, engine.state.step,
                                        list(engine.plan.nodes) if nodes is None else nodes)
@@ -329,7 +335,7 @@ class Resume:
             try:
                 self.checkpointer.wait()
             except Exception as e:
-                self.log(f"rank {self.rank}: the in-flight checkpoint failed ({e})")
+                logger.warning("rank %d: the in-flight checkpoint failed (%s)", self.rank, e)
         if self.rank == 0:
             from oobleck_hpc.checkpoint import read_latest_pointer
 
@@ -353,7 +359,7 @@ class Resume:
                         "restart_count": runs.attempt(), "time": time.time()},
                        durable=True, indent=None)
         except OSError as e:
-            self.log(f"cannot write {self.run_dir / runs.REQUEUE_RECORD}: {e}")
+            logger.warning("cannot write %s: %s", self.run_dir / runs.REQUEUE_RECORD, e)
 
     def fence(self) -> None:
         """Wait until an in-flight snapshot is taken: call before anything but the engine's own

@@ -8,14 +8,15 @@ process groups -- authenticated with the run's secret, and has no single point o
 
 - `agent`         the per-node supervisor: `python -m oobleck_hpc.control.agent` owns its
                   node's workers, runs the control plane, relays memberships to the workers;
-                  `agent_options`: its options and command line.
+                  `agent_options`: its options and command line; `workers`: the worker
+                  processes (environment, watching threads, kill).
 - `membership`    the agreement protocol as a pure state machine (`MembershipCore`); its
                   docstring gives the message flow, what each timeout bounds and why two
                   survivors cannot decide differently; `decision`: what it agrees on (`Decision`,
                   `has_quorum`); `exchange`: the all-gathers that ride on it.
 - `plane`         `ControlPlane`: the protocol over sockets (heartbeats, leases, probes,
-                  fencing); `loop`: its one event-loop thread (outgoing links, timers);
-                  `inbound`: accepted connections; `topology`: who watches whom (K rings) and
+                  fencing); `loop`: its one event-loop thread (selector, timers);
+                  `links`: outgoing connections; `inbound`: accepted ones; `topology`: who watches whom (K rings) and
                   when silence becomes a suspicion.
 - `auth`          the run's secret and the authenticated handshake; `wire`: framing and the
                   `Roster`; `messages`: every message's declared fields.

@@ -7,7 +7,8 @@ srun step per node). It
    leases, membership agreement with the other agents -- control/membership.py);
 2. starts the node's workers (one per GPU: `--workers K` copies of WORKER COMMAND, each with an
    inherited link to the agent and the environment described in control/client.py);
-3. watches them: a worker's exit is seen at once (one thread blocked in wait() per worker);
+3. watches them (control/workers.py): a worker's exit is seen at once (one thread blocked in
+   wait() per worker);
 4. relays what workers report (in-band communication errors; "training": a step committed, so
    spares and grown nodes may join from now on) to the control plane, and what the control plane
    decides (a new generation: survivors, store address; an open round; fencing)
@@ -42,11 +43,8 @@ srun step per node). It
    (control/drain.py) -- it leaves at the next step boundary if the others can absorb it, else
    the job stops there with a checkpoint and is requeued without it.
 
-Worker environment (what `oobleck_hpc.bootstrap.detect()` reads, source 'local'): OOBLECK_NODE,
-OOBLECK_NODES (generation 0: the roster), OOBLECK_LOCAL_RANK, OOBLECK_NODE_ADDR, and as `extra`:
-OOBLECK_JOB (with --job), OOBLECK_RUN_DIR, OOBLECK_STORE (generation 0's store host:port, to be
-hosted by local rank 0 of the first roster node), OOBLECK_AGENT_FD, OOBLECK_LOCAL_WORLD,
-OOBLECK_NODE_INDEX (see oobleck_hpc/control/client.py for the link itself). The run's secret,
+The workers' processes -- their environment, the threads that watch them, killing them -- are
+control/workers.py's; this module decides what their messages and exits mean. The run's secret,
 which every control-plane connection proves (control/auth.py), is read from $OOBLECK_SECRET_FILE
 (inherited by the workers), else RUN_DIR/secret: an agent without it exits 2.
 
@@ -65,12 +63,7 @@ import errno
 import os
 import queue
 import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from oobleck_hpc.control.agent_options import AgentOptions, parse_args  # (re-exported: its command line)
@@ -81,7 +74,8 @@ from oobleck_hpc.control.drain import POLL_S, SHARED_POLL_S, DrainWatch
 from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.control.faults import DutyCycle
 from oobleck_hpc.control.membership import Decision
-from oobleck_hpc.control.wire import ConnectionClosed, recv_msg, send_msg
+from oobleck_hpc.control.workers import (Inbox, Worker, describe_exit, kill_workers, start_worker,
+                                         tell, worker_env)
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 MAX_WORKER_CRASHES = 3
@@ -92,33 +86,13 @@ EXIT_NODE_LOST = EXIT_UNRECOVERABLE
 without it)."""
 
 
-@dataclass
-class _Worker:
-    local_rank: int
-    proc: subprocess.Popen[bytes]
-    sock: socket.socket
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    done_code: int | None = None
-    """The code the worker announced ("done"; 0 for "leave"), None until then."""
-    reason: str = ""
-    leaving: bool = False
-    """It said "leave": it leaves the job early, the others go on."""
-    drained: bool = False
-    """It said "leave" after its node's drain was accepted (control/drain.py)."""
-    waiting: bool = False
-    """It waits for a membership (ready to train): a spare asks to join once all are."""
-    exit_code: int | None = None
-    link_read: threading.Event = field(default_factory=threading.Event)
-    """Set once the worker's link reached its end: everything it sent is in the inbox."""
-
-
 class Agent:
     """One node's agent (see module docstring). `run()` returns the process exit code."""
 
     def __init__(self, opts: AgentOptions):
         self.opts = opts
         self.events = EventLog(opts.run_dir / "events.jsonl", source=opts.node)
-        self.inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self.inbox: Inbox = queue.SimpleQueue()
         self.cp = ControlPlane(opts.node, opts.roster, secret=run_secret(opts.run_dir),
                                heartbeat_s=opts.heartbeat_s, lease_s=opts.lease_s,
                                probe_s=opts.probe_s,
@@ -126,7 +100,7 @@ class Agent:
                                startup_s=opts.startup_s, quorum=opts.quorum,  # type: ignore[arg-type]
                                open_to_joins=False, events=self.events,
                                on_note=lambda kind, fields: self.inbox.put(("note", kind, fields)))
-        self.workers: list[_Worker] = []
+        self.workers: list[Worker] = []
         self._exchange_parts: dict[tuple[int, str], dict[int, Any]] = {}
         self._trains = False
         """A worker committed a step: a crashed worker can rejoin (take the members' state)."""
@@ -165,7 +139,7 @@ class Agent:
             watch.stop()
             if self._slow is not None:
                 self._slow.stop()
-            self._kill_workers(grace=0.0)
+            kill_workers(self.workers, grace=0.0)
             self.cp.flush(timeout=1.0)
             self.cp.close()
             self.events.close()
@@ -195,80 +169,20 @@ class Agent:
     def _spawn_worker(self, lr: int, rejoin_after: int | None = None) -> None:
         """Start local rank `lr`'s worker; `rejoin_after`: it replaces a crashed one, and joins
         the job at the first generation decided after that one (recovery/driver.py, join)."""
-        parent, child = socket.socketpair()
-        env = dict(os.environ)
-        env.update(self.opts.extra_env)
-        roster, d0 = self.opts.roster, self.cp.decided
-        env.update({
-            "OOBLECK_AGENT_FD": str(child.fileno()),
-            "OOBLECK_NODE": self.opts.node,
-            "OOBLECK_NODES": ",".join(d0.nodes if self.cp.core.joined else d0.nodes + (self.opts.node,)),
-            "OOBLECK_NODE_ADDR": roster.address(self.opts.node).host,
-            "OOBLECK_NODE_INDEX": str(roster.names.index(self.opts.node)),
-            "OOBLECK_LOCAL_RANK": str(lr),
-            "OOBLECK_LOCAL_WORLD": str(self.opts.workers),
-            "OOBLECK_RUN_DIR": str(self.opts.run_dir),
-            "OOBLECK_STORE": f"{roster.address(d0.store_node).host}:{d0.store_port}",
-        })
-        if not self.cp.core.joined:
-            env["OOBLECK_SPARE"] = "1"  # OOBLECK_NODES: generation 0, then this spare
-        if rejoin_after is not None:
-            env["OOBLECK_REJOIN_AFTER_GEN"] = str(rejoin_after)
-            env["OOBLECK_FIRST_NODES"] = ",".join(self._first)  # the templates' size
-        if self.opts.job is not None:
-            env["OOBLECK_JOB"] = str(self.opts.job.resolve())
-        try:
-            proc = subprocess.Popen(self.opts.command, env=env, pass_fds=(child.fileno(),))
-        except OSError as e:
-            raise OobleckError(f"agent {self.opts.node}: cannot start worker "
-                               f"{self.opts.command!r}: {e}") from e
-        finally:
-            child.close()
-        w = _Worker(lr, proc, parent)
+        env = worker_env(self.opts, self.cp.decided, self.cp.core.joined, lr, self._first,
+                         rejoin_after)
+        w = start_worker(self.opts, lr, env, self.inbox)
         if rejoin_after is None:
             self.workers.append(w)
         else:
             self.workers[lr] = w
             self._tell_membership(self.cp.decided, [w])
-        threading.Thread(target=self._watch_exit, args=(w,), daemon=True,
-                         name=f"agent-wait-{lr}").start()
-        threading.Thread(target=self._watch_link, args=(w,), daemon=True,
-                         name=f"agent-link-{lr}").start()
-
-    def _watch_exit(self, w: _Worker) -> None:
-        code = w.proc.wait()
-        # What the worker sent before it exited (its "done") comes first: its end of the link
-        # closes with it, so the reader reaches the end at once. Without this wait the exit
-        # could overtake the "done" just before it ("exited without 'done'": a finished node
-        # taken for a crashed one; seen once in a CI run of test_engine_run).
-        w.link_read.wait(timeout=5.0)
-        self.inbox.put(("worker_exit", w, code))
-
-    def _watch_link(self, w: _Worker) -> None:
-        try:
-            while True:
-                try:
-                    msg = recv_msg(w.sock)
-                except (ConnectionClosed, OSError, ValueError):
-                    return
-                self.inbox.put(("worker_msg", w, msg))
-        finally:
-            w.link_read.set()
-
-    def _send(self, w: _Worker, msg: dict[str, Any]) -> None:
-        if w.exit_code is not None:
-            return
-        with w.lock:
-            try:
-                send_msg(w.sock, msg)
-            except OSError:
-                pass  # the worker is exiting; its exit is handled by _watch_exit
 
     def _broadcast(self, msg: dict[str, Any]) -> None:
         for w in self.workers:
-            self._send(w, msg)
+            tell(w, msg)
 
-    def _on_worker_msg(self, w: _Worker, msg: dict[str, Any]) -> None:
+    def _on_worker_msg(self, w: Worker, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
         if kind == "report":
             suspects = [s for s in msg.get("suspects", []) if s != self.opts.node]
@@ -304,7 +218,7 @@ class Agent:
         elif kind == "exchange":
             gen, key = msg["gen"], msg["key"]
             if gen != self.cp.decided.gen or self.cp.core.proposal is not None or self.cp.fenced:
-                self._send(w, {"type": "exchange_failed", "gen": gen, "key": key,
+                tell(w, {"type": "exchange_failed", "gen": gen, "key": key,
                                "reason": f"membership moved on (generation {self.cp.decided.gen}"
                                          f"{', round open' if self.cp.core.proposal else ''})"})
                 return
@@ -316,7 +230,7 @@ class Agent:
                 # (its reader threads do not wait for this loop).
                 self.cp.exchange(key, {str(lr): v for lr, v in parts.items()}, gen)
 
-    def _on_worker_exit(self, w: _Worker, code: int) -> int | None:
+    def _on_worker_exit(self, w: Worker, code: int) -> int | None:
         w.exit_code = code
         if w.drained:
             self.events.emit("worker_exited", local_rank=w.local_rank, code=code, drained=True)
@@ -354,7 +268,7 @@ class Agent:
             if w.done_code == EXIT_REQUEUE:
                 self._stop_siblings(w)
             return None
-        how = f"worker {w.local_rank} (pid {w.proc.pid}) exited with {_describe(code)} without 'done'"
+        how = f"worker {w.local_rank} (pid {w.proc.pid}) exited with {describe_exit(code)} without 'done'"
         crashes = self._crashes[w.local_rank] = self._crashes.get(w.local_rank, 0) + 1
         if self._trains and crashes < MAX_WORKER_CRASHES:
             # Restart it in place: a retry round (the probe finds every node alive) gives the
@@ -376,7 +290,7 @@ class Agent:
         self.cp.fail_self(how)
         return None  # the 'fenced' note that fail_self produced ends the loop
 
-    def _stop_siblings(self, w: _Worker) -> None:
+    def _stop_siblings(self, w: Worker) -> None:
         """`w` stopped for a requeue (its checkpoint fallback, which each rank decides from its
         own failed rounds, or a stop signal) while other workers of this node still run: the
         node can no longer take part in the job -- an exchange needs every local worker, so the
@@ -388,7 +302,7 @@ class Agent:
                 x.done_code, x.reason = EXIT_REQUEUE, (f"node {self.opts.node}: worker "
                                                        f"{w.local_rank} stopped for a requeue "
                                                        f"({w.reason or 'exit 75'})")
-                self._send(x, {"type": "fenced", "exit_code": EXIT_REQUEUE, "reason": x.reason})
+                tell(x, {"type": "fenced", "exit_code": EXIT_REQUEUE, "reason": x.reason})
 
     def _stop_node(self, how: str, code: int, reason: str) -> int:
         """This node stops on purpose while others may go on: tell the peers (BYE `how`), tell
@@ -396,22 +310,9 @@ class Agent:
         self.cp.leave(how, code, reason)  # type: ignore[arg-type]
         self._broadcast({"type": "fenced", "reason": f"node {self.opts.node} stops: {reason}",
                          "exit_code": code})
-        self._kill_workers(grace=self.opts.kill_grace_s)
+        kill_workers(self.workers, grace=self.opts.kill_grace_s)
         self.events.emit("agent_exit", code=code, reason=reason, how=how)
         return code
-
-    def _kill_workers(self, grace: float) -> None:
-        deadline = time.monotonic() + grace
-        for w in self.workers:
-            while w.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if w.proc.poll() is None:
-                w.proc.kill()
-        for w in self.workers:
-            try:
-                w.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
 
     def _forward_signal(self, signum: int, _frame: Any) -> None:
         # Runs between two bytecodes of the main thread: only a reentrant queue put is safe here.
@@ -454,24 +355,15 @@ class Agent:
             code = int(fields["code"])
             self._broadcast({"type": "fenced", "reason": fields["reason"], "exit_code": code})
             crashed = any(w.exit_code is not None and w.done_code is None for w in self.workers)
-            self._kill_workers(grace=0.0 if crashed else self.opts.kill_grace_s)
+            kill_workers(self.workers, grace=0.0 if crashed else self.opts.kill_grace_s)
             self.events.emit("agent_exit", code=code, reason=fields["reason"])
             return code
         return None
 
-    def _tell_membership(self, d: Decision, workers: list[_Worker] | None = None) -> None:
+    def _tell_membership(self, d: Decision, workers: list[Worker] | None = None) -> None:
         msg = {"type": "membership", **d.to_msg(), "store_host": self.cp.store_host(d.store_node)}
         for w in self.workers if workers is None else workers:
-            self._send(w, msg)
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"
+            tell(w, msg)
 
 
 # ---------------------------------------------------------------------- command line

@@ -5,7 +5,7 @@ Slurm job's first attempt) into RUN_DIR/secret, mode 0600, and kept by the run's
 attempts and the nodes grown into it (they read the same file). Agents and workers find it by
 path, in $OOBLECK_SECRET_FILE (default RUN_DIR/secret) -- never on a command line.
 
-A connection (loop.py opens it, inbound.py accepts it) costs no round trip:
+A connection (links.py opens it, inbound.py accepts it) costs no round trip:
 
 1. the connector's first frame is its HELLO {src, to, host, port, nonce, ts}: its own name, the
    accepter's, its address, 16 fresh random bytes and its clock; the connection's two keys are

@@ -1,5 +1,5 @@
-"""The accepted side of an agent's event loop (loop.py): its listening socket and the
-connections other agents opened to it.
+"""The accepted side of an agent's event loop (loop.py; links.py is the connecting side): its
+listening socket and the connections other agents opened to it.
 
 Every frame is authenticated (auth.py) and validated (messages.py) before anything acts on it;
 a connection that sends what cannot be acted on -- a first frame that is not a verified, fresh

@@ -3,7 +3,7 @@
 An agent decodes and checks each frame before it acts on it (`parse`): a JSON object whose
 "type" is below and whose required fields are present with these types (more fields are
 ignored). Anything else raises BadMessage: the event loop closes that one connection and records
-`frame_rejected` (loop.py); it never reaches the membership core, whose handlers may then index
+`frame_rejected` (inbound.py, links.py); it never reaches the membership core, whose handlers may then index
 the fields they need without checking them again. Stdlib only.
 """
 
@@ -57,7 +57,7 @@ def _decision(v: Any) -> bool:
 
 
 MESSAGES: dict[str, dict[str, Check]] = {
-    # loop.py: the first message on a connection (auth.py), its end, and the reader's request
+    # links.py, inbound.py: the first message on a connection (auth.py), its end, and the reader's request
     # to close it
     "hello": {"src": _str, "to": _str, "host": _str, "port": _int, "nonce": _str, "ts": _num},
     "unlink": {},

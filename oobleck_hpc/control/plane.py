@@ -20,7 +20,7 @@ sockets, with stdlib only. Per agent:
   observers close after `IDLE_CLOSE_S` idle, or at once after use in a job larger than
   links.OUT_CAP, so that in steady state an agent holds links only along its monitoring edges
   (topology.py), and never more than links.OUT_CAP outgoing and inbound.IN_CAP accepted
-  connections. A failed send is retried on a fresh connection (loop.py) before it becomes a
+  connections. A failed send is retried on a fresh connection (links.py) before it becomes a
   suspicion, so one flaky TCP connection does not exclude a healthy peer; a refused connection
   ends the retries at once (nobody listens on the peer's port: its agent is gone).
 - an inbound connection that ends without UNLINK is checked the same way before it counts (in
@@ -72,10 +72,12 @@ from typing import Any, Callable
 
 from oobleck_hpc.config import HEARTBEAT_S, LEASE_S, STARTUP_S
 from oobleck_hpc.records.events import EventLog
-from oobleck_hpc.control.loop import OUT_CAP, RETRY_PAUSE_S, SEND_ATTEMPTS, EventLoop, Link
+from oobleck_hpc.control.links import OUT_CAP, RETRY_PAUSE_S, SEND_ATTEMPTS, Link
+from oobleck_hpc.control.loop import EventLoop
 from oobleck_hpc.control.membership import Decision, LeaveKind, MembershipCore, Quorum
 from oobleck_hpc.control.topology import MONITORS, Monitor
 from oobleck_hpc.control.wire import NodeAddress, Roster, free_port
+from oobleck_hpc.polling import wait_until
 
 UNKNOWN_KEPT = 64
 """Messages kept for one node whose address is not known yet: a node grown into the job that a
@@ -135,7 +137,7 @@ class ControlPlane:
                                self.agreement_timeout_s, emit=self.events.emit)
         self.detector = self.monitor.detector
         self.rejected = 0
-        """Frames rejected (connections closed for them): loop.py, `_frame_rejected`."""
+        """Frames rejected (connections closed for them): inbound.py, links.py, `_frame_rejected`."""
         self.sent = self.received = 0
         """Messages sent and received (HELLOs included): the control plane's load."""
         self._t0 = time.monotonic()
@@ -161,7 +163,7 @@ class ControlPlane:
                           f"pick a free port on an interface of this host") from e
         sock.listen(4096)  # a round's messages from every member wait here (inbound.py: IN_CAP)
         self._loop = EventLoop(self, sock, IDLE_CLOSE_S)
-        self._links = self._loop.links
+        self._links = self._loop.connector.links
 
     def start(self) -> None:
         if self._loop is None:
@@ -183,12 +185,15 @@ class ControlPlane:
 
     def flush(self, timeout: float = 1.0) -> None:
         """Wait (bounded) until queued messages have been handed to the kernel."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def drained() -> bool:
             with self._lock:
-                if all(link.drained for link in self._links.values()):
-                    return
-            time.sleep(0.005)
+                return all(link.drained for link in self._links.values())
+
+        try:
+            wait_until(drained, timeout, "queued messages to be written", every_s=0.005)
+        except TimeoutError:
+            pass  # best effort: what a dead peer's link holds is lost with the agent anyway
 
     # ------------------------------------------------------------------ owner's API
 
@@ -342,7 +347,7 @@ class ControlPlane:
         """The outgoing link to `peer`, opened now if there is none (call with the lock held)."""
         assert self._loop is not None, "bind() or start() first"
         addr = self.roster.address(peer)
-        return self._loop.link(peer, (addr.host, addr.port))
+        return self._loop.connector.link(peer, (addr.host, addr.port))
 
     def _on_message(self, src: str, msg: dict[str, Any]) -> None:
         with self._lock:
@@ -368,7 +373,8 @@ class ControlPlane:
         self._link_failed(peer, "connection_lost")
 
     def _frame_rejected(self, src: str | None, peer: str, reason: str) -> None:
-        """The event loop closed a connection whose frame could not be acted on (loop.py).
+        """The event loop closed a connection whose frame could not be acted on (inbound.py,
+        links.py).
         Recorded, but not every one of a flood: the first REJECTS_LOGGED, then every 1000th."""
         self.rejected += 1
         if self.rejected <= REJECTS_LOGGED or self.rejected % 1000 == 0:

@@ -60,7 +60,6 @@ import datetime
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -70,6 +69,7 @@ import torch.distributed as dist
 
 from oobleck_hpc.engine.tied import union
 from oobleck_hpc.planning.plan import Plan
+from oobleck_hpc.polling import wait_until
 
 T = TypeVar("T")
 
@@ -250,13 +250,15 @@ class Comm:
             if not sync:
                 work.wait()
                 return
-            deadline = time.monotonic() + timeout_s
-            while not work.is_completed():
+
+            def completed() -> bool:
+                if work.is_completed():
+                    return True
                 if abort is not None and abort():
                     raise Aborted("the elastic layer aborted the step (a membership round opened)")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"a collective did not complete within {timeout_s} s")
-                time.sleep(0.0005)
+                return False
+
+            wait_until(completed, timeout_s, "a collective to complete", every_s=0.0005)
             work.wait()  # completed: raises if it failed (NCCL has no is_success() any more)
             return
         timeout = datetime.timedelta(seconds=timeout_s)

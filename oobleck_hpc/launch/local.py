@@ -50,6 +50,7 @@ from oobleck_hpc.config import JobConfig
 from oobleck_hpc.launch.local_agents import process_state
 from oobleck_hpc.errors import EXIT_BAD_INPUT
 from oobleck_hpc.files import write_json
+from oobleck_hpc.polling import wait_until
 from oobleck_hpc.records.story import Story, Tail
 
 
@@ -238,13 +239,12 @@ def grow(run_dir: str | Path, count: int, timeout: float = 30.0) -> list[str]:
                                 "at start)")
     request = request_grow(run_dir, count)
     done = request.with_suffix(".done")
-    deadline = time.monotonic() + timeout
-    while not done.exists():
-        if time.monotonic() > deadline:
-            request.unlink(missing_ok=True)
-            raise TimeoutError(f"no launcher answered within {timeout:.0f} s: is the job in "
-                               f"{run_dir} still running?")
-        time.sleep(0.05)
+    try:
+        wait_until(done.exists, timeout, f"the launcher of the job in {run_dir} to answer (is "
+                   "it still running?)", every_s=0.05)
+    except TimeoutError:
+        request.unlink(missing_ok=True)  # a launcher that comes back must not act on it
+        raise
     answer = json.loads(done.read_text())
     done.unlink()
     if "error" in answer:

@@ -33,6 +33,7 @@ from oobleck_hpc.config import FENCED_GRACE_S, STARTUP_S
 from oobleck_hpc.records import runs
 from oobleck_hpc.control.auth import SECRET_ENV, write_secret
 from oobleck_hpc.control.wire import NodeAddress, Roster, free_ports
+from oobleck_hpc.polling import wait_until
 
 
 @dataclass
@@ -140,9 +141,11 @@ class LocalAgents:
         pid = self.procs[node].pid
         os.killpg(pid, sig)
         if sig == signal.SIGSTOP:
-            deadline = time.monotonic() + 5
-            while process_state(pid) not in ("T", "t") and time.monotonic() < deadline:
-                time.sleep(0.001)
+            try:
+                wait_until(lambda: process_state(pid) in ("T", "t"), 5.0, f"{node} to stop",
+                           every_s=0.001)
+            except TimeoutError:
+                pass  # (a process in uninterruptible sleep stops later; the caller goes on)
         return t
 
     def kill(self, node: str) -> float:

@@ -28,7 +28,7 @@ the loop adds a `requeued` event per requeue); the per-node logs of a requeued a
 
 from __future__ import annotations
 
-import functools
+import logging
 import os
 import shutil
 import time
@@ -40,7 +40,7 @@ from oobleck_hpc.records import runs
 from oobleck_hpc.records import events as ev
 from oobleck_hpc.errors import EXIT_REQUEUE
 
-_log = functools.partial(runs.say, "requeue")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,14 +55,14 @@ class Attempt:
 
 
 def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: str | Path,
-                     max_requeues: int = 3, log: Callable[[str], None] = _log,
+                     max_requeues: int = 3,
                      min_nodes: int = 1, events=None) -> tuple[int, list[Attempt]]:
     """Run `launch(attempt)` until it returns something other than 75, at most
     `max_requeues` + 1 times. Returns (the last exit code, the attempts). A requeue runs on
     the nodes left alive, but never on fewer than `min_nodes` (the fewest the job's plan
     accepts, (f + 1) * n0: below it the planner would refuse the job -- as a requeued Slurm job
     gets the nodes it asks for, a local one gets that many pretend nodes). `events`: the run's
-    EventLog, for a `requeued` event per requeue (instead of a `log` line)."""
+    EventLog, for a `requeued` event per requeue (instead of a line logged)."""
     if max_requeues < 0:
         raise ValueError(f"max_requeues={max_requeues}: use 0 to never requeue")
     run_dir = Path(run_dir)
@@ -96,15 +96,16 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
             if index == max_requeues:
                 break
             if events is None:
-                log(f"attempt {index} exited 75 after {attempt.seconds:.1f} s "
-                    f"({attempt.reason}); requeue {index + 1}/{max_requeues} on {nodes} nodes"
-                    + (f" (alive: {', '.join(alive)})" if alive else ""))
+                logger.info("attempt %d exited 75 after %.1f s (%s); requeue %d/%d on %d nodes%s",
+                            index, attempt.seconds, attempt.reason, index + 1, max_requeues,
+                            nodes, f" (alive: {', '.join(alive)})" if alive else "")
             else:  # the console tells it (oobleck_hpc/records/story.py)
                 events.emit(ev.REQUEUED, next_attempt=base_restarts + index + 1, nodes=nodes,
                             alive=alive, reason=attempt.reason[:300],
                             seconds=round(attempt.seconds, 3))
-        log(f"giving up after {max_requeues} requeues (last: {attempts[-1].reason}); the latest "
-            f"checkpoint stays on disk -- run the job again to resume from it")
+        logger.warning("giving up after %d requeues (last: %s); the latest checkpoint stays on "
+                       "disk -- run the job again to resume from it", max_requeues,
+                       attempts[-1].reason)
         return EXIT_REQUEUE, attempts
     finally:
         for key, value in saved.items():

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import signal
@@ -56,7 +57,10 @@ from oobleck_hpc.records import runs
 from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.errors import EXIT_REQUEUE
 from oobleck_hpc.files import write_atomic, write_json
+from oobleck_hpc.diagnostics import configure
 from oobleck_hpc.polling import wait_until
+
+logger = logging.getLogger(__name__)
 
 
 def run_verdict(run_dir: Path, tag: str) -> tuple[int, dict[str, int], runs.Outcome]:
@@ -236,8 +240,8 @@ def requeue(job_id: str, run_dir: Path, tag: str, nodes: int | None, reason: str
         subprocess.run(["sh", "-c", '"$0" -m oobleck_hpc.launch.slurm_task --run-dir "$1" '
                         '--tag "$2" --shrink-when-pending "$3" >/dev/null 2>&1 </dev/null &',
                         sys.executable, str(run_dir), tag, str(nodes)], timeout=30)
-    print(f"slurm_task: requeueing job {job_id}"
-          + (f" on {nodes} node(s)" if nodes is not None else ""), file=sys.stderr, flush=True)
+    logger.info("slurm_task: requeueing job %s%s", job_id,
+                f" on {nodes} node(s)" if nodes is not None else "")
     done = subprocess.run(["scontrol", "requeue", job_id], timeout=60)
     # The requeue ends this run at once: Slurm's SIGTERM to the batch step can reach scontrol
     # itself before it exits (seen in a fresh-clone .ci/run: the driver took it for a failed
@@ -278,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                              "drivers' exit 75)")
     parser.add_argument("agent", nargs=argparse.REMAINDER, help="-- AGENT COMMAND...")
     args = parser.parse_args(argv)
+    configure("INFO")  # as its agent (OOBLECK_LOG_LEVEL, from the CLI, else INFO)
     run_dir = Path(args.run_dir)
     job_id = args.tag.rpartition("-r")[0]
     if args.shrink_when_pending is not None:
@@ -324,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         finish_without_driver(run_dir, args.tag, node)
     except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
-        print(f"slurm_task {node}: could not check the batch host ({e})", file=sys.stderr)
+        logger.warning("slurm_task %s: could not check the batch host (%s)", node, e)
     return rc
 
 

@@ -6,6 +6,7 @@ submitit driver (slurm_driver.py) runs one beside its agents step; slurm/train.s
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from oobleck_hpc.bootstrap.environment import detect, expand_hostlist
 from oobleck_hpc.launch.slurm_task import end_replacements, job_fields, roster_names, slurmd_alive
+
+logger = logging.getLogger(__name__)
 
 
 class Supervisor(threading.Thread):
@@ -67,7 +70,7 @@ class Supervisor(threading.Thread):
                     if self.replace and e["lost"] and want > 0 and self._replacement(e, want):
                         asked += want
                 except (OSError, subprocess.SubprocessError) as err:
-                    print(f"oobleck: generation {e['gen']}: {err}", file=sys.stderr, flush=True)
+                    logger.warning("oobleck: generation %s: %s", e["gen"], err)
 
     def _give_back(self, lost: list[str], pids: dict[str, list[int]]) -> None:
         from oobleck_hpc.records.events import EventLog
@@ -101,9 +104,9 @@ class Supervisor(threading.Thread):
         EventLog(self.run_dir / "events.jsonl", source="driver").emit(
             "nodes_released", nodes=held, ok=out.returncode == 0,
             detail=(out.stdout + out.stderr).strip()[:300])
-        print(f"oobleck: gave back {held} (agreed away, still allocated): "
-              f"{'done' if out.returncode == 0 else (out.stdout + out.stderr).strip()}",
-              file=sys.stderr, flush=True)
+        logger.log(logging.INFO if out.returncode == 0 else logging.WARNING,
+                   "oobleck: gave back %s (agreed away, still allocated): %s", held,
+                   "done" if out.returncode == 0 else (out.stdout + out.stderr).strip())
 
     def _replacement(self, e: dict, want: int) -> bool:
         env = {k: v for k, v in os.environ.items() if k == "SLURM_CONF"
@@ -113,8 +116,9 @@ class Supervisor(threading.Thread):
              "--job", str(self.job_file), "--reason",
              f"generation {e['gen']} lost {', '.join(e['lost'])}"],
             env=env, capture_output=True, text=True, timeout=120)
-        print(f"oobleck: replacement for generation {e['gen']}: "
-              f"{(out.stdout + out.stderr).strip()}", file=sys.stderr, flush=True)
+        logger.log(logging.INFO if out.returncode == 0 else logging.WARNING,
+                   "oobleck: replacement for generation %s: %s", e["gen"],
+                   (out.stdout + out.stderr).strip())
         return out.returncode == 0
 
 
@@ -126,12 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import signal
 
+    from oobleck_hpc.diagnostics import configure
+
     p = argparse.ArgumentParser(prog="python -m oobleck_hpc.launch.supervise",
                                 description="give back nodes agreed away; submit replacements")
     p.add_argument("--job", required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--since", type=float, required=True, help="the agents step's start (Unix time)")
     a = p.parse_args(argv)
+    configure("INFO")  # (OOBLECK_LOG_LEVEL, from the CLI, else INFO)
     run_dir = Path(a.run_dir)
     supervisor = Supervisor(Path(a.job), run_dir, detect().job_id, roster_names(run_dir),
                              a.since, sys.executable)

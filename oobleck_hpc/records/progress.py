@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from oobleck_hpc.polling import wait_until
+
 
 @dataclass
 class Progress:
@@ -123,15 +125,17 @@ not stop the others; after that they write without it."""
 def _lock(f, wait_s: float) -> None:
     import fcntl
 
-    deadline = time.monotonic() + wait_s
-    while True:
+    def locked() -> bool:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.01)
+            return False
+        return True
+
+    try:
+        wait_until(locked, wait_s, "the metrics file's lock", every_s=0.01)
+    except TimeoutError:
+        pass  # its holder is frozen: write without it (LOCK_WAIT_S)
 
 
 def _last_step_in(tail: bytes, run: str, attempt: int) -> int:

@@ -77,7 +77,8 @@ PER_RUN = ("events.jsonl", "metrics.jsonl", "logs", "logs-attempt*", "final", "e
 
 
 def say(who: str, msg: str) -> None:
-    """One diagnostic line on stderr, `[who] msg` (the requeue loop's and resume's)."""
+    """One line of a worker's account on stderr, `[who] msg`, whatever the log level (resume's:
+    the step it restored, the step it stops at for a requeue; checkpoint/resume.py)."""
     print(f"[{who}] {msg}", file=sys.stderr, flush=True)
 
 

@@ -5,9 +5,9 @@
 Network model (`NetModel`): a message takes latency_s plus a uniform jitter up to jitter_s,
 delivered in order per pair (TCP); with probability `loss` a segment is lost and TCP resends it
 after rto_s. A path can be cut (one direction, or both across a partition): its messages are
-dropped, and the sender's link fails after connect_timeout_s (loop.py: the connect timeout),
+dropped, and the sender's link fails after connect_timeout_s (links.py: the connect timeout),
 once per pair. A crashed agent's connections close: each peer that had one open sees it after
-one delay plus the liveness check (loop.py `reach`: two round trips). A stopped agent (SIGSTOP)
+one delay plus the liveness check (plane.py `reach`: two round trips). A stopped agent (SIGSTOP)
 runs nothing and its messages wait in the kernel until it resumes.
 
 What is measured (`Sim.run_scenario`):

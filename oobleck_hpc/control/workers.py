@@ -1,0 +1,161 @@
+"""A node's worker processes as its agent (agent.py) supervises them: start one per local rank
+with the environment the worker's bootstrap reads, watch each one, send it messages, kill what
+is left when the node stops.
+
+Watching costs two threads per worker: one blocked in wait() (an exit is seen at once) and one
+reading its link to the agent. Both only queue what they see on the agent's inbox --
+("worker_msg", worker, msg) and ("worker_exit", worker, code) -- what it means (relay it, restart
+the worker, stop the node) is the agent's decision, taken on its one thread.
+
+Worker environment (what `oobleck_hpc.bootstrap.detect()` reads, source 'local'): OOBLECK_NODE,
+OOBLECK_NODES (generation 0: the roster), OOBLECK_LOCAL_RANK, OOBLECK_NODE_ADDR, and as `extra`:
+OOBLECK_JOB (with --job), OOBLECK_RUN_DIR, OOBLECK_STORE (generation 0's store host:port, to be
+hosted by local rank 0 of the first roster node), OOBLECK_AGENT_FD, OOBLECK_LOCAL_WORLD,
+OOBLECK_NODE_INDEX (see oobleck_hpc/control/client.py for the link itself); a spare's workers
+get OOBLECK_SPARE, a restarted worker OOBLECK_REJOIN_AFTER_GEN and OOBLECK_FIRST_NODES.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from oobleck_hpc.control.agent_options import AgentOptions
+from oobleck_hpc.control.membership import Decision
+from oobleck_hpc.control.wire import ConnectionClosed, recv_msg, send_msg
+from oobleck_hpc.errors import OobleckError
+
+Inbox = queue.SimpleQueue[tuple[str, Any, Any]]
+"""The agent's queue of (what, a, b): everything its one thread acts on."""
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done_code: int | None = None
+    """The code the worker announced ("done"; 0 for "leave"), None until then."""
+    reason: str = ""
+    leaving: bool = False
+    """It said "leave": it leaves the job early, the others go on."""
+    drained: bool = False
+    """It said "leave" after its node's drain was accepted (control/drain.py)."""
+    waiting: bool = False
+    """It waits for a membership (ready to train): a spare asks to join once all are."""
+    exit_code: int | None = None
+    link_read: threading.Event = field(default_factory=threading.Event)
+    """Set once the worker's link reached its end: everything it sent is in the inbox."""
+
+
+def worker_env(opts: AgentOptions, d0: Decision, joined: bool, lr: int,
+               first: tuple[str, ...], rejoin_after: int | None) -> dict[str, str]:
+    """Local rank `lr`'s environment (module docstring), less OOBLECK_AGENT_FD (`start_worker`): `d0`
+    the membership the node starts in, `joined` False for a spare, `first` generation 0's nodes
+    (the templates' size), `rejoin_after` the generation a restarted worker joins after."""
+    env = dict(os.environ)
+    env.update(opts.extra_env)
+    roster = opts.roster
+    env.update({
+        "OOBLECK_NODE": opts.node,
+        "OOBLECK_NODES": ",".join(d0.nodes if joined else d0.nodes + (opts.node,)),
+        "OOBLECK_NODE_ADDR": roster.address(opts.node).host,
+        "OOBLECK_NODE_INDEX": str(roster.names.index(opts.node)),
+        "OOBLECK_LOCAL_RANK": str(lr),
+        "OOBLECK_LOCAL_WORLD": str(opts.workers),
+        "OOBLECK_RUN_DIR": str(opts.run_dir),
+        "OOBLECK_STORE": f"{roster.address(d0.store_node).host}:{d0.store_port}",
+    })
+    if not joined:
+        env["OOBLECK_SPARE"] = "1"  # OOBLECK_NODES: generation 0, then this spare
+    if rejoin_after is not None:
+        env["OOBLECK_REJOIN_AFTER_GEN"] = str(rejoin_after)
+        env["OOBLECK_FIRST_NODES"] = ",".join(first)
+    if opts.job is not None:
+        env["OOBLECK_JOB"] = str(opts.job.resolve())
+    return env
+
+
+def start_worker(opts: AgentOptions, lr: int, env: dict[str, str], inbox: Inbox) -> Worker:
+    """Start local rank `lr`'s worker with a link to the agent, and its two watching threads."""
+    parent, child = socket.socketpair()
+    try:
+        proc = subprocess.Popen(opts.command, env={**env, "OOBLECK_AGENT_FD": str(child.fileno())},
+                                pass_fds=(child.fileno(),))
+    except OSError as e:
+        raise OobleckError(f"agent {opts.node}: cannot start worker {opts.command!r}: {e}") from e
+    finally:
+        child.close()
+    w = Worker(lr, proc, parent)
+    threading.Thread(target=_watch_exit, args=(w, inbox), daemon=True,
+                     name=f"agent-wait-{lr}").start()
+    threading.Thread(target=_watch_link, args=(w, inbox), daemon=True,
+                     name=f"agent-link-{lr}").start()
+    return w
+
+
+def _watch_exit(w: Worker, inbox: Inbox) -> None:
+    code = w.proc.wait()
+    # What the worker sent before it exited (its "done") comes first: its end of the link
+    # closes with it, so the reader reaches the end at once. Without this wait the exit
+    # could overtake the "done" just before it ("exited without 'done'": a finished node
+    # taken for a crashed one; seen once in a CI run of test_engine_run).
+    w.link_read.wait(timeout=5.0)
+    inbox.put(("worker_exit", w, code))
+
+
+def _watch_link(w: Worker, inbox: Inbox) -> None:
+    try:
+        while True:
+            try:
+                msg = recv_msg(w.sock)
+            except (ConnectionClosed, OSError, ValueError):
+                return
+            inbox.put(("worker_msg", w, msg))
+    finally:
+        w.link_read.set()
+
+
+def tell(w: Worker, msg: dict[str, Any]) -> None:
+    """Send `msg` to a worker that has not exited (one that is exiting misses it: its exit is
+    the agent's next news about it)."""
+    if w.exit_code is not None:
+        return
+    with w.lock:
+        try:
+            send_msg(w.sock, msg)
+        except OSError:
+            pass  # the worker is exiting; its exit reaches the inbox (_watch_exit)
+
+
+def kill_workers(workers: list[Worker], grace: float) -> None:
+    """Give `workers` `grace` seconds in all to exit, kill those still running, reap them."""
+    deadline = time.monotonic() + grace
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+    for w in workers:
+        try:
+            w.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def describe_exit(code: int) -> str:
+    """A worker's exit status in words: "code 1", "signal SIGKILL"."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
