@@ -18,6 +18,7 @@ from pathlib import Path
 
 from oobleck_hpc.bootstrap.discovery import TooFewNodes, run_discovery_step, wait_for_discovery
 from oobleck_hpc.bootstrap.environment import current_job_nodes, detect
+from oobleck_hpc.diagnostics import configure
 from oobleck_hpc.errors import EXIT_OK, EXIT_REQUEUE
 from oobleck_hpc.files import write_json
 from oobleck_hpc.launch.slurm_task import (begin_run, end_replacements, nodes_left,
@@ -84,6 +85,7 @@ class SlurmDriver:
     """The job's: the run's files are also its user's group's to read (records/runs.py, "Private")."""
 
     def __call__(self) -> LaunchResult:
+        configure("INFO")  # submitit's process: the supervisor's lines reach the batch log
         env = detect()
         if env.source != "slurm":
             raise RuntimeError("SlurmDriver runs inside a Slurm batch job (SLURM_JOB_ID unset)")
