@@ -487,7 +487,8 @@ def test_guarantee_exceeded_raises_at_once():
 
     driver = ElasticDriver(job, None, profile, None, torch.device("cpu"), FakeClient(),
                            events=_NullEvents(), secret=SECRET)
-    driver.plan, driver.templates, driver.gen, driver.engine = plan, templates, 0, FakeEngine()
+    s = driver.state
+    s.plan, s.templates, s.gen, s.engine = plan, templates, 0, FakeEngine()
     t0 = time.monotonic()
     with pytest.raises(GuaranteeExceeded):
         driver.recover(3, "forward", "peer died", None)
@@ -525,13 +526,13 @@ def test_a_recovery_that_rolls_the_last_step_forward_runs_no_further_step():
 
     driver = ElasticDriver(job, None, resolve_profile(job), None, torch.device("cpu"),
                            FakeClient(), events=_NullEvents(), secret=SECRET)
-    driver.engine, driver.gen = FakeEngine(), 0
+    driver.state.engine, driver.state.gen = FakeEngine(), 0
     rolled = StepResult(step=STEPS - 1, ok=True, loss=1.0)
 
     def recover(step, phase, why, peer):  # the survivors settled it: rolled forward
         assert (step, phase) == (STEPS - 1, "vote")
-        driver.engine.state = TrainState(step=STEPS)
-        driver._rolled = [rolled]
+        driver.state.engine.state = TrainState(step=STEPS)
+        driver.state.rolled = [rolled]
 
     driver.recover = recover
     assert driver.step() == [rolled]
@@ -546,7 +547,7 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
     from types import SimpleNamespace
 
     from oobleck_hpc.recovery.driver import ElasticDriver
-    from oobleck_hpc.recovery.rounds import Recovery
+    from oobleck_hpc.recovery.rounds import Recovery, reconcile
     from oobleck_hpc.engine import StepResult, TrainState
 
     job = job_from_dict(job_dict(Path("/nonexistent")))
@@ -574,11 +575,12 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
     driver = ElasticDriver(job, None, None, None, torch.device("cpu"), FakeClient(),
                            events=_NullEvents(), secret=SECRET)
     held = Held()
-    driver.base, driver.base_plan = held, plan
-    driver._pending = Recovery(19, (), 0, "", 0.0)  # failed in step 19's vote
-    driver._reconcile(1, held)
-    assert held.state.step == 19 and [r.step for r in driver._rolled] == [18]
-    assert driver._pending.step == 20
+    s = driver.state
+    s.base, s.base_plan = held, plan
+    s.pending = Recovery(19, (), 0, "", 0.0)  # failed in step 19's vote
+    reconcile(s, 1, held)
+    assert held.state.step == 19 and [r.step for r in s.rolled] == [18]
+    assert s.pending.step == 20
 
 
 @pytest.mark.timeout(30)
@@ -592,7 +594,7 @@ def test_generations_without_a_loss_end_in_the_fallback_even_after_a_reconfigura
 
     from oobleck_hpc.control.client import Membership
     from oobleck_hpc.recovery.driver import ElasticDriver
-    from oobleck_hpc.recovery.rounds import MAX_RETRIES, Recovery, RecoveryError
+    from oobleck_hpc.recovery.rounds import MAX_RETRIES, Recovery, RecoveryError, replan
     from oobleck_hpc.engine import TrainState
     from oobleck_hpc.planning.cost import job_profile
     from oobleck_hpc.planning.reconfigure import reconfigure
@@ -608,18 +610,19 @@ def test_generations_without_a_loss_end_in_the_fallback_even_after_a_reconfigura
 
     driver = ElasticDriver(job, None, profile, None, torch.device("cpu"), FakeClient(),
                            events=_NullEvents(), secret=SECRET)
-    driver.templates, driver.base, driver.base_plan = templates, FakeEngine(), base
+    s = driver.state
+    s.templates, s.base, s.base_plan = templates, FakeEngine(), base
     rec = Recovery(4, (), 0, "", 0.0)
     survivors = tuple(n for n in nodes if n != "node2")
-    plan, lost = driver._replan(Membership(1, survivors, ("node2",), "node0", "h", 1), rec, "")
-    assert lost == ("node2",) and driver._retries == 0
+    plan, lost = replan(s, Membership(1, survivors, ("node2",), "node0", "h", 1), rec, "")
+    assert lost == ("node2",) and s.retries == 0
     assert plan == replace(reconfigure(base, ["node2"], templates, job_profile(job, profile),
                                        job.fault_tolerance.f), generation=1)
-    driver.plan = plan  # the recovery completed; its first step failed, nothing else lost
+    s.plan = plan  # the recovery completed; its first step failed, nothing else lost
     for gen in range(2, 2 + MAX_RETRIES):
-        driver._replan(Membership(gen, survivors, (), "node0", "h", 1), rec, "timed out")
+        replan(s, Membership(gen, survivors, (), "node0", "h", 1), rec, "timed out")
     with pytest.raises(RecoveryError, match="times in a row with no node lost"):
-        driver._replan(Membership(9, survivors, (), "node0", "h", 1), rec, "timed out")
+        replan(s, Membership(9, survivors, (), "node0", "h", 1), rec, "timed out")
 
 
 def planned_job():
@@ -732,7 +735,7 @@ def test_a_store_op_on_a_frozen_host_fails_once_a_round_opens():
     import time
     from types import SimpleNamespace
 
-    from oobleck_hpc.recovery.driver import ElasticDriver
+    from oobleck_hpc.recovery.generation import on_notice
     from oobleck_hpc.recovery.rendezvous import open_store
     from oobleck_hpc.control.wire import free_port
 
@@ -761,12 +764,12 @@ time.sleep(120)
         waiter.start()
         waiter.join(4.0)
         assert waiter.is_alive() and not outcome
-        driver = SimpleNamespace(_store_at=(2, "127.0.0.1", port), comm=None)
-        ElasticDriver.on_notice(driver, "round", {"gen": 2, "suspects": {}})  # not newer
+        state = SimpleNamespace(store_at=(2, "127.0.0.1", port), comm=None)
+        on_notice(state, "round", {"gen": 2, "suspects": {}})  # not newer
         waiter.join(0.5)
         assert waiter.is_alive()
         t0 = time.monotonic()
-        ElasticDriver.on_notice(driver, "round", {"gen": 3, "suspects": {}})
+        on_notice(state, "round", {"gen": 3, "suspects": {}})
         waiter.join(5.0)
         assert not waiter.is_alive() and isinstance(outcome[0], RuntimeError), outcome
         assert time.monotonic() - t0 < 1.0

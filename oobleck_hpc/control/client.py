@@ -175,6 +175,13 @@ class AgentClient:
         return cls(socket.socket(fileno=fd), node, local_rank, local_world, on_notice,
                    exit_on_agent_loss)
 
+    def set_notice_handler(self, on_notice: Callable[[str, dict[str, Any]], None] | None) -> None:
+        """Call `on_notice(kind, message)` for every message from the agent from now on, on
+        the agent link's thread (a round opening, a decided membership; "agent_lost" when the
+        link breaks), in place of the one given at construction: the worker's driver, built
+        after the link (train.py), aborts its generation's collectives on a round."""
+        self._on_notice = on_notice
+
     # ------------------------------------------------------------------ worker -> agent
 
     def report_failure(self, kind: str, detail: str = "", suspects: Sequence[str] = (),

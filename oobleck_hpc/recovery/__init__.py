@@ -3,8 +3,12 @@ in-place recovery when the membership changes.
 
 - `driver`      `ElasticDriver`: a worker's transactional steps (its docstring gives the whole
                 protocol: report, agree, replan, regroup, transfer, go on).
-- `rounds`      `RecoveryRounds`: the named phases of one recovery, and the retry rounds.
-- `planned`     changes at a step boundary that are not failures: drains, joins, stragglers.
+- `state`       `DriverState`: the driver's state, one typed object; the modules below are
+                functions of it.
+- `rounds`      the named phases of one recovery, and the retry rounds.
+- `planned`     changes at a step boundary that are not failures: drains, stragglers.
+- `join`        a spare or a restarted worker joining a running generation.
+- `generation`  this rank's groups in a generation, and a newer round noticed at once.
 - `rendezvous`  a generation's store and process groups; `store`: the authenticated rendezvous
                 store (torch's `Store` interface).
 - `transfer`    lost layers' state copied from surviving replicas, in place.

@@ -39,9 +39,6 @@ PROTOCOL_MODULES = {"oobleck_hpc/control/membership.py"}
 """Modules whose docstring is a written protocol (the membership protocol and its safety
 argument): the specification stays next to the code it specifies, and the module is not held to
 MAX_LINES."""
-BEING_SPLIT = {"oobleck_hpc/recovery/driver.py"}
-"""TEMPORARY (issue 30): modules over MAX_LINES that other branches of the issue split by
-concern; each of those branches removes its modules from this set."""
 MAX_FUNCTION_LINES = 60
 
 
@@ -234,8 +231,8 @@ def test_no_function_of_the_elastic_layer_is_longer_than_60_lines():
 
 def test_no_module_is_longer_than_400_lines():
     """Lines after the module docstring; a module whose docstring is a written protocol
-    (PROTOCOL_MODULES) is exempt, and so, for now, are the modules of BEING_SPLIT."""
-    too_long, split = {}, set()
+    (PROTOCOL_MODULES) is exempt."""
+    too_long = {}
     for path in _modules().values():
         name = path.relative_to(PACKAGE.parent).as_posix()
         text = path.read_text()
@@ -244,14 +241,10 @@ def test_no_module_is_longer_than_400_lines():
             isinstance(getattr(tree.body[0], "value", None), ast.Constant) and \
             isinstance(tree.body[0].value.value, str) else None
         lines = len(text.splitlines()) - (doc.end_lineno if doc is not None else 0)
-        if lines > MAX_LINES and name in BEING_SPLIT:
-            split.add(name)
-        elif lines > MAX_LINES and name not in PROTOCOL_MODULES:
+        if lines > MAX_LINES and name not in PROTOCOL_MODULES:
             too_long[name] = lines
     assert not too_long, (f"modules over {MAX_LINES} lines: {too_long}; split them by concern "
                           f"(one module per concern, re-exported where callers import them)")
-    assert split == BEING_SPLIT, (f"{sorted(BEING_SPLIT - split)} are no longer over {MAX_LINES} "
-                                  "lines: remove them from BEING_SPLIT")
 
 
 OPTIONAL_OWNERS = {"transformers": "oobleck_hpc.models.hf",

@@ -15,26 +15,31 @@ from oobleck_hpc.errors import GuaranteeExceeded, PlanningError  # noqa: E402
 NODES = ("node0", "node1", "node2", "node3")
 
 
-class Rounds(recovery.RecoveryRounds):
-    """The rounds over a membership that lost node3, every step but planning faked."""
+def driver_state():
+    """A driver state over a membership that lost node3, only what planning reads."""
+    return SimpleNamespace(
+        base_plan=SimpleNamespace(nodes=NODES, digest=lambda: "base"),
+        base=SimpleNamespace(release_step_memory=lambda: None),
+        planned=None, templates={}, profile=None, retries=0,
+        job=SimpleNamespace(fault_tolerance=SimpleNamespace(f=1)))
 
-    def __init__(self):
-        self.base_plan = SimpleNamespace(nodes=NODES, digest=lambda: "base")
-        self.base = SimpleNamespace(release_step_memory=lambda: None)
-        self.planned, self.templates, self.profile = None, {}, None
-        self.job = SimpleNamespace(fault_tolerance=SimpleNamespace(f=1))
-        self.failed_rounds: list[BaseException] = []
 
-    def _agree(self, rec, held):
-        return SimpleNamespace(gen=3, nodes=NODES[:3], lost=("node3",), joined=())
+@pytest.fixture
+def failed_rounds(monkeypatch):
+    """The rounds' other phases faked: agreement on the survivors of node3's loss, and each
+    failed round recorded (three mean the rounds retried)."""
+    failed: list[BaseException] = []
 
-    def _round_failed(self, rec, error):
-        self.failed_rounds.append(error)
-        if len(self.failed_rounds) > 2:
-            raise AssertionError(f"rounds retried: {self.failed_rounds}")
+    def round_failed(s, rec, error):
+        failed.append(error)
+        if len(failed) > 2:
+            raise AssertionError(f"rounds retried: {failed}")
 
-    def _teardown(self):
-        pass
+    monkeypatch.setattr(recovery, "agree", lambda s, rec, held: SimpleNamespace(
+        gen=3, nodes=NODES[:3], lost=("node3",), joined=()))
+    monkeypatch.setattr(recovery, "round_failed", round_failed)
+    monkeypatch.setattr(recovery, "teardown", lambda s: None)
+    return failed
 
 
 @pytest.fixture
@@ -54,22 +59,21 @@ def planner(monkeypatch):
 
 @pytest.mark.parametrize("error", [PlanningError("no plan covers the 3 survivors"),
                                    GuaranteeExceeded("layer 4 has no surviving replica")])
-def test_no_plan_for_the_survivors_falls_back_at_once_with_them(planner, error):
+def test_no_plan_for_the_survivors_falls_back_at_once_with_them(planner, failed_rounds, error):
     """A survivor set the planner cannot plan is the same on every survivor and in every later
     round: the checkpoint fallback now (naming the survivors for the requeue), no retry."""
     planner.append(error)
-    rounds = Rounds()
     rec = recovery.Recovery(7, (), 2, "", 0.0)
     with pytest.raises(GuaranteeExceeded) as caught:
-        rounds.rounds(rec, None, "node3 lost")
+        recovery.run_rounds(driver_state(), rec, None, "node3 lost")
     assert caught.value.survivors == NODES[:3]
     assert str(error) in str(caught.value)
-    assert rounds.failed_rounds == []
+    assert failed_rounds == []
 
 
-def test_a_broken_connection_during_a_round_starts_another(planner):
+def test_a_broken_connection_during_a_round_starts_another(planner, failed_rounds):
     planner.append(RuntimeError("connection reset by peer"))
-    rounds = Rounds()
     with pytest.raises(AssertionError, match="rounds retried"):
-        rounds.rounds(recovery.Recovery(7, (), 2, "", 0.0), None, "node3 lost")
-    assert len(rounds.failed_rounds) == 3
+        recovery.run_rounds(driver_state(), recovery.Recovery(7, (), 2, "", 0.0), None,
+                            "node3 lost")
+    assert len(failed_rounds) == 3
