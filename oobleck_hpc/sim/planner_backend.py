@@ -381,11 +381,18 @@ def checkpoint_settings(model: PlannerModel, policy: str, mtbf_s: float,
         return {"checkpoint_s": blocking, "checkpoint_every_steps": job.checkpoint.every_steps}
     if job.checkpoint.every_minutes:
         return {"checkpoint_s": blocking, "checkpoint_interval_s": 60 * job.checkpoint.every_minutes}
+    return young_daly(blocking, mtbf_s, window, f)
+
+
+def young_daly(blocking_s: float, mtbf_s: float, window_s: float, f: int) -> dict:
+    """Policy keyword arguments for a checkpoint that blocks `blocking_s`, every
+    tau = sqrt(2 * C * M_fb) with M_fb = M^(f+1) / w^f the mean interval between f + 1
+    failures inside one recovery window w (checkpoint_settings); none when M is infinite."""
     if not math.isfinite(mtbf_s):
-        return {"checkpoint_s": blocking}
-    m_fb = mtbf_s * (mtbf_s / max(window, 1e-3)) ** f
-    tau = math.sqrt(2 * max(blocking, 1e-3) * m_fb)
-    return {"checkpoint_s": blocking, "checkpoint_interval_s": tau}
+        return {"checkpoint_s": blocking_s}
+    m_fb = mtbf_s * (mtbf_s / max(window_s, 1e-3)) ** f
+    tau = math.sqrt(2 * max(blocking_s, 1e-3) * m_fb)
+    return {"checkpoint_s": blocking_s, "checkpoint_interval_s": tau}
 
 
 def planner_backends(job: JobConfig, profile: ModelProfile, params: CostParams, mtbf_s: float,

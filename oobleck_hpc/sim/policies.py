@@ -54,7 +54,8 @@ class InPlaceBackend(Backend, Protocol):
         seconds; raises GuaranteeExceeded beyond the guarantee."""
 
     def grow(self, alive: tuple[str, ...]) -> tuple[RunConfig, float]:
-        """Configuration after nodes joined, and its cost."""
+        """Configuration after a planned change to `alive` (nodes joined, or a fleet drained
+        some), and its cost."""
 
     def commit(self) -> None:
         """The last reconfiguration finished: it becomes the base of the next one."""
@@ -137,6 +138,35 @@ class OobleckPolicy(Policy):
             self.backend.reset(tuple(self.alive))
         self.lost_pending = ()
         self.train()
+
+    def on_drain(self, nodes: tuple[str, ...]) -> None:
+        """A fleet takes `nodes` for another job (fleet/simulate.py): a planned shrink at a
+        step boundary, so the step in flight is kept and nothing is replayed; the job pays
+        the planned re-plan (`grow` on fewer nodes: regroup + the layers it must receive).
+        Left below its smallest plan it stops at its last checkpoint (what it trained since
+        is lost) and waits for nodes; a restart in progress just takes fewer nodes."""
+        for node in nodes:
+            self.alive.remove(node)
+        if self.phase == "stopped":
+            return
+        if self.backend.plan(tuple(self.alive)) is None:
+            self.lose_since_checkpoint()
+            self.switch(None)
+            self.lost_pending = ()
+            self.phase, self.after_phase = "stopped", None
+            self.notes.append(f"t={self.t:.0f}s: drained below its smallest plan, waits")
+            return
+        if self.phase == "recover" and self.phase_kind == "restart":
+            self.switch(self.backend.plan(tuple(self.alive)))
+            return
+        if self.phase == "recover":  # the reconfiguration in progress ends on the new plan
+            self.backend.commit()
+            self.lost_pending = ()
+        keep = self.phase == "train"
+        self.after_phase = None
+        run, cost = self.backend.grow(tuple(self.alive))
+        self.switch(run)
+        self.recover("reconfiguration", cost, keep_step=keep)
 
 
 class RestartPolicy(Policy):

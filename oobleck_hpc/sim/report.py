@@ -95,7 +95,7 @@ def check_plot_target(path: str | Path) -> None:
     matplotlib.use("Agg")  # files only, never a display
 
 
-def _window_s(duration_s: float) -> float:
+def plot_window_s(duration_s: float) -> float:
     """The averaging window of the goodput panel: about 1/100 of the run, rounded up to a
     round number of seconds, minutes or hours."""
     want = duration_s / 100
@@ -105,7 +105,7 @@ def _window_s(duration_s: float) -> float:
     return float(_WINDOWS[-1])
 
 
-def _duration_text(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:g} s"
     if seconds < 3600:
@@ -125,7 +125,7 @@ def goodput_figure(results: dict[str, PolicyResult], job: str = "", failure_rate
     from matplotlib.figure import Figure
 
     duration_s = max(r.duration_s for r in results.values())
-    window_s = _window_s(duration_s)
+    window_s = plot_window_s(duration_s)
     fig = Figure(figsize=(11, 6.5), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     for i, (name, r) in enumerate(results.items()):
@@ -149,7 +149,7 @@ def goodput_figure(results: dict[str, PolicyResult], job: str = "", failure_rate
             ax.vlines(hours, 0, 1, transform=ax.get_xaxis_transform(), colors=color,
                       linestyles=style, linewidth=0.8, alpha=alpha,
                       label=f"{what} ({len(hours)})" if ax is top else None)
-    top.set_ylabel(f"goodput (samples/s,\nmean over {_duration_text(window_s)})")
+    top.set_ylabel(f"goodput (samples/s,\nmean over {duration_text(window_s)})")
     bottom.set_ylabel("samples kept (cumulative)")
     bottom.set_xlabel("simulated time (hours)")
     for ax in (top, bottom):

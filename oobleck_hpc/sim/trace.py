@@ -15,6 +15,9 @@ Sources:
   1/mtbf (inter-arrival Exp(mtbf)), the victim drawn uniformly from the alive nodes.
   `replace_after_s` (optional) brings a fresh node back that long after each failure
   (a repaired or replacement node), so a long run need not shrink.
+- `bursts(nodes, mtbf_s, size, duration_s, seed)`: correlated failures: `size` neighbouring
+  nodes (a rack, a switch) fail together, bursts at exponential intervals of mean `mtbf_s`;
+  `replace_after_s` as above.
 - `load_trace(path)`: replay a cluster log. CSV with a header row `time,event,node`
   (or `time_ms,...` for milliseconds), or headerless rows `time,event,node` as in the Oobleck
   artifact's traces (time in milliseconds there: pass `time_unit="ms"`), or JSONL with one
@@ -177,6 +180,40 @@ def exponential(nodes: tuple[str, ...], mtbf_s: float, duration_s: float, seed: 
             if replace_after_s is not None:
                 heapq.heappush(pending, (t + replace_after_s, new_name()))
         desc = f"exponential, MTBF {mtbf_s / 3600:g} h for the cluster"
+    if replace_after_s is not None:
+        desc += f", replaced after {replace_after_s / 60:g} min"
+    events.sort(key=lambda e: e.time_s)
+    return Trace(tuple(nodes), tuple(events), desc)
+
+
+def bursts(nodes: tuple[str, ...], mtbf_s: float, size: int, duration_s: float, seed: int = 0,
+           replace_after_s: float | None = None) -> Trace:
+    """Correlated failures: at exponential intervals (mean `mtbf_s`) `size` nodes that share a
+    rack or a switch -- neighbours in the node list among those alive -- fail at the same
+    instant; with `replace_after_s`, each comes back (a fresh node) that long after."""
+    if mtbf_s <= 0 or size < 1:
+        raise ValueError(f"burst MTBF must be positive and size >= 1, got {mtbf_s} s, {size}")
+    rng = random.Random(seed)
+    alive = list(nodes)
+    events: list[TraceEvent] = []
+    pending: list[tuple[float, str]] = []
+    t, fresh = 0.0, 0
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        while pending and pending[0][0] <= min(t, duration_s):
+            ta, name = heapq.heappop(pending)
+            events.append(TraceEvent(ta, "add", name))
+            alive.append(name)
+        if t >= duration_s:
+            break
+        first = rng.randrange(len(alive)) if alive else 0
+        for victim in alive[first:first + size]:
+            events.append(TraceEvent(t, "fail", victim))
+            if replace_after_s is not None:
+                fresh += 1
+                heapq.heappush(pending, (t + replace_after_s, f"spare{fresh}"))
+        del alive[first:first + size]
+    desc = f"bursts of {size} nodes, MTBF {mtbf_s / 3600:g} h"
     if replace_after_s is not None:
         desc += f", replaced after {replace_after_s / 60:g} min"
     events.sort(key=lambda e: e.time_s)
