@@ -5,13 +5,17 @@
 - `config.py`    the fleet file (`fleet.yaml`) as typed dataclasses, loaded strictly;
 - `curves.py`    each job's WAF curve from its own planner (templates built once, instantiated
                  for every node count) and its model's FLOPs per sample;
-- `cli.py`       `oobleck-hpc fleet plan FLEET.yaml --nodes N`.
+- `cli.py`       `oobleck-hpc fleet plan FLEET.yaml --nodes N`;
+- `simulate.py`  the same decision replayed on failure traces (`oobleck-hpc simulate --fleet`):
+                 the manager vs every job healing on its own vs checkpoint-restart, each job
+                 one of the simulator's policies (sim/policies.py) on its curve;
+- `report.py`    its table, JSON and plot (WAF over time, each job's nodes).
 
-What is built: the decision and `fleet plan`. Not yet: `fleet run` / `fleet submit` (a manager
-that moves nodes between running jobs) and `simulate --fleet`.
+What is built: the decision, `fleet plan` and `simulate --fleet`. Not yet: `fleet run` /
+`fleet submit` (a manager that moves nodes between running jobs).
 
 Imports: config, errors, schema, planning, profiling (profiles), models' configs (pure data),
-sim.planner_backend (the planner as a throughput for any node count). Never torch, h5py at
-import, mpi4py, submitit, nor the worker or agent side (recovery, engine, control, launch): the
-decision is arithmetic, testable in milliseconds.
+sim (the planner as a throughput for any node count; the simulator's engine, policies, traces
+and plots). Never torch, h5py at import, mpi4py, submitit, nor the worker or agent side
+(recovery, engine, control, launch): the decision is arithmetic, testable in milliseconds.
 """

@@ -11,7 +11,8 @@ job whose count changes then pays its transition_s x its WAF, amortised over the
 waf_before, seconds), each job with its whole curve (samples_per_s_by_nodes, index = nodes).
 
 `fleet run` and `fleet submit` (a manager moving nodes between running jobs) are not built
-yet (issue 32).
+yet (issue 32); `oobleck-hpc simulate --fleet` (fleet/simulate.py) replays the decision on
+failure traces.
 """
 
 from __future__ import annotations

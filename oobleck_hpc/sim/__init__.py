@@ -5,12 +5,15 @@ policy; every simulated second is booked to one category (effective training, re
 computation, idle nodes, checkpointing, reconfiguration, restart, lost work, stopped), so the
 shares add up to the simulated time exactly.
 
-- `trace.py`           traces: fixed interval, exponential (per node or per cluster), CSV/JSONL replay
+- `trace.py`           traces: fixed interval, exponential (per node or per cluster), correlated
+                       bursts, CSV/JSONL replay
 - `engine.py`          the event-driven engine and its accounting
 - `policies.py`        the three policies as documented models
 - `scenario.py`        table-driven scenarios (published measurements; the paper preset)
 - `planner_backend.py` the same policies driven by our planner and profiles
 - `records/report.py`          table, JSON, plot; `cli.py` the `oobleck-hpc simulate` command
+
+Fleets of jobs on one pool replay these policies per job: fleet/simulate.py (`simulate --fleet`).
 
 Nothing here imports torch, h5py, mpi4py or submitit (matplotlib only for --plot).
 

@@ -16,6 +16,16 @@ loss's own round, --detect-s after it) and with a replacement node arriving --re
 minutes (default 30) after each loss; a joining node costs the policy's join (regroup + its
 layers' transfer).
 
+--fleet FLEET.yaml replays one trace over the fleet's pool (pool.nodes) for three policies:
+the fleet manager (fleet/simulate.py: each job recovers in place, then the same decision as
+`fleet plan` moves nodes between jobs when it pays), every job on its own (today), and
+checkpoint-restart per job; it prints each one's WAF (weighted FLOP/s kept) and its ratio to
+every job on its own; --plot draws the WAF over time and each job's nodes. Default duration
+168 h (one week); --policies takes a subset of fleet,own,restart.
+
+    oobleck-hpc simulate --fleet examples/fleet-128nodes.yaml --mtbf 6335 --per node \
+        --replace-after 240 --plot fleet.png
+
 --plot FILE (.png, .svg or .pdf) draws goodput over time per policy -- the work that is kept,
 so a restart's lost work shows -- with the failures marked; the path is checked before the
 simulation starts.
@@ -29,18 +39,26 @@ import sys
 from oobleck_hpc.errors import EXIT_BAD_INPUT, ConfigError
 
 _ALL = ("oobleck", "restart", "redundant")
+_FLEET = ("fleet", "own", "restart")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="goodput of oobleck vs checkpoint-restart vs "
                               "redundancy on a failure trace",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("file", help="job YAML, or scenario YAML (top-level 'simulation:')")
+    p.add_argument("file", nargs="?", help="job YAML, or scenario YAML (top-level "
+                   "'simulation:'); not with --fleet")
+    p.add_argument("--fleet", metavar="FLEET.yaml",
+                   help="a fleet file: the fleet manager vs every job on its own vs "
+                   "checkpoint-restart, on one trace over the pool (see below)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", help="CSV (time,event,node) or JSONL failure trace to replay")
     src.add_argument("--mtbf", type=float, metavar="HOURS",
                      help="exponential failures with this mean time between failures")
     src.add_argument("--every", type=float, metavar="MINUTES", help="one failure every MINUTES")
+    p.add_argument("--burst", type=int, default=1, metavar="K",
+                   help="with --mtbf: correlated failures, K neighbouring nodes at once "
+                   "(a rack, a switch), bursts at the --mtbf of the cluster")
     p.add_argument("--per", choices=("cluster", "node"), default="cluster",
                    help="--mtbf is of the whole cluster (default) or of each node")
     p.add_argument("--replace-after", type=float, metavar="MINUTES",
@@ -52,8 +70,9 @@ def register(subparsers) -> None:
                    help="idle spare nodes of --growth (default 1)")
     p.add_argument("--time-unit", choices=("s", "ms"), default="s",
                    help="time unit of a headerless CSV trace (the Oobleck artifact's are ms)")
-    p.add_argument("--policies", default=",".join(_ALL),
-                   help="comma-separated subset of oobleck,restart,redundant")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated subset of oobleck,restart,redundant (all by default); "
+                   "with --fleet of fleet,own,restart")
     p.add_argument("--duration", type=float, metavar="HOURS",
                    help="simulated time (default: the scenario's, or 24 h for a job)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated traces")
@@ -76,18 +95,52 @@ def _fail(key: str, value, problem: str, fix: str) -> None:
     raise ConfigError("oobleck-hpc simulate", key, f"value {value!r} {problem}", fix)
 
 
+def make_trace(args: argparse.Namespace, nodes: tuple[str, ...], duration_s: float,
+               replace_s: float | None, scenario=None):
+    """The failure trace the options ask for (--trace, --every, --mtbf [--per, --burst]), else
+    the scenario's own, cut at `duration_s`."""
+    from oobleck_hpc.sim.trace import bursts, exponential, fixed_interval, load_trace
+
+    if args.burst < 1:
+        _fail("--burst", args.burst, "must be >= 1", "give the nodes that fail together")
+    if args.burst > 1 and not args.mtbf:
+        _fail("--burst", args.burst, "needs --mtbf", "add --mtbf HOURS (between bursts)")
+    if args.trace:
+        trace = load_trace(args.trace, nodes, time_unit=args.time_unit)
+    elif args.every:
+        trace = fixed_interval(nodes, 60.0 * args.every, duration_s, args.seed, replace_s)
+    elif args.mtbf and args.burst > 1:
+        trace = bursts(nodes, 3600.0 * args.mtbf, args.burst, duration_s, args.seed, replace_s)
+    elif args.mtbf:
+        trace = exponential(nodes, 3600.0 * args.mtbf, duration_s, args.seed, args.per,
+                            replace_s)
+    elif scenario is not None and scenario.every_minutes:
+        trace = fixed_interval(nodes, 60.0 * scenario.every_minutes, duration_s, args.seed)
+    elif scenario is not None and scenario.mtbf_hours:
+        trace = exponential(nodes, 3600.0 * scenario.mtbf_hours, duration_s, args.seed)
+    else:
+        raise ConfigError(args.file or args.fleet, "<failures>", "gives no failure trace",
+                          "pass --trace FILE, --mtbf HOURS or --every MINUTES")
+    return trace.until(duration_s)
+
+
 def main(args: argparse.Namespace) -> int:
+    if (args.fleet is None) == (args.file is None):
+        _fail("FILE", args.file, "and --fleet: give exactly one", "pass a job or scenario "
+              "file, or --fleet FLEET.yaml")
     from oobleck_hpc.sim import run_policies
     from oobleck_hpc.sim.report import PlotError, check_plot_target, format_table, plot, to_json
     from oobleck_hpc.sim.scenario import is_scenario_file, load_scenario, scenario_backends
-    from oobleck_hpc.sim.trace import exponential, fixed_interval, load_trace, node_names
+    from oobleck_hpc.sim.trace import node_names
 
-    policies = tuple(x.strip() for x in args.policies.split(",") if x.strip())
+    known = _FLEET if args.fleet else _ALL
+    text = args.policies or ",".join(known)
+    policies = tuple(x.strip() for x in text.split(",") if x.strip())
     for name in policies:
-        if name not in _ALL:
-            _fail("--policies", name, "is not a policy", f"use a subset of {','.join(_ALL)}")
+        if name not in known:
+            _fail("--policies", name, "is not a policy", f"use a subset of {','.join(known)}")
     if not policies:
-        _fail("--policies", args.policies, "names no policy", f"use e.g. {','.join(_ALL)}")
+        _fail("--policies", text, "names no policy", f"use e.g. {','.join(known)}")
     for key in ("mtbf", "every", "duration", "replace_after", "regroup_s", "restart_s",
                 "storage_gbps", "detect_s"):
         v = getattr(args, key)
@@ -99,6 +152,8 @@ def main(args: argparse.Namespace) -> int:
         except PlotError as e:
             print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
+    if args.fleet is not None:
+        return simulate_fleet(args, policies)
 
     scenario = load_scenario(args.file) if is_scenario_file(args.file) else None
     if scenario is not None:
@@ -127,20 +182,7 @@ def main(args: argparse.Namespace) -> int:
     # --growth builds its replacements on the plain trace (the same failures for every variant)
     replace = (None if args.replace_after is None or args.growth
                else 60.0 * args.replace_after)
-    if args.trace:
-        trace = load_trace(args.trace, nodes, time_unit=args.time_unit)
-    elif args.every:
-        trace = fixed_interval(nodes, 60.0 * args.every, duration_s, args.seed, replace)
-    elif args.mtbf:
-        trace = exponential(nodes, 3600.0 * args.mtbf, duration_s, args.seed, args.per, replace)
-    elif scenario is not None and scenario.every_minutes:
-        trace = fixed_interval(nodes, 60.0 * scenario.every_minutes, duration_s, args.seed)
-    elif scenario is not None and scenario.mtbf_hours:
-        trace = exponential(nodes, 3600.0 * scenario.mtbf_hours, duration_s, args.seed)
-    else:
-        raise ConfigError(args.file, "<failures>", "gives no failure trace",
-                          "pass --trace FILE, --mtbf HOURS or --every MINUTES")
-    trace = trace.until(duration_s)
+    trace = make_trace(args, nodes, duration_s, replace, scenario)
 
     if scenario is not None:
         backends = scenario_backends(scenario)
@@ -190,6 +232,45 @@ def main(args: argparse.Namespace) -> int:
             plot(results, args.plot, job_line, failure_rate,
                  [e.time_s for e in trace.events if e.kind == "fail"],
                  [e.time_s for e in trace.events if e.kind == "add"])
+        except PlotError as e:
+            print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def simulate_fleet(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
+    """`oobleck-hpc simulate --fleet FLEET.yaml ...` (main parsed and checked the options):
+    the fleet policies (fleet/simulate.py) on one trace over the pool, as a table or JSON, and
+    --plot."""
+    from oobleck_hpc.fleet.report import format_table, plot, to_json
+    from oobleck_hpc.fleet.simulate import fleet_jobs, simulate_policies
+    from oobleck_hpc.sim.report import PlotError
+    from oobleck_hpc.sim.trace import node_names
+
+    if args.growth:
+        _fail("--growth", True, "is of one job, not a fleet", "leave out --growth or --fleet")
+    fleet, jobs = fleet_jobs(args.fleet)
+    duration_h = args.duration or 168.0
+    duration_s = 3600.0 * duration_h
+    replace = None if args.replace_after is None else 60.0 * args.replace_after
+    trace = make_trace(args, node_names(fleet.pool.nodes), duration_s, replace)
+    results = simulate_policies(jobs, trace, duration_s, 3600.0 * fleet.mtbf_hours, policies)
+    weights = " / ".join(f"{j.name} x{j.weight:g}" for j in jobs)
+    title = (f"fleet {fleet.name}: {len(jobs)} jobs ({weights}) on {fleet.pool.nodes} nodes\n"
+             f"{trace.description}; {duration_h:g} h simulated, {trace.failures} failures")
+    if args.json:
+        meta = {"fleet": args.fleet, "nodes": fleet.pool.nodes, "trace": trace.description,
+                "duration_s": duration_s, "failures": trace.failures, "seed": args.seed,
+                "mtbf_hours": fleet.mtbf_hours}
+        print(to_json(results, meta))
+    else:
+        print(format_table(results, title))
+    if args.plot:
+        try:
+            plot(results, args.plot, title,
+                 [e.time_s for e in trace.events if e.kind == "fail"])
         except PlotError as e:
             print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT

@@ -1,0 +1,99 @@
+"""`simulate --fleet` results as a table, as JSON, and as a plot of the fleet's WAF over time
+(matplotlib, imported only when a plot is asked for; sim/report.py's checks and windows)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from oobleck_hpc.files import atomic_open
+from oobleck_hpc.fleet.simulate import FleetResult
+from oobleck_hpc.sim.report import PlotError, duration_text, plot_window_s
+
+LONG = {"fleet": "fleet manager (in place, then nodes moved between jobs)",
+        "own": "every job on its own (in place, keeps its nodes)",
+        "restart": "checkpoint-restart per job"}
+
+
+def format_table(results: dict[str, FleetResult], title: str = "") -> str:
+    names = list(next(iter(results.values())).jobs)
+    base = results.get("own")
+    head = ["policy", "WAF", "x own"] + names + ["moves", "fallbacks"]
+    rows = []
+    for policy, r in results.items():
+        ratio = f"{r.mean_waf / base.mean_waf:.3f}" if base and base.mean_waf > 0 else "-"
+        per = r.job_waf()
+        rows.append([policy, f"{r.mean_waf:.4g}", ratio] + [f"{per[n]:.3g}" for n in names]
+                    + [str(r.moves), str(sum(j.fallbacks for j in r.jobs.values()))])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = [title] if title else []
+    for row in [head] + rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))))
+    lines.append("WAF: mean over the simulated time of sum over jobs of weight x FLOPs per "
+                 "sample x goodput (samples kept per second); per job columns are each job's "
+                 "share.")
+    return "\n".join(lines)
+
+
+def to_json(results: dict[str, FleetResult], meta: dict) -> str:
+    window = plot_window_s(meta["duration_s"])
+    own = results.get("own")
+    ratios = ({k: r.mean_waf / own.mean_waf for k, r in results.items()}
+              if own and own.mean_waf > 0 else {})
+    return json.dumps({"meta": {**meta, "window_s": window}, "ratio_to_own": ratios,
+                       "policies": {k: r.to_dict(window) for k, r in results.items()}},
+                      indent=1)
+
+
+def waf_figure(results: dict[str, FleetResult], title: str, failure_times_s: list[float]):
+    """WAF over time per policy (top) and each job's nodes under the manager (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    duration_s = max(r.duration_s for r in results.values())
+    window_s = plot_window_s(duration_s)
+    fig = Figure(figsize=(11, 6.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    for i, (name, r) in enumerate(results.items()):
+        wins = r.waf_windows(window_s)
+        edges = [0.0] + [t1 / 3600 for _, t1, _ in wins]
+        top.stairs([w for _, _, w in wins], edges, baseline=None, color=f"C{i}", linewidth=1.4,
+                   label=f"{LONG.get(name, name)}: mean {r.mean_waf:.3g}")
+    fleet = results.get("fleet") or next(iter(results.values()))
+    names = list(fleet.jobs)
+    times = [t / 3600 for t, _ in fleet.nodes] + [duration_s / 3600]
+    for k, name in enumerate(names):
+        bottom.stairs([c[k] for _, c in fleet.nodes], times, baseline=None, linewidth=1.2,
+                      label=f"{name} (weight x FLOPs/sample {fleet.waf_per_sample[name]:.3g})")
+    hours = [t / 3600 for t in failure_times_s if t < duration_s]
+    for ax in (top, bottom):
+        if hours:
+            ax.vlines(hours, 0, 1, transform=ax.get_xaxis_transform(), colors="tab:red",
+                      linestyles=":", linewidth=0.8, alpha=0.5 if len(hours) <= 100 else 0.2,
+                      label=f"node failure ({len(hours)})" if ax is top else None)
+        ax.set_xlim(0, duration_s / 3600)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    top.set_ylabel(f"fleet WAF (weighted FLOP/s,\nmean over {duration_text(window_s)})")
+    bottom.set_ylabel(f"nodes per job\n({fleet.policy})")
+    bottom.set_xlabel("simulated time (hours)")
+    top.legend(loc="lower left", fontsize=8)
+    bottom.legend(loc="upper right", fontsize=7, ncols=2)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot(results: dict[str, FleetResult], path: str | Path, title: str,
+         failure_times_s: list[float]) -> None:
+    """Write waf_figure(...) to `path` atomically (call sim.report.check_plot_target first)."""
+    p = Path(path)
+    fig = waf_figure(results, title, failure_times_s)
+    try:
+        with atomic_open(p) as f:
+            fig.savefig(f, dpi=120, format=p.suffix.lower().lstrip("."))
+    except OSError as e:
+        raise PlotError(f"--plot {path}: writing failed ({e.strerror}). Fix: pass a path on a "
+                        "writable file system with free space") from e
