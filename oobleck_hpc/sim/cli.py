@@ -9,6 +9,10 @@ profile with `profile.analytic: true` and `profile.device` answers for clusters 
     oobleck-hpc simulate JOB.yaml --mtbf 3.1 --per cluster --policies oobleck,restart --json
     oobleck-hpc simulate JOB.yaml --trace cluster-log.csv --plot goodput.png
     oobleck-hpc simulate JOB.yaml --every 60 --growth --spares 2 --replace-after 30
+    oobleck-hpc simulate JOB.yaml --every 60 --policies oobleck,recycle
+
+--policies ...,recycle adds a ReCycle-like policy (sim/recycle.py: no re-planning after a loss,
+the lost node's micro-batches re-routed to its data-parallel peers, filling their bubbles).
 
 --growth compares the oobleck policy on the same failures three ways: shrinking only, with
 --spares S idle nodes (each of the first S losses is answered by a spare swapped in by the
@@ -39,6 +43,8 @@ import sys
 from oobleck_hpc.errors import EXIT_BAD_INPUT, ConfigError
 
 _ALL = ("oobleck", "restart", "redundant")
+_OPT_IN = ("recycle",)
+"""Policies run only when --policies names them (job files only: they need the planner)."""
 _FLEET = ("fleet", "own", "restart")
 
 
@@ -71,8 +77,8 @@ def register(subparsers) -> None:
     p.add_argument("--time-unit", choices=("s", "ms"), default="s",
                    help="time unit of a headerless CSV trace (the Oobleck artifact's are ms)")
     p.add_argument("--policies", default=None,
-                   help="comma-separated subset of oobleck,restart,redundant (all by default); "
-                   "with --fleet of fleet,own,restart")
+                   help="comma-separated subset of oobleck,restart,redundant (the default), "
+                   "recycle (ReCycle-like, job files only); with --fleet of fleet,own,restart")
     p.add_argument("--duration", type=float, metavar="HOURS",
                    help="simulated time (default: the scenario's, or 24 h for a job)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated traces")
@@ -133,14 +139,15 @@ def main(args: argparse.Namespace) -> int:
     from oobleck_hpc.sim.scenario import is_scenario_file, load_scenario, scenario_backends
     from oobleck_hpc.sim.trace import node_names
 
-    known = _FLEET if args.fleet else _ALL
-    text = args.policies or ",".join(known)
+    default = _FLEET if args.fleet else _ALL
+    known = _FLEET if args.fleet else _ALL + _OPT_IN
+    text = args.policies or ",".join(default)
     policies = tuple(x.strip() for x in text.split(",") if x.strip())
     for name in policies:
         if name not in known:
             _fail("--policies", name, "is not a policy", f"use a subset of {','.join(known)}")
     if not policies:
-        _fail("--policies", text, "names no policy", f"use e.g. {','.join(known)}")
+        _fail("--policies", text, "names no policy", f"use e.g. {','.join(default)}")
     for key in ("mtbf", "every", "duration", "replace_after", "regroup_s", "restart_s",
                 "storage_gbps", "detect_s"):
         v = getattr(args, key)

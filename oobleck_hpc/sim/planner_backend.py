@@ -179,14 +179,15 @@ class PlannerModel:
         except (PlanningError, GuaranteeExceeded):
             return None
 
-    def _homogeneous(self, n: int) -> tuple[float, int, int] | None:
-        """(iteration_s, template nodes t, pipelines p) of the best homogeneous plan on n nodes."""
+    def _homogeneous(self, n: int, min_pipelines: int = 1) -> tuple[float, int, int] | None:
+        """(iteration_s, template nodes t, pipelines p) of the best homogeneous plan on n nodes
+        with at least `min_pipelines` pipelines."""
         best = None
         names = tuple(f"h{i}" for i in range(n))
         m = self.job.train.global_microbatches
         for t, template in sorted(self.templates.items()):
             p = min(n // t, m)
-            if p < 1:
+            if p < max(min_pipelines, 1):
                 continue
             q, r = divmod(m, p)
             pipes = tuple(PipelineSpec(template, names[i * t:(i + 1) * t], q + (1 if i < r else 0))
@@ -197,12 +198,16 @@ class PlannerModel:
                 best = (it, t, p)
         return best
 
-    def homogeneous(self, n: int) -> RunConfig | None:
-        best = self._homog(n)
+    def homogeneous(self, n: int, min_pipelines: int = 1) -> RunConfig | None:
+        best = self.homogeneous_shape(n, min_pipelines)
         if best is None:
             return None
         it, t, p = best
         return RunConfig(it, self.samples, t * p, 1.0, f"{p}x{t} nodes (homogeneous)")
+
+    def homogeneous_shape(self, n: int, min_pipelines: int = 1) -> tuple[float, int, int] | None:
+        """(iteration_s, t, p) of homogeneous(n, min_pipelines) (cached)."""
+        return self._homog(n, min_pipelines)
 
 
 class OobleckBackend:
@@ -369,8 +374,9 @@ def checkpoint_settings(model: PlannerModel, policy: str, mtbf_s: float,
     """
     job = model.job
     write = model.checkpoint_write_s()
-    if policy == "oobleck":
-        blocking, f = model.snapshot_s(model.initial_plan), job.fault_tolerance.f
+    if policy in ("oobleck", "recycle"):  # asynchronous; recycle: f = 0 (sim/recycle.py)
+        blocking = model.snapshot_s(model.initial_plan)
+        f = job.fault_tolerance.f if policy == "oobleck" else 0
         window = window_s if window_s is not None else model.detect_s + model.params.regroup_s
     elif policy == "redundant":
         blocking, f = write, 1
@@ -408,6 +414,10 @@ def planner_backends(job: JobConfig, profile: ModelProfile, params: CostParams, 
                                                       recovery_window_s(backend)))
         elif name == "restart":
             out[name] = (HomogeneousBackend(model), checkpoint_settings(model, name, mtbf_s))
+        elif name == "recycle":
+            from oobleck_hpc.sim.recycle import RecycleBackend
+
+            out[name] = (RecycleBackend(model), checkpoint_settings(model, name, mtbf_s))
         else:
             out[name] = (RedundantBackend(model), checkpoint_settings(model, name, mtbf_s))
     return out

@@ -38,6 +38,7 @@ from typing import Protocol
 
 from oobleck_hpc.errors import GuaranteeExceeded
 from oobleck_hpc.sim.engine import Policy, RunConfig
+from oobleck_hpc.sim.recycle import RecyclePolicy
 
 
 class Backend(Protocol):
@@ -263,4 +264,6 @@ class RedundantPolicy(Policy):
         self.train()
 
 
-POLICIES = {"oobleck": OobleckPolicy, "restart": RestartPolicy, "redundant": RedundantPolicy}
+POLICIES: dict[str, type[Policy]] = {"oobleck": OobleckPolicy, "restart": RestartPolicy,
+                                     "redundant": RedundantPolicy, "recycle": RecyclePolicy}
+"""Every policy by name; recycle (sim/recycle.py, ReCycle-like) runs on planner backends only."""

@@ -46,7 +46,8 @@ PLOT_FORMATS = (".png", ".svg", ".pdf")
 # what the plot's legend calls each policy (the table keeps the short names)
 _LONG = {"oobleck": "oobleck (in-place reconfiguration)",
          "restart": "checkpoint-restart",
-         "redundant": "redundant computation"}
+         "redundant": "redundant computation",
+         "recycle": "ReCycle-like (micro-batches re-routed to peers)"}
 
 # "nice" averaging windows of the goodput panel, in seconds
 _WINDOWS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200,
