@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from oobleck_hpc.configs.cluster import ClusterConfig, ProfileConfig, SlurmConfig
 from oobleck_hpc.configs.resilience import (FENCED_GRACE_S, HEARTBEAT_S, LEASE_S, STARTUP_S,
                                             CheckpointConfig, FaultConfig, FaultToleranceConfig)
 from oobleck_hpc.configs.training import DataConfig, ModelConfig, TrainConfig
-from oobleck_hpc.errors import ConfigError, YamlSyntaxError
+from oobleck_hpc.schema import read_mapping
 from oobleck_hpc.schema import Where as _Where
 from oobleck_hpc.schema import build as _build
 from oobleck_hpc.schema import walk as _walk
@@ -98,23 +97,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobCo
     """Read and validate a YAML job file. `overrides` maps dotted keys to values
     (e.g. {"cluster.nodes": 8}) and is applied before validation."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(str(path), "<file>", f"cannot be read ({e.strerror})",
-                          "pass the path of an existing YAML job file") from e
-    try:
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        raise YamlSyntaxError.of(str(path), e) from e
-    except yaml.YAMLError as e:
-        raise ConfigError(str(path), "<file>", f"is not valid YAML ({e})",
-                          "correct the YAML (spaces for indentation, 'key: value' with a space "
-                          "after the colon, brackets and quotes closed)") from e
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(str(path), "<top>", f"is a {type(data).__name__}, not a mapping",
-                          "write the job as 'key: value' lines")
+    data = read_mapping(path, "YAML job file")
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, last = dotted.split(".")

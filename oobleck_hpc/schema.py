@@ -1,4 +1,8 @@
-"""Strict, typed reading of a parsed YAML mapping into nested dataclasses (config.py's loader).
+"""Strict, typed reading of a YAML file into nested dataclasses (the job file's and the fleet
+file's loaders).
+
+`read_mapping(path, what)` reads the file as a YAML mapping (an unreadable file, a YAML syntax
+error or a top level that is not a mapping named with the file and the fix).
 
 `build(cls, mapping, where)` converts a mapping into the dataclass `cls` by its type hints:
 an unknown key is answered with the list of valid keys, a value of the wrong type with the
@@ -14,9 +18,35 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from oobleck_hpc.errors import ConfigError
+import yaml
+
+from oobleck_hpc.errors import ConfigError, YamlSyntaxError
+
+
+def read_mapping(path: Path, what: str) -> dict:
+    """The YAML mapping in `path` ({} for an empty file); `what` names the file's kind in the
+    messages ("YAML job file", "fleet file")."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(str(path), "<file>", f"cannot be read ({e.strerror})",
+                          f"pass the path of an existing {what}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        raise YamlSyntaxError.of(str(path), e) from e
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), "<file>", f"is not valid YAML ({e})",
+                          "correct the YAML (spaces for indentation, 'key: value' with a space "
+                          "after the colon, brackets and quotes closed)") from e
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "<top>", f"is a {type(data).__name__}, not a mapping",
+                          f"write the {what} as 'key: value' lines")
+    return data
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 from oobleck_hpc.config import JobConfig, load_job
-from oobleck_hpc.errors import ConfigError, YamlSyntaxError
-from oobleck_hpc.schema import Where, build, walk
+from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.schema import Where, build, read_mapping, walk
 
 TRANSITION_S = 60.0
 """Default seconds a job pauses when its node count changes. Our own recovery and join take
@@ -111,25 +110,6 @@ class FleetJob:
     job: JobConfig
 
 
-def _read(path: Path) -> dict:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(str(path), "<file>", f"cannot be read ({e.strerror})",
-                          "pass the path of an existing fleet file") from e
-    try:
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        raise YamlSyntaxError.of(str(path), e) from e
-    except yaml.YAMLError as e:
-        raise ConfigError(str(path), "<file>", f"is not valid YAML ({e})",
-                          "correct the YAML") from e
-    if not isinstance(data, dict):
-        raise ConfigError(str(path), "<top>", f"is a {type(data).__name__}, not a mapping",
-                          "write the fleet as 'key: value' lines (pool:, jobs:)")
-    return data
-
-
 def fleet_from_dict(data: dict, source: str = "<dict>") -> FleetConfig:
     fleet = build(FleetConfig, data, Where(source, ""))
     fleet.source = source
@@ -141,7 +121,7 @@ def load_fleet(path: str | Path, nodes: int | None = None) -> tuple[FleetConfig,
     """Read and validate a fleet file and every job file it names. `nodes` replaces
     pool.nodes."""
     path = Path(path)
-    data = _read(path)
+    data = read_mapping(path, "fleet file")
     if nodes is not None:
         pool = data.get("pool")
         data["pool"] = {**(pool if isinstance(pool, dict) else {}), "nodes": nodes}
