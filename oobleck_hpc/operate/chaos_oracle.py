@@ -8,7 +8,7 @@ run with `straggler: none`), taken in membership rounds in time
 order (`round_orders`): a step's own failures, then one round per recovery phase a further node
 dies in, then a node lost after the step's commit, noticed while the next step runs (after the
 last step: when the survivors agree they reached the end). Each round must keep the quorum of
-the view before it (`elastic.membership.has_quorum`, the agents' rule), and the recovery, from
+the view before it (`control.decision.has_quorum`, the agents' rule), and the recovery, from
 the plan of the last commit, must find every layer on a survivor, at least n0 survivors and a
 plan (`planning.reconfigure`):
 then in place, else fallback (and the rest of the set never fires: a requeued job runs without
