@@ -153,8 +153,9 @@ def test_a_node_moves_from_the_lightest_job_to_the_heaviest_after_its_loss(tmp_p
     light = read_events(run_dir / "light" / "events.jsonl")
     agreed = kinds(light, "drain_agreed")
     assert agreed and agreed[0]["nodes"] == [drain[0]["node"]], f"light did not drain {where}"
-    grow = kinds(fleet, "fleet_grow")
-    assert [(e["job"], e["from_job"]) for e in grow] == [("heavy", "light")], grow
+    # (light may get a node back from middle's, if middle ends first: below its start)
+    grow = [e for e in kinds(fleet, "fleet_grow") if e["job"] == "heavy"]
+    assert [e["from_job"] for e in grow] == ["light"], grow
     assert grow[0]["t"] >= agreed[0]["t"], "heavy grew before light's node left"
     joined = kinds(heavy, "node_joined")
     assert joined and joined[0]["node"] == grow[0]["nodes"][0], f"no node joined heavy {where}"

@@ -52,7 +52,7 @@ def read_status(run_dir: str | Path) -> dict[str, Any]:
                 "trigger", "reason", "nodes_before", "nodes_after", "waf_before", "waf_after",
                 "enacted", "moves")}})
         elif kind in ("fleet_drain", "fleet_grow", "fleet_move_failed"):
-            moves.append({"t": t, "kind": kind[len("fleet_"):],
+            moves.append({"t": t, "move": kind[len("fleet_"):],
                           **{k: v for k, v in e.items() if k in ("job", "node", "nodes",
                                                                  "for_job", "from_job",
                                                                  "reason")}})
@@ -80,9 +80,9 @@ def format_status(rep: dict[str, Any]) -> str:
         told.append((d["t"], f"decision: {d['reason']}: {moved}; WAF {d['waf_before']:.3e} -> "
                      f"{d['waf_after']:.3e}" + ("" if d["enacted"] else " (not enacted)")))
     for m in rep["moves"]:
-        if m["kind"] == "drain":
+        if m["move"] == "drain":
             what = f"drain {m['node']} of {m['job']} for {m['for_job'] or '(free)'}"
-        elif m["kind"] == "grow":
+        elif m["move"] == "grow":
             what = f"grow {m['job']} by {', '.join(m['nodes'])} (from {m['from_job'] or 'free'})"
         else:
             what = f"move failed in {m['job']}: {m['reason']}"
