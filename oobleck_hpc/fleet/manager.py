@@ -119,6 +119,12 @@ class Manager:
     def start(self) -> list[Action]:
         """The first allocation: a fresh decision on the pool (nothing moves)."""
         decision = decide([j.curve() for j in self.jobs.values()], self.free)
+        after = dict(zip(self.jobs, decision.nodes))
+        self.emit("fleet_decision", trigger="", reason=f"the first allocation of the pool's "
+                  f"{self.free} nodes (nothing runs: no move costs)",
+                  nodes_before=dict.fromkeys(self.jobs, 0), nodes_after=after, waf_before=0.0,
+                  waf_after=decision.total_waf, objective=decision.objective,
+                  free=self.free, enacted=True, moves=[[n, 0, k] for n, k in after.items() if k])
         out: list[Action] = []
         for job, k in zip(self.jobs.values(), decision.nodes):
             if k > 0:

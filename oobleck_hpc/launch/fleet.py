@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from oobleck_hpc.fleet import cli as fleet_cli
 from oobleck_hpc.fleet.manager import Action, Drain, Grow, JobState, Manager, Start
@@ -47,7 +48,7 @@ class FleetJobRun:
     run_dir: Path
     proc: subprocess.Popen | None = None
     tail: Tail | None = None
-    log: object = None
+    log: IO[bytes] | None = None
 
     def start(self, nodes: int) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -72,6 +73,8 @@ class FleetJobRun:
             except subprocess.TimeoutExpired:
                 pass
         kill_leftovers(self.proc, self.run_dir)
+        if self.log is not None:
+            self.log.close()
 
 
 @dataclass
@@ -150,6 +153,8 @@ class FleetRun:
         from oobleck_hpc.control.drain import request_drain
         from oobleck_hpc.launch.local import grow
 
+        if self._stop:  # (stopping: nothing starts, nothing moves)
+            return
         for a in actions:
             job = self.jobs[a.job]
             if isinstance(a, Start):

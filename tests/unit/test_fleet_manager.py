@@ -34,7 +34,7 @@ def test_a_loss_in_the_heaviest_job_moves_a_node_from_the_lightest():
     assert m.start() == [Start("heavy", 3), Start("middle", 2), Start("light", 3)]
     assert m.on_event("heavy", plan(2)) == []
     assert m.on_event("heavy", recovered(["node2"])) == [Drain("light", "node2", "heavy")]
-    decision = next(f for k, f in out if k == "fleet_decision")
+    decision = [f for k, f in out if k == "fleet_decision"][1]  # [0]: the first allocation
     assert decision["nodes_after"] == {"heavy": 3, "middle": 2, "light": 2}
     assert decision["waf_after"] > decision["waf_before"] and decision["enacted"]
     assert not m.settled()
@@ -85,7 +85,7 @@ def test_status_tells_the_managers_events(tmp_path):
     rep = read_status(tmp_path)
     assert rep["jobs"]["heavy"]["nodes_over_time"][-1][1] == 2
     assert rep["jobs"]["heavy"]["state"] == "running"
-    assert rep["decisions"][0]["nodes_after"]["light"] == 2
+    assert rep["decisions"][-1]["nodes_after"]["light"] == 2
     assert rep["moves"][0]["move"] == "drain" and rep["waf_now"] == m.waf_now()
     text = format_status(rep)
     assert "drain node2 of light for heavy" in text and "decision: node2 lost in heavy" in text
