@@ -35,7 +35,7 @@ from oobleck_hpc.records.events import read_events, read_jsonl
 from test_recovery import TOL, job_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {"heavy": 120, "middle": 20, "light": 50}
+STEPS = {"heavy": 160, "middle": 20, "light": 50}
 WEIGHTS = {"heavy": 4, "middle": 2, "light": 1}
 MAX_NODES = {"heavy": 3, "middle": 2, "light": None}
 KILL = {"node": 2, "step": 3, "phase": "backward", "kind": "kill"}

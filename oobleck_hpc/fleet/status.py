@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from oobleck_hpc.errors import ConfigError
 from oobleck_hpc.records.events import read_events
 
 
@@ -21,8 +22,9 @@ def read_status(run_dir: str | Path) -> dict[str, Any]:
     """The fleet run in `run_dir` as one JSON-able object (module docstring)."""
     path = Path(run_dir) / "events.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: give the run dir of `oobleck-hpc fleet "
-                                "run` (its --run-dir)")
+        raise ConfigError("<command line>", "RUN_DIR", f"value {str(run_dir)!r} holds no "
+                          "events.jsonl", "give the run dir of `oobleck-hpc fleet run` (its "
+                          "--run-dir)")
     events = [e for e in read_events(path) if str(e.get("kind", "")).startswith("fleet_")]
     t0 = events[0]["t"] if events else 0.0
     jobs: dict[str, dict[str, Any]] = {}

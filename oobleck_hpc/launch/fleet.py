@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from oobleck_hpc.errors import ConfigError
 from oobleck_hpc.fleet import cli as fleet_cli
 from oobleck_hpc.fleet.manager import Action, Drain, Grow, JobState, Manager, Start
 from oobleck_hpc.records.events import EventLog
@@ -92,7 +93,8 @@ class FleetRun:
         fleet, entries = load_fleet(self.path)
         events = self.run_dir / "events.jsonl"
         if events.exists():
-            raise FileExistsError(f"{events} exists: give the fleet a new --run-dir")
+            raise ConfigError("<command line>", "--run-dir", f"value {str(self.run_dir)!r} "
+                              "holds a fleet run already", "give the fleet a new --run-dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = EventLog(events, source="fleet")
         states = []
