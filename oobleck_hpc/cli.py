@@ -18,7 +18,7 @@ from oobleck_hpc.errors import OobleckError
 COMMANDS = {
     "plan": "oobleck_hpc.planning.cli",
     "profile": "oobleck_hpc.profiling.cli", "profiles": "oobleck_hpc.profiling.cli",
-    "simulate": "oobleck_hpc.sim.cli", "fleet": "oobleck_hpc.fleet.cli",
+    "simulate": "oobleck_hpc.sim.cli", "fleet": "oobleck_hpc.launch.fleet",
     "submit": "oobleck_hpc.launch.cli_slurm", "run": "oobleck_hpc.launch.cli",
     "kill-node": "oobleck_hpc.operate.cli", "drain": "oobleck_hpc.operate.cli",
     "grow": "oobleck_hpc.operate.cli", "watch": "oobleck_hpc.operate.cli",

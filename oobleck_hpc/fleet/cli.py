@@ -10,9 +10,10 @@ job whose count changes then pays its transition_s x its WAF, amortised over the
 --json: one object (keys fleet, nodes, mtbf_hours, jobs, total_waf, objective, idle_nodes,
 waf_before, seconds), each job with its whole curve (samples_per_s_by_nodes, index = nodes).
 
-`fleet run` and `fleet submit` (a manager moving nodes between running jobs) are not built
-yet (issue 32); `oobleck-hpc simulate --fleet` (fleet/simulate.py) replays the decision on
-failure traces.
+`oobleck-hpc fleet status RUN_DIR [--json]` tells a fleet run from its events (status.py);
+`fleet run` (launch/fleet.py: it starts processes) registers itself beside these. `fleet
+submit` (a Slurm fleet) is not built yet (issue 32); `oobleck-hpc simulate --fleet`
+(fleet/simulate.py) replays the decision on failure traces.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import sys
 import time
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fleet", help="many jobs on one pool of nodes: how to share it")
+def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """`fleet plan` and `fleet status`; returns the fleet's subcommands, to which
+    launch/fleet.py adds `fleet run` (it starts processes: the fleet package does not)."""
+    p = sub.add_parser("fleet", help="many jobs on one pool of nodes: share it, run it")
     fleet_sub = p.add_subparsers(dest="fleet_command", required=True, metavar="FLEET_COMMAND")
     q = fleet_sub.add_parser("plan", help="each job's nodes, throughput and WAF on the pool")
     q.add_argument("fleet", help="YAML fleet file")
@@ -34,6 +37,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "them cost (default: a fresh start, nothing moves)")
     q.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     q.set_defaults(func=run)
+    s = fleet_sub.add_parser("status", help="a fleet run's jobs, their nodes over time and the "
+                             "fleet's WAF (from its events)")
+    s.add_argument("run_dir", help="the fleet's run dir (`fleet run --run-dir`)")
+    s.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    s.set_defaults(func=status)
+    return fleet_sub
+
+
+def status(args: argparse.Namespace) -> int:
+    from oobleck_hpc.fleet.status import format_status, read_status
+
+    rep = read_status(args.run_dir)
+    if args.json:
+        json.dump(rep, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(format_status(rep))
+    return 0
 
 
 def parse_current(text: str | None, names: list[str]) -> dict[str, int]:

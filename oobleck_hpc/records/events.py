@@ -216,6 +216,32 @@ STOPPING = _declare("stopping", "Training stops at a step (a signal, a requeue).
 FALLBACK = _declare("fallback", "No in-place recovery: the job restarts from its checkpoint.",
                     {"reason": str, "nodes": _Nodes, "resume_from": Any})
 
+# The fleet manager (`oobleck-hpc fleet run`: launch/fleet.py, fleet/manager.py): the fleet's own
+# RUN_DIR/events.jsonl. Node counts are by job name; WAF in weighted FLOP/s.
+_Counts = dict
+FLEET_STARTED = _declare("fleet_started", "The fleet manager started its jobs on the pool.",
+                         {"fleet": str, "pool": int, "nodes": _Counts, "waf": float,
+                          "run_dirs": dict})
+FLEET_DECISION = _declare("fleet_decision",
+                          "The manager re-solved the allocation (allocate.decide) and why.",
+                          {"trigger": str, "reason": str, "nodes_before": _Counts,
+                           "nodes_after": _Counts, "waf_before": float, "waf_after": float,
+                           "objective": float, "free": int, "enacted": bool, "moves": list})
+FLEET_DRAIN = _declare("fleet_drain", "The manager asked a job to drain a node for another.",
+                       {"job": str, "node": str, "for_job": str})
+FLEET_GROW = _declare("fleet_grow", "The manager grew a job by nodes (from a drain or free).",
+                      {"job": str, "nodes": _Nodes, "from_job": str})
+FLEET_MOVE_FAILED = _declare("fleet_move_failed", "A move could not be made (drain refused...).",
+                             {"job": str, "reason": str})
+FLEET_NODES = _declare("fleet_nodes", "A job's node count changed (its plan): the fleet's WAF now.",
+                       {"job": str, "nodes": int, "counts": _Counts, "waf": float})
+FLEET_JOB_STARTED = _declare("fleet_job_started", "The manager started a job of the fleet.",
+                             {"job": str, "nodes": int, "run_dir": str, "pid": int})
+FLEET_JOB_ENDED = _declare("fleet_job_ended", "A job of the fleet ended (its launcher's code).",
+                           {"job": str, "code": int, "finished": bool, "nodes": int})
+FLEET_ENDED = _declare("fleet_ended", "Every job of the fleet ended.",
+                       {"codes": dict, "seconds": float})
+
 
 class EventLog:
     """Append-only JSONL event file shared by all processes of a run (see module docstring)."""

@@ -1,0 +1,275 @@
+"""The fleet manager's logic: the jobs' events in, the moves out (no processes, no files).
+
+`oobleck-hpc fleet run` (launch/fleet.py) starts the jobs, feeds every event of each job's
+RUN_DIR/events.jsonl to `Manager.on_event`, each job's end to `on_exit`, and enacts the
+actions they return with the jobs' public operations: `Drain` (control/drain.request_drain),
+`Grow` (launch/local.grow), `Start` (`oobleck-hpc run`). The manager writes each of its
+decisions to the fleet's events (records/events.py, `fleet_*`) through `emit`.
+
+What it reacts to, as fleet/simulate.py's FleetSim.rebalance does on traces:
+
+- A node lost in job A: A recovers in place by itself; once A's recovery committed a step (its
+  `recovered` event, nodes lost), the manager re-solves (allocate.decide, each job's current
+  count, moves charged transition_s x WAF over the pool's MTBF). A job the decision shrinks
+  is asked to drain nodes (its last members); once its `drain_agreed` shows them gone, the
+  jobs the decision grows are grown by as many.
+- A job that ends (finished or not): its nodes are free; the manager re-solves and grows the
+  others, or starts a job that was waiting.
+
+Local limits, designed within: a grown local node joins only while its job runs below the node
+count it started with (control/membership.py), else it waits as a spare. So the decision never
+gives a running job more than it started with (its max_nodes is capped there): nodes freed by a
+job that ends go to jobs that lost nodes, or to a waiting job, else they stay idle. A running
+job is never stopped (a decision that would give it 0 nodes is recorded, not enacted). One
+decision is enacted at a time: a trigger that arrives meanwhile is re-solved once every count
+reached its target (`settled`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from oobleck_hpc.fleet.allocate import JobCurve, decide
+
+
+@dataclass(frozen=True)
+class Drain:
+    job: str
+    node: str
+    for_job: str
+
+
+@dataclass(frozen=True)
+class Grow:
+    job: str
+    count: int
+    from_job: str
+
+
+@dataclass(frozen=True)
+class Start:
+    job: str
+    count: int
+
+
+Action = Drain | Grow | Start
+
+
+@dataclass
+class JobState:
+    """One job as the manager knows it from its events."""
+
+    name: str
+    waf: np.ndarray
+    """WAF on n nodes (curves.py), n = 0..pool."""
+    min_nodes: int = 1
+    max_nodes: int | None = None
+    transition_s: float = 0.0
+    started: int = 0
+    """Nodes it started with (0: not started); a grown node joins only below it."""
+    count: int = 0
+    """Nodes its plan runs on now (its latest `plan_chosen`)."""
+    members: list[str] = field(default_factory=list)
+    state: str = "waiting"
+    """waiting | running | finished | failed"""
+    target: int | None = None
+    """The count the decision being enacted gives it."""
+    growing: int = 0
+    """Nodes asked for (grow) that its plan does not run on yet."""
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def curve(self) -> JobCurve:
+        if self.state in ("finished", "failed"):
+            return JobCurve(self.name, self.waf, max_nodes=0)
+        smallest = int(np.flatnonzero(self.waf > 0)[0]) if (self.waf > 0).any() else 1
+        cap = self.max_nodes
+        if self.running:  # a local grown node joins only below the count it started with
+            cap = self.started if cap is None else min(cap, self.started)
+        return JobCurve(self.name, self.waf, max(self.min_nodes, smallest), cap,
+                        self.transition_s, self.count if self.running else None)
+
+
+class Manager:
+    """The manager's state: each job, the free nodes, the moves under way (module docstring)."""
+
+    def __init__(self, jobs: list[JobState], pool: int, horizon_s: float,
+                 emit: Callable[..., Any]):
+        self.jobs = {j.name: j for j in jobs}
+        self.free = pool
+        self.horizon_s = horizon_s
+        self.emit = emit
+        self.draining: dict[str, tuple[str, str]] = {}
+        """node asked to drain -> (its job, the job it goes to)."""
+        self.again: list[tuple[str, str]] = []
+        """(trigger, reason) that came while a decision was enacted."""
+
+    def waf_now(self) -> float:
+        return sum(float(j.waf[j.count]) for j in self.jobs.values() if j.running)
+
+    def counts(self) -> dict[str, int]:
+        return {n: j.count if j.running else 0 for n, j in self.jobs.items()}
+
+    def start(self) -> list[Action]:
+        """The first allocation: a fresh decision on the pool (nothing moves)."""
+        decision = decide([j.curve() for j in self.jobs.values()], self.free)
+        after = dict(zip(self.jobs, decision.nodes))
+        self.emit("fleet_decision", trigger="", reason=f"the first allocation of the pool's "
+                  f"{self.free} nodes (nothing runs: no move costs)",
+                  nodes_before=dict.fromkeys(self.jobs, 0), nodes_after=after, waf_before=0.0,
+                  waf_after=decision.total_waf, objective=decision.objective,
+                  free=self.free, enacted=True, moves=[[n, 0, k] for n, k in after.items() if k])
+        out: list[Action] = []
+        for job, k in zip(self.jobs.values(), decision.nodes):
+            if k > 0:
+                out.append(self._start(job, k))
+        return out
+
+    def _start(self, job: JobState, k: int) -> Start:
+        job.state, job.started, job.count, job.target = "running", k, k, None
+        job.members = [f"node{i}" for i in range(k)]
+        self.free -= k
+        return Start(job.name, k)
+
+    def on_event(self, name: str, e: dict[str, Any]) -> list[Action]:
+        """One event of job `name`'s events file."""
+        job, kind = self.jobs[name], e.get("kind")
+        if kind == "membership_agreed":
+            job.members = list(e["nodes"])
+        elif kind == "plan_chosen" and e["nodes"] != job.count and job.running:
+            job.growing = max(0, job.growing - max(0, int(e["nodes"]) - job.count))
+            job.count = int(e["nodes"])
+            if job.count == job.target:
+                job.target = None
+            self.emit("fleet_nodes", job=name, nodes=job.count, counts=self.counts(),
+                      waf=self.waf_now())
+        elif kind == "recovered" and (lost := sorted(set(e["lost"]) - set(e["drained"]))):
+            job.target = None  # (a loss changed its count: a target it had is void)
+            return self.trigger(name, f"{', '.join(lost)} lost in {name}; it recovered "
+                                f"in place (step {e['step']} committed)")
+        elif kind == "drain_agreed":
+            return self._drained(name, [n for n in e["nodes"] if n in self.draining])
+        elif kind == "drain_refused":
+            for node in [n for n in e["nodes"] if n in self.draining]:
+                _, to = self.draining.pop(node)
+                for stays in (job, self.jobs.get(to)):
+                    if stays is not None:
+                        stays.target = None
+                self.emit("fleet_move_failed", job=name, reason=f"drain of {node} refused: "
+                          f"{e.get('reason', '')}")
+        return self._retry()
+
+    def on_exit(self, name: str, code: int, finished: bool) -> list[Action]:
+        """Job `name`'s launcher exited: its nodes are free."""
+        job = self.jobs[name]
+        nodes = job.count if job.running else 0
+        job.state = "finished" if finished else "failed"
+        job.target = None
+        self.free += nodes
+        for node, (src, to) in list(self.draining.items()):
+            if name in (src, to):  # a move that cannot complete any more
+                del self.draining[node]
+                for other in (self.jobs[src], self.jobs.get(to)):
+                    if other is not None:
+                        other.target = None
+        self.emit("fleet_job_ended", job=name, code=code, finished=finished, nodes=nodes)
+        self.emit("fleet_nodes", job=name, nodes=0, counts=self.counts(), waf=self.waf_now())
+        if not any(j.running for j in self.jobs.values()):
+            return self._start_waiting()
+        return self.trigger(name, f"{name} ended ({'finished' if finished else f'exit {code}'})"
+                            f": its {nodes} nodes are free")
+
+    def settled(self) -> bool:
+        """No move under way: no drain unanswered, no grown node not yet in its job's plan,
+        every job the last decision changed at its count."""
+        return not self.draining and all(
+            j.growing == 0 and (j.target is None or j.count == j.target)
+            for j in self.jobs.values() if j.running)
+
+    def _retry(self) -> list[Action]:
+        if self.again and self.settled():
+            trigger, reason = self.again.pop(0)
+            return self.trigger(trigger, reason)
+        return []
+
+    def _start_waiting(self) -> list[Action]:
+        return self.trigger("", "no job runs: the waiting jobs start") \
+            if any(j.state == "waiting" for j in self.jobs.values()) else []
+
+    def trigger(self, name: str, reason: str) -> list[Action]:
+        """Re-solve and enact (module docstring)."""
+        if not self.settled():
+            self.again.append((name, reason))
+            return []
+        jobs = list(self.jobs.values())
+        before = self.counts()
+        total = sum(before.values()) + self.free
+        decision = decide([j.curve() for j in jobs], total, self.horizon_s)
+        after = dict(zip(self.jobs, decision.nodes))
+        stops = [j.name for j in jobs if j.running and after[j.name] == 0]
+        enact = not stops
+        why = reason + (f"; not enacted: it would stop {', '.join(stops)} (the local fleet "
+                        "stops no running job)" if stops else "")
+        moves = [[n, before[n], after[n]] for n in after if before[n] != after[n]]
+        self.emit("fleet_decision", trigger=name, reason=why, nodes_before=before,
+                  nodes_after=after, waf_before=self.waf_now(), waf_after=decision.total_waf,
+                  objective=decision.objective if math.isfinite(decision.objective) else 0.0,
+                  free=self.free, enacted=enact, moves=moves)
+        if not enact or not moves:
+            return []
+        return self._enact(jobs, after)
+
+    def _enact(self, jobs: list[JobState], after: dict[str, int]) -> list[Action]:
+        out: list[Action] = []
+        takers = [j for j in jobs if j.running and after[j.name] > j.count]
+        for job in jobs:
+            job.target = after[job.name] if after[job.name] != job.count else None
+            if job.state == "waiting" and after[job.name] > 0:
+                takers.append(job)
+        givers = [j for j in jobs if j.running and after[j.name] < j.count]
+        wants = [(t, after[t.name] - (t.count if t.running else 0)) for t in takers]
+        queue = [t.name for t, k in wants for _ in range(k)]
+        for job in givers:  # its last members leave, each for the next taker in line
+            leaving = job.count - after[job.name]
+            for node in job.members[len(job.members) - leaving:]:
+                to = queue.pop(0) if queue else ""
+                self.draining[node] = (job.name, to)
+                self.emit("fleet_drain", job=job.name, node=node, for_job=to)
+                out.append(Drain(job.name, node, to))
+        return out + self._give("")
+
+    def _drained(self, name: str, nodes: list[str]) -> list[Action]:
+        """`nodes` left job `name` (drain_agreed): free, then given to their takers."""
+        givers: dict[str, str] = {}
+        for node in nodes:
+            _, to = self.draining.pop(node)
+            self.free += 1
+            givers[to] = name
+        out: list[Action] = []
+        for to, src in givers.items():
+            out += self._give(src, only=to)
+        return out
+
+    def _give(self, src: str, only: str | None = None) -> list[Action]:
+        """Free nodes to the jobs below their target (waiting ones start), while nodes are free
+        and not promised to a drain under way."""
+        out: list[Action] = []
+        promised = {to for _, to in self.draining.values()}
+        for job in self.jobs.values():
+            if job.target is None or (only is not None and job.name != only):
+                continue
+            if job.state == "waiting" and self.free >= job.target and job.name not in promised:
+                out.append(self._start(job, job.target))
+            elif job.running and job.name not in promised:
+                k = min(job.target - job.count - job.growing, self.free)
+                if k > 0:
+                    self.free -= k
+                    job.growing += k
+                    out.append(Grow(job.name, k, src))
+        return out

@@ -1,0 +1,91 @@
+"""The fleet manager's logic (fleet/manager.py) on made-up job events, and `fleet status` on the
+events it writes: no processes (tests/test_fleet_run.py runs the real thing)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oobleck_hpc.fleet.manager import Drain, Grow, JobState, Manager, Start
+from oobleck_hpc.fleet.status import format_status, read_status
+from oobleck_hpc.records.events import EventLog
+
+# a planner-like curve: no plan below 2 nodes, more nodes pay less and less
+SPS = np.array([0.0, 0.0, 10.0, 12.0, 13.0, 13.5, 13.8, 14.0, 14.1])
+
+
+def fleet(emit, pool: int = 8, wait_light: bool = False) -> Manager:
+    jobs = [JobState("heavy", 4 * SPS, max_nodes=3, transition_s=60),
+            JobState("middle", 2 * SPS, max_nodes=2, transition_s=60),
+            JobState("light", SPS, min_nodes=4 if wait_light else 1, transition_s=60)]
+    return Manager(jobs, pool, 3 * 3600.0, emit)
+
+
+def plan(nodes: int) -> dict:
+    return {"kind": "plan_chosen", "nodes": nodes}
+
+
+def recovered(lost: list[str], drained: list[str] = ()) -> dict:
+    return {"kind": "recovered", "lost": lost, "drained": list(drained), "step": 3}
+
+
+def test_a_loss_in_the_heaviest_job_moves_a_node_from_the_lightest():
+    out: list[tuple[str, dict]] = []
+    m = fleet(lambda kind, **f: out.append((kind, f)))
+    assert m.start() == [Start("heavy", 3), Start("middle", 2), Start("light", 3)]
+    assert m.on_event("heavy", plan(2)) == []
+    assert m.on_event("heavy", recovered(["node2"])) == [Drain("light", "node2", "heavy")]
+    decision = [f for k, f in out if k == "fleet_decision"][1]  # [0]: the first allocation
+    assert decision["nodes_after"] == {"heavy": 3, "middle": 2, "light": 2}
+    assert decision["waf_after"] > decision["waf_before"] and decision["enacted"]
+    assert not m.settled()
+    # meanwhile middle ends: its nodes are free, re-solved once the move is over
+    assert m.on_exit("middle", 0, True) == []
+    assert m.on_event("light", {"kind": "drain_agreed", "nodes": ["node2"]}) == [
+        Grow("heavy", 1, "light")]
+    assert m.on_event("light", recovered(["node2"], ["node2"])) == []  # a drain: no trigger
+    assert m.on_event("light", plan(2)) == []
+    # settled: middle's end is re-solved; light, below the 3 nodes it started with, gets one
+    assert m.on_event("heavy", plan(3)) == [Grow("light", 1, "")]
+    last = [f for k, f in out if k == "fleet_decision"][-1]
+    assert last["trigger"] == "middle" and last["moves"] == [["light", 2, 3]], last
+    assert m.on_event("light", plan(3)) == [] and m.settled()
+    # no job gets more than it started with: a local grown node would wait as a spare
+    assert m.counts() == {"heavy": 3, "middle": 0, "light": 3} and m.free == 1
+
+
+def test_a_refused_drain_cancels_the_move():
+    out: list[tuple[str, dict]] = []
+    m = fleet(lambda kind, **f: out.append((kind, f)))
+    m.start()
+    m.on_event("heavy", plan(2))
+    m.on_event("heavy", recovered(["node2"]))
+    assert m.on_event("light", {"kind": "drain_refused", "nodes": ["node2"],
+                                "reason": "no plan"}) == []
+    assert m.settled() and [k for k, _ in out][-1] == "fleet_move_failed"
+
+
+def test_a_waiting_job_starts_when_a_job_ends():
+    out: list[tuple[str, dict]] = []
+    m = fleet(lambda kind, **f: out.append((kind, f)), pool=6, wait_light=True)
+    assert m.start() == [Start("heavy", 3), Start("middle", 2)]  # light needs 4: it waits
+    assert m.on_exit("heavy", 0, True) == [Start("light", 4)]
+
+
+def test_status_tells_the_managers_events(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl", source="fleet")
+    m = fleet(log.emit)
+    m.start()
+    log.emit("fleet_started", fleet="f", pool=8, nodes=m.counts(), waf=m.waf_now(),
+             run_dirs={n: str(tmp_path / n) for n in m.jobs})
+    for name in m.jobs:
+        log.emit("fleet_job_started", job=name, nodes=m.jobs[name].count, run_dir="", pid=1)
+    m.on_event("heavy", plan(2))
+    m.on_event("heavy", recovered(["node2"]))
+    log.close()
+    rep = read_status(tmp_path)
+    assert rep["jobs"]["heavy"]["nodes_over_time"][-1][1] == 2
+    assert rep["jobs"]["heavy"]["state"] == "running"
+    assert rep["decisions"][-1]["nodes_after"]["light"] == 2
+    assert rep["moves"][0]["move"] == "drain" and rep["waf_now"] == m.waf_now()
+    text = format_status(rep)
+    assert "drain node2 of light for heavy" in text and "decision: node2 lost in heavy" in text
