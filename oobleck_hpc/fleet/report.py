@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from oobleck_hpc.files import atomic_open
 from oobleck_hpc.fleet.simulate import FleetResult
-from oobleck_hpc.sim.report import PlotError, duration_text, plot_window_s
+from oobleck_hpc.sim.report import (duration_text, finish_axes, mark_times, plot_window_s,
+                                    save_figure, two_panels)
 
 LONG = {"fleet": "fleet manager (in place, then nodes moved between jobs)",
         "own": "every job on its own (in place, keeps its nodes)",
@@ -48,15 +48,8 @@ def to_json(results: dict[str, FleetResult], meta: dict) -> str:
 
 def waf_figure(results: dict[str, FleetResult], title: str, failure_times_s: list[float]):
     """WAF over time per policy (top) and each job's nodes under the manager (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
     duration_s = max(r.duration_s for r in results.values())
-    window_s = plot_window_s(duration_s)
-    fig = Figure(figsize=(11, 6.5), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    fig, top, bottom, window_s = two_panels(duration_s)
     for i, (name, r) in enumerate(results.items()):
         wins = r.waf_windows(window_s)
         edges = [0.0] + [t1 / 3600 for _, t1, _ in wins]
@@ -68,18 +61,10 @@ def waf_figure(results: dict[str, FleetResult], title: str, failure_times_s: lis
     for k, name in enumerate(names):
         bottom.stairs([c[k] for _, c in fleet.nodes], times, baseline=None, linewidth=1.2,
                       label=f"{name} (weight x FLOPs/sample {fleet.waf_per_sample[name]:.3g})")
-    hours = [t / 3600 for t in failure_times_s if t < duration_s]
-    for ax in (top, bottom):
-        if hours:
-            ax.vlines(hours, 0, 1, transform=ax.get_xaxis_transform(), colors="tab:red",
-                      linestyles=":", linewidth=0.8, alpha=0.5 if len(hours) <= 100 else 0.2,
-                      label=f"node failure ({len(hours)})" if ax is top else None)
-        ax.set_xlim(0, duration_s / 3600)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+    mark_times(top, bottom, failure_times_s, duration_s, "node failure", "tab:red", ":", 0.5)
+    finish_axes(top, bottom, duration_s)
     top.set_ylabel(f"fleet WAF (weighted FLOP/s,\nmean over {duration_text(window_s)})")
     bottom.set_ylabel(f"nodes per job\n({fleet.policy})")
-    bottom.set_xlabel("simulated time (hours)")
     top.legend(loc="lower left", fontsize=8)
     bottom.legend(loc="upper right", fontsize=7, ncols=2)
     fig.suptitle(title, fontsize=10)
@@ -88,12 +73,6 @@ def waf_figure(results: dict[str, FleetResult], title: str, failure_times_s: lis
 
 def plot(results: dict[str, FleetResult], path: str | Path, title: str,
          failure_times_s: list[float]) -> None:
-    """Write waf_figure(...) to `path` atomically (call sim.report.check_plot_target first)."""
-    p = Path(path)
-    fig = waf_figure(results, title, failure_times_s)
-    try:
-        with atomic_open(p) as f:
-            fig.savefig(f, dpi=120, format=p.suffix.lower().lstrip("."))
-    except OSError as e:
-        raise PlotError(f"--plot {path}: writing failed ({e.strerror}). Fix: pass a path on a "
-                        "writable file system with free space") from e
+    """Write waf_figure(...) to `path` atomically (sim.report.save_figure; call
+    sim.report.check_plot_target first)."""
+    save_figure(waf_figure(results, title, failure_times_s), path)

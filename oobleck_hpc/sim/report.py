@@ -114,21 +114,61 @@ def duration_text(seconds: float) -> str:
     return f"{seconds / 3600:g} h"
 
 
+def two_panels(duration_s: float):
+    """A matplotlib Figure (Agg) of two panels over simulated time, sharing the hour axis:
+    (figure, top, bottom, the top panel's averaging window in seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 6.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    return fig, top, bottom, plot_window_s(duration_s)
+
+
+def mark_times(top, bottom, times_s, duration_s: float, what: str, color: str, style: str,
+               alpha: float) -> None:
+    """Vertical lines at `times_s` (before `duration_s`) on both panels, labelled once (top);
+    fainter when there are more than 100."""
+    hours = [t / 3600 for t in times_s if t < duration_s]
+    if not hours:
+        return
+    for ax in (top, bottom):
+        ax.vlines(hours, 0, 1, transform=ax.get_xaxis_transform(), colors=color,
+                  linestyles=style, linewidth=0.8, alpha=alpha if len(hours) <= 100 else 0.2,
+                  label=f"{what} ({len(hours)})" if ax is top else None)
+
+
+def finish_axes(top, bottom, duration_s: float) -> None:
+    """Both panels from 0 to the end of the simulation, from 0 up, with a light grid."""
+    bottom.set_xlabel("simulated time (hours)")
+    for ax in (top, bottom):
+        ax.set_xlim(0, duration_s / 3600)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Write `fig` to `path` (.png, .svg or .pdf) atomically: first to a hidden file next to
+    it, then renamed. Call check_plot_target(path) first."""
+    p = Path(path)
+    try:
+        with atomic_open(p) as f:
+            fig.savefig(f, dpi=120, format=p.suffix.lower().lstrip("."))
+    except OSError as e:
+        raise PlotError(f"--plot {path}: writing failed ({e.strerror}). Fix: pass a path on a "
+                        "writable file system with free space") from e
+
+
 def goodput_figure(results: dict[str, PolicyResult], job: str = "", failure_rate: str = "",
                    failure_times_s: tuple[float, ...] | list[float] = (),
                    join_times_s: tuple[float, ...] | list[float] = ()):
     """A matplotlib Figure (Agg) of goodput over time, one line per policy: on top goodput
     averaged over short windows (samples/s), below the samples kept so far. Node failures are
     vertical lines; `job` and `failure_rate` make the two lines of the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
     duration_s = max(r.duration_s for r in results.values())
-    window_s = plot_window_s(duration_s)
-    fig = Figure(figsize=(11, 6.5), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    fig, top, bottom, window_s = two_panels(duration_s)
     for i, (name, r) in enumerate(results.items()):
         wins = r.goodput_windows(window_s)
         edges = [wins[0][0] / 3600] + [t1 / 3600 for _, t1, _ in wins]
@@ -139,24 +179,11 @@ def goodput_figure(results: dict[str, PolicyResult], job: str = "", failure_rate
         cum = r.goodput_cumulative()
         bottom.plot([t / 3600 for t, _ in cum], [n for _, n in cum], color=f"C{i}",
                     linewidth=1.4)
-    marks = [(failure_times_s, "node failure", "tab:red", ":"),
-             (join_times_s, "node joins", "tab:green", "--")]
-    for times, what, color, style in marks:
-        hours = [t / 3600 for t in times if t < duration_s]
-        if not hours:
-            continue
-        alpha = 0.6 if len(hours) <= 100 else 0.2
-        for ax in (top, bottom):
-            ax.vlines(hours, 0, 1, transform=ax.get_xaxis_transform(), colors=color,
-                      linestyles=style, linewidth=0.8, alpha=alpha,
-                      label=f"{what} ({len(hours)})" if ax is top else None)
+    mark_times(top, bottom, failure_times_s, duration_s, "node failure", "tab:red", ":", 0.6)
+    mark_times(top, bottom, join_times_s, duration_s, "node joins", "tab:green", "--", 0.6)
     top.set_ylabel(f"goodput (samples/s,\nmean over {duration_text(window_s)})")
     bottom.set_ylabel("samples kept (cumulative)")
-    bottom.set_xlabel("simulated time (hours)")
-    for ax in (top, bottom):
-        ax.set_xlim(0, duration_s / 3600)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+    finish_axes(top, bottom, duration_s)
     fig.legend(*top.get_legend_handles_labels(), loc="outside lower center", ncols=2,
                fontsize=8, frameon=False, title_fontsize=7,
                title="goodput: samples of training that are kept, per second -- work thrown "
@@ -172,13 +199,5 @@ def goodput_figure(results: dict[str, PolicyResult], job: str = "", failure_rate
 def plot(results: dict[str, PolicyResult], path: str | Path, job: str = "",
          failure_rate: str = "", failure_times_s: tuple[float, ...] | list[float] = (),
          join_times_s: tuple[float, ...] | list[float] = ()) -> None:
-    """Write goodput_figure(...) to `path` (.png, .svg or .pdf) atomically: first to a hidden
-    file next to it, then renamed. Call check_plot_target(path) first."""
-    p = Path(path)
-    fig = goodput_figure(results, job, failure_rate, failure_times_s, join_times_s)
-    try:
-        with atomic_open(p) as f:
-            fig.savefig(f, dpi=120, format=p.suffix.lower().lstrip("."))
-    except OSError as e:
-        raise PlotError(f"--plot {path}: writing failed ({e.strerror}). Fix: pass a path on a "
-                        "writable file system with free space") from e
+    """Write goodput_figure(...) to `path` (save_figure). Call check_plot_target(path) first."""
+    save_figure(goodput_figure(results, job, failure_rate, failure_times_s, join_times_s), path)
