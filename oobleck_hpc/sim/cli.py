@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 from oobleck_hpc.errors import EXIT_BAD_INPUT, ConfigError
 
@@ -235,15 +236,24 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         failure_rate = (f"{trace.description}: {trace.failures} failures in {duration_h:g} h "
                         "simulated")
-        try:
-            plot(results, args.plot, job_line, failure_rate,
-                 [e.time_s for e in trace.events if e.kind == "fail"],
-                 [e.time_s for e in trace.events if e.kind == "add"])
-        except PlotError as e:
-            print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if not args.json:
-            print(f"plot written to {args.plot}")
+        return write_plot(args, lambda: plot(
+            results, args.plot, job_line, failure_rate,
+            [e.time_s for e in trace.events if e.kind == "fail"],
+            [e.time_s for e in trace.events if e.kind == "add"]))
+    return 0
+
+
+def write_plot(args: argparse.Namespace, write: Callable[[], None]) -> int:
+    """Run `write` (it writes --plot): 0 and where it went, or exit 2 with the reason."""
+    from oobleck_hpc.sim.report import PlotError
+
+    try:
+        write()
+    except PlotError as e:
+        print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not args.json:
+        print(f"plot written to {args.plot}")
     return 0
 
 
@@ -253,7 +263,6 @@ def simulate_fleet(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     --plot."""
     from oobleck_hpc.fleet.report import format_table, plot, to_json
     from oobleck_hpc.fleet.simulate import fleet_jobs, simulate_policies
-    from oobleck_hpc.sim.report import PlotError
     from oobleck_hpc.sim.trace import node_names
 
     if args.growth:
@@ -275,12 +284,6 @@ def simulate_fleet(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     else:
         print(format_table(results, title))
     if args.plot:
-        try:
-            plot(results, args.plot, title,
-                 [e.time_s for e in trace.events if e.kind == "fail"])
-        except PlotError as e:
-            print(f"oobleck-hpc simulate: error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if not args.json:
-            print(f"plot written to {args.plot}")
+        return write_plot(args, lambda: plot(
+            results, args.plot, title, [e.time_s for e in trace.events if e.kind == "fail"]))
     return 0
