@@ -379,35 +379,42 @@ def test_a_drained_node_leaves_at_a_step_boundary_with_nothing_replayed(tmp_path
     assert len({r["step"] for r in rows}) == len(rows)
 
 
-@pytest.mark.timeout(150)
-def test_a_crashed_worker_is_restarted_in_place_and_its_node_stays(tmp_path, reference):
-    """Issue 15: one worker of node2 is SIGKILLed in step 3's backward while node2's agent and
-    other worker live. The agent restarts it; a retry round gives the job a new generation on
-    the same 5 nodes; the new worker joins it, receives its layers from replicas and the step
-    is replayed: the run ends exact with every node."""
-    code, rows, run_dir = run_job(tmp_path, faults=[
-        {"node": 2, "step": 3, "phase": "backward", "kind": "crash"}])
+CRASH_STEPS = 40
+"""Long enough for a crashed node's new workers to start (import torch, build, plan: 15-20 s
+while 8 processes train on 2 cores) and rejoin (at step 15 in a run on a loaded machine, load
+average 20): the job is slowed from step 4 (node0 stopped 3
+of every 4 instants: the `slow` fault, with `straggler: none` no more than a slow node), which
+also leaves the new processes CPU time, as a GPU cluster's hosts would."""
+
+
+@pytest.mark.timeout(240)
+def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_path):
+    """Issue 31: one worker of node2 is SIGKILLed in step 3's backward while node2's agent and
+    other worker live. node2 steps out at once -- the others recover without it, as after a
+    kill, instead of waiting for a new process -- its workers restart, and it rejoins at a
+    later step boundary, receiving its layers from replicas. The run ends exact on all 5
+    nodes; the third crash of a worker still takes its node out (test_elastic_control.py)."""
+    from oobleck_hpc.engine import reference_run
+
+    reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
+                              CRASH_STEPS)
+    code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, faults=[
+        {"node": 2, "step": 3, "phase": "backward", "kind": "crash"},
+        {"node": 0, "step": 4, "phase": "forward", "kind": "slow", "factor": 4.0}])
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
     kinds = [e["kind"] for e in events]
-    assert "worker_restarting" in kinds and "worker_rejoined" in kinds, kinds
     assert "worker_failed" not in kinds and "node_failed" not in kinds, kinds
+    (crash,) = [e for e in events if e["kind"] == "worker_restarting"]
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
+    out, back = recovered
+    assert out["step"] == 3 and back["step"] > 4, recovered
+    rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}
+    assert rejoined == {"node2/0", "node2/1"}, rejoined
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
-    moved = [e for e in events if e["kind"] == "state_transferred" and e["received_bytes"]]
-    assert moved and {e["source"] for e in moved} == {"node2/0"}, moved
-
-
-@pytest.mark.timeout(150)
-def test_a_worker_that_crashes_three_times_takes_its_node_out(tmp_path, reference):
-    """The same worker of node2 crashes in steps 2, 3 and 4: restarted in place twice, then the
-    third crash fails node2 (bounded, evented) and the others recover without it, exact."""
-    code, rows, run_dir = run_job(tmp_path, faults=[
-        {"node": 2, "step": s, "phase": "forward", "kind": "crash"} for s in (2, 3, 4)])
-    events = check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
-    restarts = [e for e in events if e["kind"] == "worker_restarting"]
-    assert [(e["source"], e["local_rank"], e["crashes"]) for e in restarts] == [
-        ("node2", 0, 1), ("node2", 0, 2)], restarts
-    failed = [e for e in events if e["kind"] == "worker_failed"]
-    assert [(e["source"], e["crashes"]) for e in failed] == [("node2", 3)], failed
+    print(f"\n[figures] crash -> first committed step {out['t'] - crash['t']:.3f} s "
+          f"({out['seconds']:.3f} s from the failure), node back in the plan "
+          f"{back['t'] - crash['t']:.1f} s after the crash")
 
 
 @pytest.mark.timeout(150)

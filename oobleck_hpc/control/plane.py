@@ -214,6 +214,14 @@ class ControlPlane:
     def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
         self._run(lambda: self.core.leave(how, code, reason))
 
+    def withdraw(self, reason: str) -> None:
+        """This node steps out while its agent lives (membership.py, 4d); it asks to join again
+        with `request_join` once its new workers are ready -- not before (a member would wait
+        for them in the round that adds it)."""
+        with self._lock:
+            self._join_how = None
+            self._run(lambda: self.core.withdraw(reason))
+
     def exchange(self, key: str, value: Any, gen: int | None = None) -> None:
         self._run(lambda: self.core.exchange(key, value, gen))
 
@@ -233,8 +241,9 @@ class ControlPlane:
 
     def check(self, node: str, why: str, gen: int | None = None) -> None:
         """A worker named `node` as the peer whose connection broke. Suspect it if its agent
-        is gone too (a dead node's port refuses at once), else probe: its agent lives (e.g. it
-        restarts a crashed worker, control/agent.py) and a retry round follows. One short thread."""
+        is gone too (a dead node's port refuses at once), else probe: its agent lives (e.g. its
+        worker crashed and the node steps out: its BYE follows) and a retry round follows if
+        nothing else does. One short thread."""
         def run() -> None:
             a = self.roster.address(node)
             if reach(a.host, a.port, timeout=min(1.0, self.lease_s / 3), stop=self._stop):

@@ -115,7 +115,8 @@ WORKER_EXITED = _declare("worker_exited", "A worker process exited (its agent's 
                          {"local_rank": int, "code": int},
                          {"drained": bool, "reason": str, "leaving": bool, "done": bool,
                           "pid": int})
-WORKER_RESTARTING = _declare("worker_restarting", "A crashed worker is restarted on its node.",
+WORKER_RESTARTING = _declare("worker_restarting",
+                             "A worker crashed: its node steps out, its workers restart.",
                              {"local_rank": int, "code": int, "detail": str, "crashes": int,
                               "restarts": int, "after_gen": int, "pid": int})
 WORKER_FAILED = _declare("worker_failed", "A worker crashed too often: its node leaves.",

@@ -152,8 +152,9 @@ class Story:
 
     def _worker_restarting(self, e: dict) -> str:
         return (f"worker crashed: {e['source']}/{e['local_rank']} ({e.get('detail', '')}); "
-                f"restarted in place (its crash {e.get('crashes', 1)}; one more than "
-                f"{e.get('restarts', 2)} takes the node out), it rejoins at the next generation")
+                f"the node steps out, the job goes on without it, and its workers restart "
+                f"(its crash {e.get('crashes', 1)}; one more than {e.get('restarts', 2)} takes "
+                "the node out for good): it rejoins once they are ready")
 
     def _worker_rejoined(self, e: dict) -> str:
         return (f"worker rejoined: {e['source']} in generation {e['generation']}, its layers "

@@ -72,7 +72,7 @@ share of the batch, every rank switching plans in place (recovery/straggler.py).
 State. The driver's state is one `DriverState` (recovery/state.py): the generation, the plan and
 its groups, the engine and the base engine, the recovery under way, the planned changes. The
 steps are functions that take it: recovery/rounds.py (the recovery rounds), recovery/planned.py
-(drains, stragglers), recovery/join.py (a spare or a restarted worker joining),
+(drains, stragglers), recovery/join.py (a spare, or a node back after a crash, joining),
 recovery/generation.py (a generation's groups; a newer round noticed). `ElasticDriver` holds it
 and runs the steps above.
 
@@ -185,7 +185,7 @@ class ElasticDriver:
                 m = restart(s, m.gen, e)
 
     def join(self, first_nodes: Sequence[str], after_gen: int | None = None) -> tuple[Plan, Comm]:
-        """A spare's start, or a restarted worker's (recovery/join.py): (plan, comm) like
+        """A spare's start, or a restarted node's (recovery/join.py): (plan, comm) like
         `start`, the engine built already."""
         return join.join(self.state, first_nodes, after_gen)
 
