@@ -242,6 +242,8 @@ class Story:
                 "its node's log")
 
     def _fenced(self, e: dict) -> str:
+        if e.get("code") == 0:  # a spare, or a node still rejoining: the job ended without it
+            return f"{e.get('source', '?')} ends with the job ({e.get('reason', '')})"
         return f"fenced: {e.get('source', '?')} stops ({e.get('reason', '')})"
 
     def _checkpoint_saved(self, e: dict) -> str:
