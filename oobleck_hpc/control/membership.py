@@ -349,30 +349,7 @@ class MembershipCore(ExchangeSteps):
             return
         gone = src in self._removed or src in self.suspects or src in self.left
         if src not in self._in and not (src in self._round_adds and not gone):
-            if kind == "bye" and msg.get("how") == "abort":
-                self._on_bye(src, msg)  # bad input stops the job, even if src was excluded
-                return
-            if gone and (src in self._withdrawn or
-                         kind == "bye" and msg.get("how") == "withdraw"):
-                self._on_withdrawn(src, kind, msg)
-                return
-            if not gone:  # a node that never was a member: a spare, a replacement
-                if kind in ("join", "propose"):
-                    self._on_join(src, msg.get("how", "joins a round"))
-                elif kind in ("bye", "failed") and src in self.joiners:
-                    self.suspect(src, f"{kind} while joining")
-                return
-            if kind == "fence" and self.me not in msg.get("nodes", ()):
-                # We excluded each other (a partition, or two false suspicions at once): neither
-                # side may go on alone, or the job would split in two.
-                self.fence(f"{src} and this node excluded each other (split brain averted)",
-                           code=EXIT_REQUEUE)
-                return
-            # No longer a member of my view: tell it, once, that it is fenced.
-            if kind not in ("fence", "bye", "failed") and src not in self._fence_sent:
-                self._fence_sent.add(src)
-                self.outbox.append((src, {"type": "fence", "gen": self.decided.gen,
-                                          "nodes": list(self.decided.nodes)}))
+            self._from_outside(src, kind, msg, gone)
             return
         # A member whose view excludes me: I am fenced (suspicions are never withdrawn).
         if kind == "fence":
@@ -402,6 +379,33 @@ class MembershipCore(ExchangeSteps):
         elif kind == "exchange_done":
             self._on_exchange_done(src, msg)
         # heartbeat / hello / ping / pong: liveness only (tracked by the caller)
+
+    def _from_outside(self, src: str, kind: Any, msg: dict[str, Any], gone: bool) -> None:
+        """A message from a node outside this member's view: one that never was a member (a
+        spare, a replacement), or one that left it (`gone`)."""
+        if kind == "bye" and msg.get("how") == "abort":
+            self._on_bye(src, msg)  # bad input stops the job, even if src was excluded
+            return
+        if gone and (src in self._withdrawn or kind == "bye" and msg.get("how") == "withdraw"):
+            self._on_withdrawn(src, kind, msg)
+            return
+        if not gone:  # a node that never was a member: a spare, a replacement
+            if kind in ("join", "propose"):
+                self._on_join(src, msg.get("how", "joins a round"))
+            elif kind in ("bye", "failed") and src in self.joiners:
+                self.suspect(src, f"{kind} while joining")
+            return
+        if kind == "fence" and self.me not in msg.get("nodes", ()):
+            # We excluded each other (a partition, or two false suspicions at once): neither
+            # side may go on alone, or the job would split in two.
+            self.fence(f"{src} and this node excluded each other (split brain averted)",
+                       code=EXIT_REQUEUE)
+            return
+        # No longer a member of my view: tell it, once, that it is fenced.
+        if kind not in ("fence", "bye", "failed") and src not in self._fence_sent:
+            self._fence_sent.add(src)
+            self.outbox.append((src, {"type": "fence", "gen": self.decided.gen,
+                                      "nodes": list(self.decided.nodes)}))
 
     def _on_withdrawn(self, src: str, kind: Any, msg: dict[str, Any]) -> None:
         """A message from `src`, which withdrew (4d) and which this member decided away: its

@@ -72,7 +72,7 @@ from typing import Any, Callable
 
 from oobleck_hpc.config import HEARTBEAT_S, LEASE_S, STARTUP_S
 from oobleck_hpc.records.events import EventLog
-from oobleck_hpc.control.links import OUT_CAP, RETRY_PAUSE_S, SEND_ATTEMPTS, Link
+from oobleck_hpc.control.links import OUT_CAP, Link, reach
 from oobleck_hpc.control.loop import EventLoop
 from oobleck_hpc.control.membership import Decision, LeaveKind, MembershipCore, Quorum
 from oobleck_hpc.control.topology import MONITORS, Monitor
@@ -94,9 +94,6 @@ stream (a switch, a partition) cost a few broadcasts to every member, not one ea
 REJECTS_LOGGED = 100
 """Rejected frames recorded as events one by one (then every 1000th): a flood of garbage does
 not fill the run's event log."""
-CONFIRM_S = 0.1
-"""How long a connection opened to check a peer must stay open (and silent) to prove the peer
-alive."""
 
 
 class ControlPlane:
@@ -443,27 +440,3 @@ class ControlPlane:
                 self._run(lambda: self.core.retry(f"every peer answered the probe "
                                                   f"after: {why}"))
 
-
-def reach(host: str, port: int, timeout: float, stop: threading.Event) -> OSError | None:
-    """Whether an agent still listens on host:port: None if a connection opens and stays open
-    for CONFIRM_S (then it is closed; the peer reads no HELLO and drops it), else the last error
-    of SEND_ATTEMPTS tries (a refusal or a reset at once: nobody listens)."""
-    error: OSError | None = None
-    for attempt in range(SEND_ATTEMPTS):
-        if attempt and stop.wait(RETRY_PAUSE_S):
-            break
-        try:
-            with socket.create_connection((host, port), timeout=timeout) as sock:
-                # A dying agent's listener may still accept for a moment; the kernel resets
-                # what it accepted once the listener closes. A live agent waits for a HELLO.
-                sock.settimeout(CONFIRM_S)
-                try:
-                    if sock.recv(1) == b"":
-                        return ConnectionResetError(f"{host}:{port} closed the connection")
-                except TimeoutError:
-                    return None
-        except ConnectionRefusedError as e:
-            return e
-        except OSError as e:
-            error = e
-    return error
