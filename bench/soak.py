@@ -24,7 +24,8 @@ drawn and when each node was slowed: `node_slowed`), `straggler_decisions` (the 
 events, one per node, step and action) and `straggler_excluded` (the nodes that an `exclude`
 decision let leave, as a drain: not counted as evicted), `wall_s` (launch to exit) and the
 launcher's `code`. The exit code is 1 when a node was evicted, a step failed, the job did not
-commit every step or ended with a non-zero code; else 0.
+commit every step or ended with a non-zero code (its run directory is then kept, and named on
+stderr, as with `--keep`); else 0.
 """
 
 from __future__ import annotations
@@ -132,14 +133,16 @@ def main(argv: list[str] | None = None) -> int:
                "stragglers": faults, "seed": a.seed, "nodes": nodes, "workers_per_node": 2,
                "job": str(DEMO.relative_to(ROOT)), "host": platform.node(),
                "cpus": os.cpu_count()}
+        out["ok"] = (not out["evicted"] and out["steps_failed"] == 0 and out["code"] == 0
+                     and out["steps_committed"] == a.steps)
     finally:
         for h in hog:
             h.kill()
             h.wait()
-        if not a.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    out["ok"] = (not out["evicted"] and out["steps_failed"] == 0 and out["code"] == 0
-                 and out["steps_committed"] == a.steps)
+    if a.keep or not out["ok"]:  # (a failed soak's run is kept to be read: `oobleck-hpc report`)
+        print(f"run kept in {run_dir} (log: {work / 'soak.log'})", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     if a.json:
         print(json.dumps(out, indent=1))
     else:
