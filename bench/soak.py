@@ -22,8 +22,8 @@ name; both expected 0), `recoveries` (`recovered` events: lost, joined, drained)
 `membership_changes` (the agents' new generations that lost or took in a node), `stragglers` (the slow faults as
 drawn and when each node was slowed: `node_slowed`), `straggler_decisions` (the `straggler`
 events, one per node, step and action) and `straggler_excluded` (the nodes that an `exclude`
-decision let leave, as a drain: not counted as evicted), `wall_s` (launch to exit) and the
-launcher's `code`. The exit code is 1 when a node was evicted, a step failed, the job did not
+decision let leave, as a drain: not counted as evicted), `wall_s` (launch to exit), the
+launcher's `code` and `ended` (its `run_ended` reason: e.g. a fallback to the checkpoint). The exit code is 1 when a node was evicted, a step failed, the job did not
 commit every step or ended with a non-zero code (its run directory is then kept, and named on
 stderr, as with `--keep`); else 0.
 """
@@ -96,6 +96,7 @@ def tally(events: list[dict], rows: list[dict]) -> dict:
                                 for e in decisions.values()],
         "straggler_excluded": sorted({e["node"] for e in decisions.values()
                                       if e["action"] == "exclude"}),
+        "ended": next((e["reason"] for e in events if e["kind"] == ev.RUN_ENDED), None),
     }
 
 
