@@ -23,7 +23,8 @@ name; both expected 0), `recoveries` (`recovered` events: lost, joined, drained)
 drawn and when each node was slowed: `node_slowed`), `straggler_decisions` (the `straggler`
 events, one per node, step and action) and `straggler_excluded` (the nodes that an `exclude`
 decision let leave, as a drain: not counted as evicted), `wall_s` (launch to exit), the
-launcher's `code` and `ended` (its `run_ended` reason: e.g. a fallback to the checkpoint). The exit code is 1 when a node was evicted, a step failed, the job did not
+launcher's `code` (-9: still running at `--timeout`, killed) and `ended` (its `run_ended`
+reason: e.g. a fallback to the checkpoint). The exit code is 1 when a node was evicted, a step failed, the job did not
 commit every step or ended with a non-zero code (its run directory is then kept, and named on
 stderr, as with `--keep`); else 0.
 """
@@ -36,6 +37,7 @@ import os
 import platform
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         proc = start(job, run_dir, run_dir / "metrics.jsonl", work / "soak.log")
         try:
             proc.wait(timeout=a.timeout or 300 + a.steps)
+        except subprocess.TimeoutExpired:  # (told as the launcher's code: -9, killed by stop)
+            pass
         finally:
             stop(proc, run_dir)
         wall = time.time() - t0
