@@ -355,10 +355,10 @@ def summary(modes: tuple[str, ...], runs: dict[str, list[dict]], bases: list[dic
     checks = [med.get("kill", 0.0) <= TARGETS["kill_s"], med.get("hang", 0.0) <= TARGETS["hang_s"]]
     for m in [m for m in modes if m.startswith("crash")]:
         back = [r["rejoined_s"] for r in runs[m]]
-        out[f"{m}_rejoined_s"] = (None if None in back else statistics.median(back))
+        back_s = out[f"{m}_rejoined_s"] = None if None in back else statistics.median(back)
         out[f"{m}_healthy_evicted"] = sum(r["healthy_evicted"] for r in runs[m])
         checks += [med[m] <= TARGETS["crash_s"], out[f"{m}_healthy_evicted"] == 0,
-                   None not in back and statistics.median(back) <= TARGETS["crash_rejoined_s"]]
+                   back_s is not None and back_s <= TARGETS["crash_rejoined_s"]]
     if "drain" in modes:
         out["drain_steps_failed"] = sum(r["steps_failed"] for r in runs["drain"])
     if "drain" in modes and "kill" in modes:  # leaving on notice beats recovering from a kill
