@@ -10,23 +10,24 @@ processes, gloo on CPU, f = 1; its `faults:` replaced) through `oobleck-hpc run 
 (`--seed`), are slowed at a random step each (in the middle 80 % of the run) by a random factor
 in [1.5, 3] -- the `slow` fault of the job file (control/faults.py: from then on the node's
 agent stops and continues its workers so that their computation takes `factor` times as long);
-the straggler handling (recovery/straggler.py, `straggler: auto`) may keep, rebalance or
-exclude them. Nothing fails: no node may be lost (a slow or starved node is not a dead one) and
-no step may fail, so nothing is replayed (issue 31's acceptance: 2,000 steps, no node evicted,
-no step replayed).
+the straggler handling (recovery/straggler.py; `--straggler`, auto as in the demo) may keep,
+rebalance or exclude them; with `--straggler none` they stay in the plan, slow, to the end.
+Nothing fails: no node may be lost (a slow or starved node is not a dead one) and no step may
+fail, so nothing is replayed (issue 31's acceptance: 2,000 steps, no node evicted, no step
+replayed).
 
 Prints (one JSON object with `--json`): `steps_committed` (distinct steps in the metrics file,
 of `steps`), `evicted` (nodes lost, from the `recovered` events: lost and not drained; expected
 none), `steps_failed` (`step_failed` events) and `steps_replayed` (the distinct steps they
 name; both expected 0), `recoveries` (`recovered` events: lost, joined, drained),
-`membership_changes` (the agents' new generations that lost or took in a node), `stragglers` (the slow faults as
-drawn and when each node was slowed: `node_slowed`), `straggler_decisions` (the `straggler`
-events, one per node, step and action) and `straggler_excluded` (the nodes that an `exclude`
-decision let leave, as a drain: not counted as evicted), `wall_s` (launch to exit), the
-launcher's `code` (-9: still running at `--timeout`, killed) and `ended` (its `run_ended`
-reason: e.g. a fallback to the checkpoint). The exit code is 1 when a node was evicted, a step failed, the job did not
-commit every step or ended with a non-zero code (its run directory is then kept, and named on
-stderr, as with `--keep`); else 0.
+`membership_changes` (the agents' new generations that lost or took in a node), `stragglers`
+(the slow faults as drawn), `slowed` (the nodes slowed: `node_slowed`), `straggler_decisions`
+(the `straggler` events, one per node, step and action) and `straggler_excluded` (the nodes
+that an `exclude` decision let leave, as a drain: not counted as evicted), `wall_s` (launch to
+exit), the launcher's `code` (-9: still running at `--timeout`, killed) and `ended` (its
+`run_ended` reason: e.g. a fallback to the checkpoint). The exit code is 1 when a node was
+evicted, a step failed, the job did not commit every step or ended with a non-zero code (its
+run directory is then kept, and named on stderr, as with `--keep`); else 0.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ def stragglers(rng: random.Random, nodes: int, steps: int, count: int) -> list[d
             for n in sorted(rng.sample(range(nodes), min(count, nodes)))]
 
 
-def job_dict(run_dir: Path, steps: int, faults: list[dict]) -> dict:
-    """The demo job, run for `steps` steps in `run_dir` with these faults instead of its own."""
+def job_dict(run_dir: Path, steps: int, faults: list[dict], straggler: str) -> dict:
+    """The demo job, run for `steps` steps in `run_dir` with these faults instead of its own and
+    this straggler handling (fault_tolerance.straggler)."""
     d = yaml.safe_load(DEMO.read_text())
     d["name"] = "bench-soak"
+    d["fault_tolerance"]["straggler"] = straggler
     d["train"].update(steps=steps, log_every=max(10, steps // 20))
     d["profile"]["library"] = str(ROOT / d["profile"]["library"])
     d["run_dir"] = str(run_dir)
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--stragglers", type=int, default=3, help="nodes slowed, each once")
     p.add_argument("--seed", type=int, default=0, help="of the stragglers' nodes, steps, factors")
+    p.add_argument("--straggler", default="auto", choices=("auto", "none", "rebalance", "exclude"),
+                   help="fault_tolerance.straggler (none: the slowed nodes stay in the plan)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds the run may take (default: 300 + 1 s per step)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = work / "run"
     run_dir.mkdir()
     job = work / "soak.yaml"
-    job.write_text(yaml.safe_dump(job_dict(run_dir, a.steps, faults)))
+    job.write_text(yaml.safe_dump(job_dict(run_dir, a.steps, faults, a.straggler)))
     hog = cpu_hog(os.cpu_count() or 2)  # from the start: the whole run competes for every core
     t0 = time.time()
     try:
@@ -135,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         out = {**tally(read_events(run_dir / "events.jsonl"),
                        read_jsonl(run_dir / "metrics.jsonl")),
                "steps": a.steps, "code": proc.returncode, "wall_s": round(wall, 1),
-               "stragglers": faults, "seed": a.seed, "nodes": nodes, "workers_per_node": 2,
+               "stragglers": faults, "seed": a.seed, "straggler": a.straggler, "nodes": nodes,
+               "workers_per_node": 2,
                "job": str(DEMO.relative_to(ROOT)), "host": platform.node(),
                "cpus": os.cpu_count()}
         out["ok"] = (not out["evicted"] and out["steps_failed"] == 0 and out["code"] == 0
