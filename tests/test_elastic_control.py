@@ -627,7 +627,8 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
 def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
     """Three control planes in this process (control/stall_probe.py). A worker of a stalls
     waiting on b: b answers a's ping, and nothing happens -- no suspicion, no retry round (a
-    node slow to arrive is a straggler). Then c freezes (its lock held: it neither answers nor
+    node slow to arrive is a straggler); nor when b's agent is descheduled for 200 ms (its
+    lock held) and answers late. Then c freezes (its lock held: it neither answers nor
     sends) and a worker of a stalls without knowing on whom: every member is pinged, c alone is
     suspected, within the stall deadline and far under the lease, and the round decides
     without it."""
@@ -655,6 +656,13 @@ def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
         assert probed["nodes"] == ["b"] and probed["silent"] == [], probed
         assert not [e for e in events if e["kind"] in ("failure_detected", "round_started")]
         assert all(cp.core.decided.gen == 0 and cp.core.proposal is None for cp in cps.values())
+        with cps["b"]._lock:  # b is descheduled for 200 ms: slow, not hung
+            cps["a"].stalls.probe(["b"], "worker a/0 reported stall", gen=0)
+            time.sleep(0.2)
+        time.sleep(0.5)
+        late = [e for e in read_events(log) if e["kind"] == "stall_probed"][-1]
+        assert late["silent"] == [] and late["answered_s"]["b"] >= 0.2, late
+        assert not cps["a"].core.suspects and cps["a"].core.proposal is None
         with cps["c"]._lock:  # c hangs
             t = time.monotonic()
             cps["a"].stalls.probe([], "worker a/0 reported stall", gen=0)
