@@ -143,6 +143,8 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
+            if self.s.stalls.threshold is None:
+                continue  # no step committed yet: nothing to compare with
             stall = self.s.stalls.due(current_wait(self.s), self.clock())
             if stall is not None:
                 try:
