@@ -63,9 +63,9 @@ from __future__ import annotations
 
 import math
 import time
-from functools import partial
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
