@@ -625,6 +625,68 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
             cp.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
+    """Three control planes in this process (control/stall_probe.py). A worker of a stalls
+    waiting on b: b answers a's ping, and nothing happens -- no suspicion, no retry round (a
+    node slow to arrive is a straggler); nor when b's agent is descheduled for 200 ms (its
+    lock held) and answers late. Then c freezes (its lock held: it neither answers nor
+    sends) and a worker of a stalls without knowing on whom: every member is pinged, c alone is
+    suspected, within the stall deadline and far under the lease, and the round decides
+    without it."""
+    from oobleck_hpc.control.plane import ControlPlane
+    from oobleck_hpc.records.events import EventLog
+
+    *ports, store = free_ports(4)
+    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip("abc", ports)), store)
+    log = tmp_path / "events.jsonl"
+    cps = {m: ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.1, lease_s=5.0, startup_s=10,
+                           stall_probe_s=0.35, events=EventLog(log, source=m))
+           for m in roster.names}
+    try:
+        for cp in cps.values():
+            cp.start()
+        deadline = time.time() + 10
+        while not all(len(cp.detector.last_heard) == 2 for cp in cps.values()):
+            assert time.time() < deadline, "the planes never heard from each other"
+            time.sleep(0.02)
+        cps["a"].stalls.probe(["b"], "worker a/0 reported stall", gen=0)
+        cps["a"].stalls.probe(["b"], "worker a/1 reported stall", gen=0)  # pinged already
+        time.sleep(1.0)
+        events = read_events(log)
+        (probed,) = [e for e in events if e["kind"] == "stall_probed"]
+        assert probed["nodes"] == ["b"] and probed["silent"] == [], probed
+        assert not [e for e in events if e["kind"] in ("failure_detected", "round_started")]
+        assert all(cp.core.decided.gen == 0 and cp.core.proposal is None for cp in cps.values())
+        with cps["b"]._lock:  # b is descheduled for 200 ms: slow, not hung
+            cps["a"].stalls.probe(["b"], "worker a/0 reported stall", gen=0)
+            time.sleep(0.2)
+        time.sleep(0.5)
+        late = [e for e in read_events(log) if e["kind"] == "stall_probed"][-1]
+        assert late["silent"] == [] and late["answered_s"]["b"] >= 0.2, late
+        assert not cps["a"].core.suspects and cps["a"].core.proposal is None
+        with cps["c"]._lock:  # c hangs
+            t = time.monotonic()
+            cps["a"].stalls.probe([], "worker a/0 reported stall", gen=0)
+            while "c" not in cps["a"].core.suspects:
+                assert time.monotonic() - t < 2.0, f"c not suspected: {read_events(log)}"
+                time.sleep(0.005)
+            found = time.monotonic() - t
+            assert "b" not in cps["a"].core.suspects
+        while not all(cps[m].core.decided.nodes == ("a", "b") for m in "ab"):
+            assert time.monotonic() - t < 5.0, f"no generation without c: {read_events(log)}"
+            time.sleep(0.01)
+        events = read_events(log)
+        probed = [e for e in events if e["kind"] == "stall_probed"][-1]
+        assert probed["silent"] == ["c"] and list(probed["answered_s"]) == ["b"], probed
+        assert 0.35 <= found < 1.0, found
+        print(f"\n[figures] stalled peer suspected after {found:.3f} s; a live peer answered in "
+              f"{probed['answered_s']['b']} s")
+    finally:
+        for cp in cps.values():
+            cp.close()
+
+
 @pytest.mark.timeout(120)
 def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_path, monkeypatch):
     """40 control planes in this process with the socket caps lowered to a few (links.py:

@@ -452,9 +452,19 @@ def test_a_slowed_node_gets_fewer_microbatches_and_the_run_stays_exact(tmp_path)
 
 @pytest.mark.timeout(150)
 def test_hang_node(tmp_path, reference):
+    """A node stopped (SIGSTOP) in a step's forward pass is found in band (recovery/stall.py:
+    its peers' waits stall, their agents' pings go unanswered) and removed well before its
+    3 s lease would expire, with nobody else lost; the run ends exact."""
     code, rows, run_dir = run_job(tmp_path, faults=[
         {"node": 2, "step": 3, "phase": "forward", "kind": "hang"}])
-    check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
+    events = check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
+    fault = min(e["t"] for e in events if e["kind"] == "fault_injected")
+    removed = min(e["t"] for e in events if e["kind"] == "agreement_reached"
+                  and "node2" in e["lost"])
+    how = {e["how"] for e in events if e["kind"] == "failure_detected"}
+    print(f"\n[figures] hang -> node removed after {removed - fault:.3f} s ({how})")
+    assert removed - fault < 1.5, (removed - fault, how)
+    assert all("stall_probe_unanswered" in h for h in how), how
 
 
 @pytest.mark.timeout(30)

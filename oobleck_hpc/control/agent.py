@@ -9,8 +9,10 @@ srun step per node). It
    inherited link to the agent and the environment described in control/client.py);
 3. watches them (control/workers.py): a worker's exit is seen at once (one thread blocked in
    wait() per worker);
-4. relays what workers report (in-band communication errors; "training": a step committed, so
-   spares and grown nodes may join from now on) to the control plane, and what the control plane
+4. relays what workers report (in-band communication errors; stalls -- a wait inside a step far
+   longer than usual, recovery/stall.py: the peers waited on are pinged with a short deadline,
+   control/stall_probe.py; "training": a step committed, so spares and grown nodes
+   may join from now on) to the control plane, and what the control plane
    decides (a new generation: survivors, store address; an open round; fencing)
    to the workers;
 5. exits when its work is over (exit codes: oobleck_hpc/errors.py):
@@ -190,10 +192,14 @@ class Agent:
         kind = msg.get("type")
         if kind == "report":
             suspects = [s for s in msg.get("suspects", []) if s != self.opts.node]
-            self.events.emit("worker_report", local_rank=w.local_rank, what=msg.get("kind"),
+            what = msg.get("kind")
+            self.events.emit("worker_report", local_rank=w.local_rank, what=what,
                              detail=msg.get("detail", ""), suspects=suspects)
-            why = f"worker {self.opts.node}/{w.local_rank} reported {msg.get('kind')}"
-            if suspects:
+            why = f"worker {self.opts.node}/{w.local_rank} reported {what}"
+            if what == "stall":  # (one that waits on its own node only: nobody to ping)
+                if suspects or not msg.get("suspects"):
+                    self.cp.stalls.probe(suspects, why, int(msg.get("gen", 0)))
+            elif suspects:
                 for node in suspects:
                     self.cp.check(node, why, gen=msg.get("gen"))
             else:

@@ -38,6 +38,9 @@ Worker -> agent:
         once. Without suspects, the agent probes every peer agent and suspects those that do
         not answer within probe_s; if all answer, it opens a retry round (same nodes, fresh
         store). A report of a generation older than the agent's is ignored (already replaced).
+        Kind "stall" (recovery/stall.py: a wait inside a step far longer than usual, the wait
+        goes on) is only a question: the agent pings `suspects` (every peer when none) and
+        suspects those silent after stall_probe_s; if all answer, nothing happens.
     {"type": "exchange", gen, key, value}
         an all-gather among the current generation's nodes over the control plane (e.g. to
         confirm every survivor computed the same plan digest). The agent waits for all its

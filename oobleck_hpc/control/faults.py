@@ -22,7 +22,8 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
 - kill: SIGKILL to the node's process group: agent and workers vanish at once, as when a machine
   dies (peers see dropped connections).
 - hang: SIGSTOP to the node's process group: everything stops and nothing is closed (peers see
-  silence: lease expiry, collective timeouts). Whoever runs the test resumes or kills it.
+  silence: their workers' waits stall and its agent answers no ping -- recovery/stall.py --,
+  its lease expires, collectives time out). Whoever runs the test resumes or kills it.
 - exit: a clean early exit: every worker of the node that reaches the fault (or whose step fails
   at the fault's step) says `leave()` to its agent and exits 0; the agent leaves the job (BYE
   "early") and its peers recover without the node, as from any other loss.

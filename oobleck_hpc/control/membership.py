@@ -21,7 +21,9 @@ Message flow
 1. Detection (plane.py, control/agent.py) calls `suspect(node, how)`: a dropped connection (a SIGKILLed
    agent's sockets are closed by its kernel: seen in milliseconds), a lease expiry (no message
    for `lease_s`: a hung or partitioned node), an explicit FAILED message (an agent whose worker
-   crashed declares its own node failed), or a worker-reported communication error naming a peer.
+   crashed declares its own node failed), a worker-reported communication error naming a peer,
+   or a ping unanswered after a worker reported a stall (a hung node found in band, long before
+   its lease: recovery/stall.py).
 2. PROPOSE(g, P, reasons, my_store_port, my last decision) goes to P's coordinator: its first
    node in roster order (the next store host). The coordinator itself sends its PROPOSE to
    every node of decided.nodes and to the round's joiners. A receiver adopts the sender's

@@ -46,16 +46,25 @@ What each timeout bounds
   heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
   every peer answered, the agent opens a retry round (4b). Not while a round is open: the round
   explains the error, and the lease bounds its wait for a hung member.
+- stall_probe_s (configs/resilience.py, STALL_PROBE_S): after a worker reports a stall (a wait
+  inside a step far longer than its usual step: recovery/stall.py), the nodes it waits on (every
+  member when it does not know) are pinged, and those not heard from within stall_probe_s are
+  suspected: a hung node is lost in band, long before its lease. If every one answered, nothing
+  happens (no retry round: a slow node is a straggler, not a failure; the lease remains the
+  backstop). Short, but far above a live agent's answer on a loaded machine (the
+  `stall_probed` event records each answer's delay). `stalls` (control/stall_probe.py).
 - agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
   proposal and no decision; an agent that hits it fences itself for a requeue (never hang).
 - startup_s: how long agents wait for each other's first connection at start.
 
 Detection sources, fastest first: a connection closed by the peer's kernel when its agent died
 (milliseconds; "connection_lost"), a failed send ("send_failed"), a FAILED message from a peer
-whose worker crashed, a BYE of a node that leaves early, a worker's report naming a peer, a probe
-after a worker's unexplained communication error (probe_s), and the lease (lease_s) for hung
-nodes and partitions. A probe that every peer answers opens a retry round instead (the failure
-was not a lost node: the workers rebuild their groups on the same nodes; membership.py, 4b).
+whose worker crashed, a BYE of a node that leaves early, a worker's report naming a peer, a ping
+unanswered after a worker's stall (stall_probe_s: a hung node, found in band), a probe after a
+worker's unexplained communication error (probe_s), and the lease (lease_s) for hung nodes that
+no worker waits on, and partitions. A probe (not a stall's) that every peer answers opens a retry
+round instead (the failure was not a lost node: the workers rebuild their groups on the same
+nodes; membership.py, 4b).
 
 Every note of the core becomes an event in the run's event log (see events.py) and is passed on
 to the owner (the agent) through `on_note(kind, fields)`, called with the lock held: the callback
@@ -70,11 +79,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from oobleck_hpc.config import HEARTBEAT_S, LEASE_S, STARTUP_S
+from oobleck_hpc.config import HEARTBEAT_S, LEASE_S, STALL_PROBE_S, STARTUP_S
 from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.control.links import OUT_CAP, Link, reach
 from oobleck_hpc.control.loop import EventLoop
 from oobleck_hpc.control.membership import Decision, LeaveKind, MembershipCore, Quorum
+from oobleck_hpc.control.stall_probe import StallProbes
 from oobleck_hpc.control.topology import MONITORS, Monitor
 from oobleck_hpc.control.wire import NodeAddress, Roster, free_port
 from oobleck_hpc.polling import wait_until
@@ -104,7 +114,7 @@ class ControlPlane:
                  probe_s: float | None = None, agreement_timeout_s: float | None = None,
                  startup_s: float = STARTUP_S, quorum: Quorum = "majority",
                  open_to_joins: bool = True, monitors: int = MONITORS,
-                 events: EventLog | None = None,
+                 events: EventLog | None = None, stall_probe_s: float = STALL_PROBE_S,
                  on_note: Callable[[str, dict[str, Any]], None] | None = None):
         if lease_s <= heartbeat_s:
             raise ValueError(f"lease_s={lease_s} must exceed heartbeat_s={heartbeat_s}")
@@ -116,6 +126,7 @@ class ControlPlane:
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s
         self.probe_s = probe_s if probe_s is not None else max(2 * heartbeat_s, lease_s / 3)
+        self.stalls = StallProbes(self, stall_probe_s)  # (control/stall_probe.py)
         self.agreement_timeout_s = agreement_timeout_s or 2 * lease_s
         self.startup_s = startup_s
         self.events = events or EventLog(None, source=me)
@@ -360,6 +371,7 @@ class ControlPlane:
             self.received += 1
             if msg.get("type") == "ping":
                 self._link(src).put({"type": "pong"})
+            self.stalls.heard(src, msg)
             self._run(functools.partial(self._deliver, src, msg))
 
     def _link_failed(self, peer: str, how: str) -> None:

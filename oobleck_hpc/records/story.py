@@ -41,7 +41,8 @@ SIGNS = (ev.FAULT_INJECTED, ev.NODE_KILLED, ev.FAILURE_DETECTED, ev.STEP_FAILED)
 """Events that mark the start of a failure (the earliest one times the recovery)."""
 KILLED = {"SIGKILL": "killed", "SIGSTOP": "hung", "SIGTERM": "asked to stop"}
 """What `oobleck-hpc kill-node --signal` did to a node (its agent and workers), by signal:
-SIGKILL a crash, SIGSTOP a hang (frozen, not dead: the others exclude it once its lease
+SIGKILL a crash, SIGSTOP a hang (frozen, not dead: the others exclude it once their workers'
+waits on it stall and its agent does not answer a ping, recovery/stall.py, or once its lease
 expires), SIGTERM a stop request."""
 
 

@@ -1,0 +1,86 @@
+"""The agent's answer to a worker's stall: ping the nodes it waits on, suspect the silent ones.
+
+A worker that waits inside a step's communication far longer than its usual step reports a
+stall (recovery/stall.py), naming the nodes it waits on when it knows them. Its agent
+(control/agent.py) calls `ControlPlane.stalls.probe`: each named node's agent (every member's
+when none is named) gets a PING, and a node not heard from within `timeout_s` (STALL_PROBE_S)
+is suspected at once -- its agent does not even answer a ping: the node is stopped, frozen or
+cut off (the ordinary round follows, as for a kill). A node that answers is left alone, and if
+every one answers nothing happens at all: no retry round (unlike the probe after a
+communication error, control/plane.py `probe`), because a node slow to arrive in a collective is
+a straggler (recovery/straggler.py), not a failure, and replaying its step would not make it
+faster. The lease still bounds a wait on a node whose agent answers but whose workers do not
+arrive.
+
+The deadline is the one figure a healthy node's place depends on: a false suspicion costs a
+healthy node. It is short next to the lease but long next to a live agent's answer, which the
+`stall_probed` event records per node (`answered_s`). A node pinged and not yet answered or
+timed out is not pinged again (every worker of every survivor may report the same stall). As
+the probe after an error, nothing is done while a round is open (it explains the stall, and it
+waits at most lease_s for a hung member) or for an older generation.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oobleck_hpc.control.plane import ControlPlane
+
+
+class StallProbes:
+    """The stall probes of one agent's control plane (module docstring). Runs under the plane's
+    lock; its deadlines on the plane's event loop."""
+
+    def __init__(self, plane: ControlPlane, timeout_s: float):
+        self.plane, self.timeout_s = plane, timeout_s
+        self._pinged: dict[str, tuple[float, float | None]] = {}
+        """Nodes pinged and not yet judged: node -> (pinged at, answered at)."""
+
+    def probe(self, suspects: list[str], why: str, gen: int) -> None:
+        """A worker of this node stalled in generation `gen` waiting on `suspects` (empty: it
+        does not know on whom): ping them, judge them `timeout_s` later."""
+        cp = self.plane
+        with cp._lock:
+            core = cp.core
+            if core.fenced or cp._loop is None:
+                return
+            if gen < core.decided.gen or core.proposal is not None:
+                cp.events.emit("probe_skipped", why=why, failed_gen=gen, gen=core.decided.gen,
+                               round_open=core.proposal is not None)
+                return
+            gone = core.suspects.keys() | core.left | self._pinged.keys()
+            nodes = [n for n in suspects or core.decided.nodes
+                     if n != cp.me and n in core.decided.nodes and n not in gone]
+            now = time.monotonic()
+            for node in nodes:
+                self._pinged[node] = (now, None)
+                cp._link(node).put({"type": "ping"})
+            if nodes:
+                cp._loop.after(self.timeout_s, functools.partial(
+                    self._judge, nodes, now, core.decided.gen, why))
+
+    def heard(self, src: str, msg: dict[str, Any]) -> None:
+        """A message from `src` (called with the plane's lock held): a PONG answers its ping."""
+        if msg.get("type") == "pong" and self._pinged.get(src, (0.0, 0.0))[1] is None:
+            self._pinged[src] = (self._pinged[src][0], time.monotonic())
+
+    def _judge(self, nodes: list[str], started: float, gen: int, why: str) -> None:
+        """`timeout_s` after `nodes` were pinged: suspect those not heard from since."""
+        cp = self.plane
+        with cp._lock:
+            answered = {n: self._pinged.pop(n, (started, None))[1] for n in nodes}
+            core = cp.core
+            if core.fenced or core.decided.gen != gen or core.proposal is not None:
+                return  # a round or a decision came first: it answers for the stall
+            silent = [n for n, t in answered.items() if t is None and n not in core.suspects
+                      and cp.detector.last_heard.get(n, 0.0) < started]
+            cp.events.emit("stall_probed", why=why, nodes=nodes, silent=silent,
+                           timeout_s=self.timeout_s,
+                           answered_s={n: round(t - started, 4) for n, t in answered.items()
+                                       if t is not None})
+            for node in silent:
+                cp._run(functools.partial(core.suspect, node, f"stall_probe_unanswered (within "
+                                          f"{self.timeout_s} s)"))
