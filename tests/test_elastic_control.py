@@ -578,6 +578,25 @@ def test_flaky_connection_is_retried_and_a_dead_peer_still_detected_at_once(tmp_
             cp.close()
 
 
+def three_planes(log: Path, **kw) -> dict:
+    """Control planes a, b, c in this process (heartbeat 0.1 s, lease 5 s), started, once each
+    heard from the other two."""
+    from oobleck_hpc.control.plane import ControlPlane
+    from oobleck_hpc.records.events import EventLog
+
+    *ports, store = free_ports(4)
+    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip("abc", ports)), store)
+    cps = {m: ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.1, lease_s=5.0, startup_s=10,
+                           events=EventLog(log, source=m), **kw) for m in roster.names}
+    for cp in cps.values():
+        cp.start()
+    deadline = time.time() + 10
+    while not all(len(cp.detector.last_heard) == 2 for cp in cps.values()):
+        assert time.time() < deadline, "the planes never heard from each other"
+        time.sleep(0.02)
+    return cps
+
+
 @pytest.mark.timeout(60)
 def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_path):
     """Three control planes in this process; c's is frozen for longer than probe_s (its lock
@@ -586,21 +605,9 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
     probe is dropped, b's probe for its own error is not started, and once c answers again the
     round decides with all three. Probing during the round would have suspected a member only
     slow to answer (seen: a healthy member lost in a grow's round on a loaded machine)."""
-    from oobleck_hpc.control.plane import ControlPlane
-    from oobleck_hpc.records.events import EventLog
-
-    *ports, store = free_ports(4)
-    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip("abc", ports)), store)
     log = tmp_path / "events.jsonl"
-    cps = {m: ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.1, lease_s=5.0, probe_s=0.3, startup_s=10,
-                           events=EventLog(log, source=m)) for m in roster.names}
+    cps = three_planes(log, probe_s=0.3)
     try:
-        for cp in cps.values():
-            cp.start()
-        deadline = time.time() + 10
-        while not all(len(cp.detector.last_heard) == 2 for cp in cps.values()):
-            assert time.time() < deadline, "the planes never heard from each other"
-            time.sleep(0.02)
         with cps["c"]._lock:  # c hangs (for 1 s: over probe_s, under the lease)
             cps["a"].probe("worker a/0 reported comm_error", gen=0)
             cps["a"]._run(lambda: cps["a"].core.retry("a worker's collective failed"))
@@ -634,22 +641,9 @@ def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
     sends) and a worker of a stalls without knowing on whom: every member is pinged, c alone is
     suspected, within the stall deadline and far under the lease, and the round decides
     without it."""
-    from oobleck_hpc.control.plane import ControlPlane
-    from oobleck_hpc.records.events import EventLog
-
-    *ports, store = free_ports(4)
-    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip("abc", ports)), store)
     log = tmp_path / "events.jsonl"
-    cps = {m: ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.1, lease_s=5.0, startup_s=10,
-                           stall_probe_s=0.35, events=EventLog(log, source=m))
-           for m in roster.names}
+    cps = three_planes(log, stall_probe_s=0.35)
     try:
-        for cp in cps.values():
-            cp.start()
-        deadline = time.time() + 10
-        while not all(len(cp.detector.last_heard) == 2 for cp in cps.values()):
-            assert time.time() < deadline, "the planes never heard from each other"
-            time.sleep(0.02)
         cps["a"].stalls.probe(["b"], "worker a/0 reported stall", gen=0)
         cps["a"].stalls.probe(["b"], "worker a/1 reported stall", gen=0)  # pinged already
         time.sleep(1.0)
