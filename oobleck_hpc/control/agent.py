@@ -286,7 +286,7 @@ class Agent:
             self._restart_node(w, code, how, crashes)
             return None
         if crashes > 1:
-            how += f" (its crash {crashes}; the node rejoined after at most {MAX_WORKER_CRASHES - 1})"
+            how += f" (its crash {crashes}: the node rejoins after at most {MAX_WORKER_CRASHES - 1})"
         elif not self._trains:
             how += " (before the first committed step: no state to rejoin with)"
         self.events.emit("worker_failed", local_rank=w.local_rank, code=code, detail=how,
