@@ -637,7 +637,8 @@ def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
     """Three control planes in this process (control/stall_probe.py). A worker of a stalls
     waiting on b: b answers a's ping, and nothing happens -- no suspicion, no retry round (a
     node slow to arrive is a straggler); nor when b's agent is descheduled for 200 ms (its
-    lock held) and answers late. Then c freezes (its lock held: it neither answers nor
+    lock held) and answers late, nor when b and c are both descheduled and a, hearing no one,
+    cannot tell whether it is the one cut off. Then c freezes (its lock held: it neither answers nor
     sends) and a worker of a stalls without knowing on whom: every member is pinged, c alone is
     suspected, within the stall deadline and far under the lease, and the round decides
     without it."""
@@ -658,6 +659,13 @@ def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
         time.sleep(0.5)
         late = [e for e in read_events(log) if e["kind"] == "stall_probed"][-1]
         assert late["silent"] == [] and late["answered_s"]["b"] >= 0.2, late
+        assert not cps["a"].core.suspects and cps["a"].core.proposal is None
+        with cps["b"]._lock, cps["c"]._lock:  # both descheduled: a hears no one, suspects no one
+            cps["a"].stalls.probe(["c"], "worker a/0 reported stall", gen=0)
+            time.sleep(0.6)
+        time.sleep(0.3)
+        alone = [e for e in read_events(log) if e["kind"] == "stall_probed"][-1]
+        assert alone["witnesses"] == ["b"] and alone["unconfirmed"], alone
         assert not cps["a"].core.suspects and cps["a"].core.proposal is None
         with cps["c"]._lock:  # c hangs
             t = time.monotonic()

@@ -12,6 +12,14 @@ a straggler (recovery/straggler.py), not a failure, and replaying its step would
 faster. The lease still bounds a wait on a node whose agent answers but whose workers do not
 arrive.
 
+A silence means something only if this agent is itself heard and hears: under a CPU hog the
+prober may be the one descheduled, or every agent at once, and a node that suspected all it
+pinged would propose a view of itself alone and fence (chaos seed 2818, trial 3). So a stall
+that names its suspects also pings up to WITNESSES other members, and a probe suspects its
+silent nodes only if some node answered it or was heard from since the ping (a witness is never
+suspected by it); if none was, it suspects nobody (`unconfirmed` in its event) and leaves the
+silent nodes to their observers' leases, which need most observers to agree.
+
 The deadline is the one figure a healthy node's place depends on: a false suspicion costs a
 healthy node. It is short next to the lease but long next to a live agent's answer, which the
 `stall_probed` event records per node (`answered_s`). A node pinged and not yet answered or
@@ -28,6 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from oobleck_hpc.control.plane import ControlPlane
+
+WITNESSES = 2
+"""Members not named by a stall that its probe pings too: one answer shows that this agent is
+heard and hears (module docstring)."""
 
 
 class StallProbes:
@@ -52,35 +64,42 @@ class StallProbes:
                                round_open=core.proposal is not None)
                 return
             gone = core.suspects.keys() | core.left | self._pinged.keys()
-            nodes = [n for n in suspects or core.decided.nodes
-                     if n != cp.me and n in core.decided.nodes and n not in gone]
+            live = [n for n in core.decided.nodes if n != cp.me and n not in gone]
+            nodes = [n for n in suspects or live if n in live]
+            witnesses = [n for n in live if n not in nodes][:WITNESSES]
             now = time.monotonic()
-            for node in nodes:
+            for node in nodes + witnesses:
                 self._pinged[node] = (now, None)
                 cp._link(node).put({"type": "ping"})
             if nodes:
                 cp._loop.after(self.timeout_s, functools.partial(
-                    self._judge, nodes, now, core.decided.gen, why))
+                    self._judge, nodes, witnesses, now, core.decided.gen, why))
 
     def heard(self, src: str, msg: dict[str, Any]) -> None:
         """A message from `src` (called with the plane's lock held): a PONG answers its ping."""
         if msg.get("type") == "pong" and self._pinged.get(src, (0.0, 0.0))[1] is None:
             self._pinged[src] = (self._pinged[src][0], time.monotonic())
 
-    def _judge(self, nodes: list[str], started: float, gen: int, why: str) -> None:
-        """`timeout_s` after `nodes` were pinged: suspect those not heard from since."""
+    def _judge(self, nodes: list[str], witnesses: list[str], started: float, gen: int,
+               why: str) -> None:
+        """`timeout_s` after `nodes` and `witnesses` were pinged: suspect the nodes not heard
+        from since, if some node was (module docstring)."""
         cp = self.plane
         with cp._lock:
-            answered = {n: self._pinged.pop(n, (started, None))[1] for n in nodes}
+            answered = {n: self._pinged.pop(n, (started, None))[1] for n in nodes + witnesses}
             core = cp.core
             if core.fenced or core.decided.gen != gen or core.proposal is not None:
                 return  # a round or a decision came first: it answers for the stall
-            silent = [n for n, t in answered.items() if t is None and n not in core.suspects
-                      and cp.detector.last_heard.get(n, 0.0) < started]
+            heard = {n for n in core.decided.nodes if n != cp.me and (
+                answered.get(n) is not None or cp.detector.last_heard.get(n, 0.0) >= started)}
+            silent = [n for n in nodes if n not in heard and n not in core.suspects]
+            unconfirmed = not heard
             cp.events.emit("stall_probed", why=why, nodes=nodes, silent=silent,
-                           timeout_s=self.timeout_s,
+                           witnesses=witnesses, unconfirmed=unconfirmed, timeout_s=self.timeout_s,
                            answered_s={n: round(t - started, 4) for n, t in answered.items()
                                        if t is not None})
+            if unconfirmed:
+                return
             for node in silent:
                 cp._run(functools.partial(core.suspect, node, f"stall_probe_unanswered (within "
                                           f"{self.timeout_s} s)"))

@@ -149,10 +149,11 @@ EXCHANGE_FAILED = _declare("exchange_failed", "A value exchange between the work
 PROBE = _declare("probe", "A worker's communication error made the agent probe its peers.",
                  {"why": str, "timeout_s": float})
 STALL_PROBED = _declare("stall_probed",
-                        "A worker's stall made its agent ping the nodes it waits on: the "
-                        "silent ones are suspected (answered_s: node -> seconds to its answer).",
-                        {"why": str, "nodes": _Nodes, "silent": _Nodes, "timeout_s": float,
-                         "answered_s": dict})
+                        "A worker's stall made its agent ping the nodes it waits on (and "
+                        "witnesses): the silent ones are suspected unless no node answered "
+                        "(unconfirmed; answered_s: node -> seconds to its answer).",
+                        {"why": str, "nodes": _Nodes, "silent": _Nodes, "witnesses": _Nodes,
+                         "unconfirmed": bool, "timeout_s": float, "answered_s": dict})
 PROBE_SKIPPED = _declare("probe_skipped", "A probe was not started (a round answers already).",
                          {"why": str, "failed_gen": int, "gen": int, "round_open": bool})
 CONNECTION_REOPENED = _declare("connection_reopened", "A link to a peer was opened again.",
