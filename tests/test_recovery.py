@@ -237,7 +237,12 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
     # healthy members were excluded and the job fell back. Crashes are still seen at once
     # (the connection drops), so the test checks the same recoveries.
     code, rows, run_dir = run_job(tmp_path, spares=1, steps=LONG_STEPS, during=act, lease_s=10.0)
-    assert said and "started node6" in said[0], said
+    if not said:  # the run ended before the two recoveries: say how, not just that
+        raise AssertionError(f"no grow: exit {code}; " + "; ".join(
+            f"{e['source']} {e['kind']} {e.get('gen', e.get('generation', ''))}"
+            for e in read_events(run_dir / "events.jsonl") if e["kind"] in (
+                "agreement_reached", "recovered", "fallback", "fenced", "run_finished")))
+    assert "started node6" in said[0], said
     reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=LONG_STEPS)),
                               LONG_STEPS)
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
