@@ -63,7 +63,12 @@ Message flow
    generation), and once its new workers are ready it asks to join again (step 7): a member
    that heard its BYE "withdraw" and decided it away takes its JOIN as a new incarnation's --
    it forgets the suspicion (`_readmit`), and a member that a peer's proposal tells about the
-   re-added node does the same. Until then the node's other messages are ignored, not fenced.
+   re-added node does the same. Until then the node's other messages are ignored, not fenced;
+   and a FENCE it gets before it asks to join again -- a member that decided it away before
+   reading its BYE answers what it sent before the BYE -- is no news to it: it stays a spare.
+   (Once it asked, a FENCE refuses its JOIN, as for any joiner. A stale FENCE that arrives after
+   the JOIN, which follows the BYE by the seconds its new workers take to start, costs the node,
+   not safety.)
 5. Adoption: an agent still in round g that receives DECIDED(g, V) (or a PROPOSE for g + 1,
    which carries its sender's decision of g) from a node it does not suspect, with itself in V,
    decides V too. This is how every member but the coordinator decides; it also unblocks
@@ -222,6 +227,9 @@ class MembershipCore(ExchangeSteps):
         yet: it ignores the rounds and decisions that still hold it."""
         self._readmitted: set[str] = set()
         """Withdrawn nodes readmitted as joiners and not in a decided view yet (`readmits`)."""
+        self._rejoins = False
+        """This node withdrew (4d) and no decided view holds it again yet: a FENCE before it
+        asks to join again is no news."""
         self._round_adds: tuple[str, ...] = ()  # the open round's joiners (shrinks like the view)
         self._round_told: tuple[str, ...] = ()  # its joiners when it opened: they hear about it
         self._absorbing = False  # taking over a peer's suspicions (one proposal for all of them)
@@ -279,12 +287,15 @@ class MembershipCore(ExchangeSteps):
         on, until it asks to join again (`request_join`) and a round adds it."""
         if self.fenced or not self.joined:
             return
-        for node in self.decided.nodes:
+        # Its view, and an open round's members and joiners: a joiner may have decided a
+        # generation that holds this node already (the random-schedule sweep found one).
+        for node in dict.fromkeys(self.decided.nodes + self._round_told + (self.proposal or ())):
             if node != self.me:
                 self.outbox.append((node, {"type": "bye", "how": "withdraw",
                                            "code": EXIT_UNRECOVERABLE, "reason": reason}))
         self._fail_exchanges(f"this node withdrew: {reason}")
         self.joined, self._asked, self._withdrew_from = False, False, self.decided.gen
+        self._rejoins = True
         self.proposal, self._round_adds, self._round_told = None, (), ()
         self.suspects.clear()
         self.joiners.clear()
@@ -431,7 +442,12 @@ class MembershipCore(ExchangeSteps):
     def _handle_as_spare(self, src: str, kind: Any, msg: dict[str, Any]) -> None:
         """Before a decided generation holds this node, only the rounds that may add it matter."""
         if kind == "fence":
-            self.fence(f"{src} refuses this node: it was a member and was excluded")
+            # A node that withdrew is outside by its own wish: a member that decided it away
+            # before reading its BYE fences what it sent before the BYE (4d); the BYE follows
+            # on the same link and makes that member readmit this node's JOIN. Once it asked
+            # to join again, a FENCE refuses that (a joiner suspected is out for good: 7).
+            if not self._rejoins or self._asked:
+                self.fence(f"{src} refuses this node: it was a member and was excluded")
         elif kind == "bye" and msg.get("how") in ("finished", "abort") and src in self.decided.nodes:
             code = msg.get("code", EXIT_OK)  # the job ended (or stopped) before a loss needed it
             self.fence(f"the job ended without this spare ({src}: {msg.get('how')}, exit {code})",
@@ -656,7 +672,7 @@ class MembershipCore(ExchangeSteps):
         told = self.decided.nodes + self._round_told + d.nodes
         self._rebase(d)
         if not self.joined:
-            self.joined, self._since = True, d.gen
+            self.joined, self._since, self._rejoins = True, d.gen, False
         self._removed.update(d.lost)
         self._readmitted.difference_update(d.nodes)
         for node in [j for j in self.joiners if j in self._in]:

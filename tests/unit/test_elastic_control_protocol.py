@@ -103,6 +103,9 @@ class SimNet:
             pairs = [("false", a, b) for a in alive for b in alive if a != b]
             options += self.rng.sample(pairs, min(3, len(pairs)))
             options += [("retry", m, "") for m in alive]
+            # a heartbeat (liveness only): also from a node excluded but not told yet, or one
+            # that just withdrew -- its receiver may answer FENCE
+            options += [("beat", a, b) for _, a, b in self.rng.sample(pairs, min(2, len(pairs)))]
             options += [("join", m, "") for m in alive if not self.cores[m].joined] * 2
             if self.withdraws:
                 options += [("withdraw", m, "") for m in alive if self.cores[m].joined]
@@ -134,6 +137,8 @@ class SimNet:
             self.withdrew.add(a)
             self.cores[a].withdraw("a worker crashed")
             self.drain(a)
+        elif kind == "beat":
+            self.links[(a, b)].append({"type": "heartbeat"})
         elif kind == "retry":
             self.cores[a].retry("a collective failed, every peer answered the probe")
             self.drain(a)
@@ -246,6 +251,36 @@ def test_a_node_that_withdraws_is_decided_away_at_once_and_rejoins_when_it_asks(
     net.quiesce()
     assert all(net.cores[m].decided.gen == 4 and len(net.cores[m].decided.nodes) == 4
                for m in net.names)
+    net.check_safety()
+
+
+def test_a_member_that_decides_a_withdrawn_node_away_before_its_bye_does_not_fence_it():
+    """n3 sends n2 a heartbeat and withdraws (its BYE follows on the same link); n2 adopts
+    n0's decision without n3 first, then reads the heartbeat from a node it excluded and
+    answers FENCE (it has not read the BYE yet). n3 withdrew: being outside is what it asked
+    for, so it stays a spare and rejoins (seen in a CI run: the node exited 3 instead)."""
+    net = SimNet(4, seed=5)
+    n3 = net.cores["n3"]
+    net.links[("n3", "n2")].append({"type": "heartbeat"})
+    n3.withdraw("worker 1 exited with signal SIGKILL")
+    net.withdrew.add("n3")
+    net.drain("n3")
+    def deliver(a: str, b: str) -> None:
+        net.cores[b].handle(a, net.links[(a, b)].popleft())
+        net.drain(b)
+    while net.cores["n2"].decided.gen < 1:  # every link but n3 -> n2: a round without n3
+        deliver(*next(k for k, q in net.links.items() if q and k != ("n3", "n2")))
+    assert net.cores["n2"].decided.nodes == ("n0", "n1", "n2")
+    deliver("n3", "n2")  # the heartbeat: n3 is outside n2's view, and not known to have withdrawn
+    assert [m for m in net.links[("n2", "n3")] if m["type"] == "fence"]
+    net.quiesce()
+    assert not n3.fenced and not n3.joined
+    n3.request_join("rejoin")
+    net.asked.add("n3")
+    net.drain("n3")
+    net.quiesce()
+    assert all(net.cores[m].decided.nodes == ("n0", "n1", "n2", "n3") and not net.cores[m].fenced
+               for m in net.names), {m: (c.decided, c.fenced) for m, c in net.cores.items()}
     net.check_safety()
 
 
