@@ -578,20 +578,21 @@ def test_flaky_connection_is_retried_and_a_dead_peer_still_detected_at_once(tmp_
             cp.close()
 
 
-def three_planes(log: Path, **kw) -> dict:
-    """Control planes a, b, c in this process (heartbeat 0.1 s, lease 5 s), started, once each
-    heard from the other two."""
+def planes(log: Path, names: str = "abc", **kw) -> dict:
+    """Control planes named by the letters of `names` in this process (heartbeat 0.1 s, lease
+    5 s), started, once each heard from all its subjects (topology.py)."""
     from oobleck_hpc.control.plane import ControlPlane
     from oobleck_hpc.records.events import EventLog
 
-    *ports, store = free_ports(4)
-    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip("abc", ports)), store)
+    *ports, store = free_ports(len(names) + 1)
+    roster = Roster(tuple(NodeAddress(m, "127.0.0.1", p) for m, p in zip(names, ports)), store)
     cps = {m: ControlPlane(m, roster, secret=SECRET, heartbeat_s=0.1, lease_s=5.0, startup_s=10,
                            events=EventLog(log, source=m), **kw) for m in roster.names}
     for cp in cps.values():
         cp.start()
     deadline = time.time() + 10
-    while not all(len(cp.detector.last_heard) == 2 for cp in cps.values()):
+    while not all(set(cp.detector.subjects) <= cp.detector.last_heard.keys()
+                  for cp in cps.values()):
         assert time.time() < deadline, "the planes never heard from each other"
         time.sleep(0.02)
     return cps
@@ -606,7 +607,7 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
     round decides with all three. Probing during the round would have suspected a member only
     slow to answer (seen: a healthy member lost in a grow's round on a loaded machine)."""
     log = tmp_path / "events.jsonl"
-    cps = three_planes(log, probe_s=0.3)
+    cps = planes(log, probe_s=0.3)
     try:
         with cps["c"]._lock:  # c hangs (for 1 s: over probe_s, under the lease)
             cps["a"].probe("worker a/0 reported comm_error", gen=0)
@@ -634,16 +635,17 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
 
 @pytest.mark.timeout(60)
 def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
-    """Three control planes in this process (control/stall_probe.py). A worker of a stalls
+    """Four control planes in this process (control/stall_probe.py). A worker of a stalls
     waiting on b: b answers a's ping, and nothing happens -- no suspicion, no retry round (a
     node slow to arrive is a straggler); nor when b's agent is descheduled for 200 ms (its
-    lock held) and answers late, nor when b and c are both descheduled and a, hearing no one,
-    cannot tell whether it is the one cut off. Then c freezes (its lock held: it neither answers nor
-    sends) and a worker of a stalls without knowing on whom: every member is pinged, c alone is
+    lock held) and answers late; nor when b, c and d are all descheduled and a, hearing no one,
+    cannot tell whether it is the one cut off; nor when c and d are silent together (a starved
+    machine is likelier than two hangs at once: their leases decide). Then c freezes (its lock
+    held: it neither answers nor sends) and a worker of a stalls without knowing on whom: every member is pinged, c alone is
     suspected, within the stall deadline and far under the lease, and the round decides
     without it."""
     log = tmp_path / "events.jsonl"
-    cps = three_planes(log, stall_probe_s=0.35)
+    cps = planes(log, "abcd", stall_probe_s=0.35)
     try:
         cps["a"].stalls.probe(["b"], "worker a/0 reported stall", gen=0)
         cps["a"].stalls.probe(["b"], "worker a/1 reported stall", gen=0)  # pinged already
@@ -660,14 +662,26 @@ def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
         late = [e for e in read_events(log) if e["kind"] == "stall_probed"][-1]
         assert late["silent"] == [] and late["answered_s"]["b"] >= 0.2, late
         assert not cps["a"].core.suspects and cps["a"].core.proposal is None
-        with cps["b"]._lock, cps["c"]._lock:  # both descheduled: a hears no one, suspects no one
+        # (each freeze: 0.15 s for what the frozen sent before it to arrive -- a hang is
+        # reported 0.4 s after it starts at the earliest)
+        with cps["b"]._lock, cps["c"]._lock, cps["d"]._lock:  # a hears no one: suspects no one
+            time.sleep(0.15)
             cps["a"].stalls.probe(["c"], "worker a/0 reported stall", gen=0)
             time.sleep(0.6)
         time.sleep(0.3)
         alone = [e for e in read_events(log) if e["kind"] == "stall_probed"][-1]
-        assert alone["witnesses"] == ["b"] and alone["unconfirmed"], alone
+        assert alone["witnesses"] == ["b", "d"] and alone["unconfirmed"], alone
+        assert not cps["a"].core.suspects and cps["a"].core.proposal is None
+        with cps["c"]._lock, cps["d"]._lock:  # two silent at once: a starved machine, likelier
+            time.sleep(0.15)
+            cps["a"].stalls.probe([], "worker a/0 reported stall", gen=0)
+            time.sleep(0.6)
+        time.sleep(0.3)
+        two = [e for e in read_events(log) if e["kind"] == "stall_probed"][-1]
+        assert two["silent"] == ["c", "d"] and two["unconfirmed"], two
         assert not cps["a"].core.suspects and cps["a"].core.proposal is None
         with cps["c"]._lock:  # c hangs
+            time.sleep(0.15)
             t = time.monotonic()
             cps["a"].stalls.probe([], "worker a/0 reported stall", gen=0)
             while "c" not in cps["a"].core.suspects:
@@ -675,12 +689,12 @@ def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
                 time.sleep(0.005)
             found = time.monotonic() - t
             assert "b" not in cps["a"].core.suspects
-        while not all(cps[m].core.decided.nodes == ("a", "b") for m in "ab"):
+        while not all(cps[m].core.decided.nodes == ("a", "b", "d") for m in "abd"):
             assert time.monotonic() - t < 5.0, f"no generation without c: {read_events(log)}"
             time.sleep(0.01)
         events = read_events(log)
         probed = [e for e in events if e["kind"] == "stall_probed"][-1]
-        assert probed["silent"] == ["c"] and list(probed["answered_s"]) == ["b"], probed
+        assert probed["silent"] == ["c"] and list(probed["answered_s"]) == ["b", "d"], probed
         assert 0.35 <= found < 1.0, found
         print(f"\n[figures] stalled peer suspected after {found:.3f} s; a live peer answered in "
               f"{probed['answered_s']['b']} s")

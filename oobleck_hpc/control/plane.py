@@ -49,8 +49,9 @@ What each timeout bounds
 - stall_probe_s (configs/resilience.py, STALL_PROBE_S): after a worker reports a stall (a wait
   inside a step far longer than its usual step: recovery/stall.py), the nodes it waits on (every
   member when it does not know) are pinged, and those not heard from within stall_probe_s are
-  suspected (if any node answered: a prober that heard no one may be the starved one): a hung
-  node is lost in band, long before its lease. If every one answered, nothing
+  suspected if it is the only one and another node answered (several silent at once, or none
+  answering, is more likely a starved machine or prober): a hung node is lost in band, long
+  before its lease. If every one answered, nothing
   happens (no retry round: a slow node is a straggler, not a failure; the lease remains the
   backstop). Short, but far above a live agent's answer on a loaded machine (the
   `stall_probed` event records each answer's delay). `stalls` (control/stall_probe.py).

@@ -12,13 +12,15 @@ a straggler (recovery/straggler.py), not a failure, and replaying its step would
 faster. The lease still bounds a wait on a node whose agent answers but whose workers do not
 arrive.
 
-A silence means something only if this agent is itself heard and hears: under a CPU hog the
-prober may be the one descheduled, or every agent at once, and a node that suspected all it
-pinged would propose a view of itself alone and fence (chaos seed 2818, trial 3). So a stall
-that names its suspects also pings up to WITNESSES other members, and a probe suspects its
-silent nodes only if some node answered it or was heard from since the ping (a witness is never
-suspected by it); if none was, it suspects nobody (`unconfirmed` in its event) and leaves the
-silent nodes to their observers' leases, which need most observers to agree.
+A silence means something only if it is one node's while others answer: under a CPU hog the
+prober may be the one descheduled, or several agents at once, and a node that suspected all it
+pinged would propose a view of itself alone and fence (chaos seed 2818, trial 3; in a CI run
+two healthy agents were silent for 0.35 s together and the job fell back). So a stall that
+names its suspects also pings up to WITNESSES other members, and a probe suspects its silent
+node only if it is the only one and some node answered or was heard from since the ping (a
+witness is never suspected by it). Otherwise it suspects nobody (`unconfirmed` in its event)
+and leaves the silent nodes to their observers' leases, which need most observers to agree: two
+nodes hung at once are found by their leases.
 
 The deadline is the one figure a healthy node's place depends on: a false suspicion costs a
 healthy node. It is short next to the lease but long next to a live agent's answer, which the
@@ -82,8 +84,8 @@ class StallProbes:
 
     def _judge(self, nodes: list[str], witnesses: list[str], started: float, gen: int,
                why: str) -> None:
-        """`timeout_s` after `nodes` and `witnesses` were pinged: suspect the nodes not heard
-        from since, if some node was (module docstring)."""
+        """`timeout_s` after `nodes` and `witnesses` were pinged: suspect the one node not
+        heard from since, if another was (module docstring)."""
         cp = self.plane
         with cp._lock:
             answered = {n: self._pinged.pop(n, (started, None))[1] for n in nodes + witnesses}
@@ -93,7 +95,7 @@ class StallProbes:
             heard = {n for n in core.decided.nodes if n != cp.me and (
                 answered.get(n) is not None or cp.detector.last_heard.get(n, 0.0) >= started)}
             silent = [n for n in nodes if n not in heard and n not in core.suspects]
-            unconfirmed = not heard
+            unconfirmed = not heard or len(silent) > 1
             cp.events.emit("stall_probed", why=why, nodes=nodes, silent=silent,
                            witnesses=witnesses, unconfirmed=unconfirmed, timeout_s=self.timeout_s,
                            answered_s={n: round(t - started, 4) for n, t in answered.items()

@@ -150,8 +150,8 @@ PROBE = _declare("probe", "A worker's communication error made the agent probe i
                  {"why": str, "timeout_s": float})
 STALL_PROBED = _declare("stall_probed",
                         "A worker's stall made its agent ping the nodes it waits on (and "
-                        "witnesses): the silent ones are suspected unless no node answered "
-                        "(unconfirmed; answered_s: node -> seconds to its answer).",
+                        "witnesses): a lone silent one is suspected if another node answered "
+                        "(else unconfirmed; answered_s: node -> seconds to its answer).",
                         {"why": str, "nodes": _Nodes, "silent": _Nodes, "witnesses": _Nodes,
                          "unconfirmed": bool, "timeout_s": float, "answered_s": dict})
 PROBE_SKIPPED = _declare("probe_skipped", "A probe was not started (a round answers already).",
