@@ -230,6 +230,8 @@ class MembershipCore(ExchangeSteps):
         self._rejoins = False
         """This node withdrew (4d) and no decided view holds it again yet: a FENCE before it
         asks to join again is no news."""
+        self._unreachable: set[str] = set()
+        """Members this node, outside the view, could not reach (`_member_gone`)."""
         self._round_adds: tuple[str, ...] = ()  # the open round's joiners (shrinks like the view)
         self._round_told: tuple[str, ...] = ()  # its joiners when it opened: they hear about it
         self._absorbing = False  # taking over a peer's suspicions (one proposal for all of them)
@@ -254,7 +256,8 @@ class MembershipCore(ExchangeSteps):
             self.fence(f"own node failed: {how}")
             return
         if not self.joined and self.proposal is None and not relayed:
-            return  # a spare watches nobody until a round adds it: members' proposals tell it
+            self._member_gone(node, how)  # a spare watches nobody until a round adds it ...
+            return
         if node in self.suspects or (node not in self._in and node not in self.joiners
                                      and node not in self._round_adds):
             return
@@ -263,6 +266,23 @@ class MembershipCore(ExchangeSteps):
         self.notes.append(("suspect", {"node": node, "how": how, "gen": self.decided.gen}))
         if not self._absorbing:  # (_absorb proposes once, with all it took over)
             self._update_round()
+
+    def _member_gone(self, node: str, how: str) -> None:
+        """... but this node, outside the view (a spare, or withdrawn: 4d), could not reach
+        `node` (its agent is gone: a refused connection). Once the members it can still reach
+        are too few for a quorum of the last view it knows, no round can add it any more (the
+        members fell back or ended without telling it: a fenced member tells no one) -- it
+        stops for the requeue instead of waiting for ever (chaos seed 2819, trial 13: a crashed
+        node's agent outlived the fallback of the others)."""
+        if node not in self.decided.nodes:
+            return
+        self._unreachable.add(node)
+        reachable = [n for n in self.decided.nodes if n != self.me
+                     and n not in self._unreachable and n not in self.left]
+        if not has_quorum(self.decided.nodes, reachable, self.quorum):
+            self.fence(f"the job's members are gone ({how}: {sorted(self._unreachable)} of "
+                       f"{list(self.decided.nodes)}): no round can add this node",
+                       code=EXIT_REQUEUE)
 
     def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
         """This node leaves the job on purpose (BYE). `how`:

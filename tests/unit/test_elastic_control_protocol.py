@@ -284,6 +284,24 @@ def test_a_member_that_decides_a_withdrawn_node_away_before_its_bye_does_not_fen
     net.check_safety()
 
 
+def test_a_node_outside_the_view_stops_once_too_few_members_are_left_to_add_it():
+    """n0 withdrew from a 5-node job and waits to rejoin; the others fell back without a word
+    (fenced members tell no one): n0's JOINs find their agents gone. While the members it can
+    reach could still form a quorum of the view it knows it waits; then it stops for the
+    requeue (chaos seed 2819, trial 13: it waited until the trial's timeout). A spare that
+    cannot reach one member of a healthy job waits on."""
+    net = SimNet(5, seed=1, spares=1)
+    n0, spare = net.cores["n0"], net.cores["n5"]
+    n0.withdraw("worker 0 exited with signal SIGKILL")
+    net.drain("n0")
+    n0.suspect("n1", "send_failed (refused)")
+    assert not n0.fenced  # n2, n3, n4: 3 of 5
+    n0.suspect("n3", "send_failed (refused)")
+    assert n0.fenced and n0.fence_code == 75 and "members are gone" in n0.fenced, n0.fenced
+    spare.suspect("n1", "send_failed (refused)")
+    assert not spare.fenced
+
+
 @pytest.mark.parametrize("n, spares", [(2, 1), (3, 2), (4, 1), (5, 3)])
 def test_random_schedules_with_spares_joining_are_safe_and_live(n, spares):
     grown = 0
