@@ -95,7 +95,11 @@ class SimNet:
             if not core.joined and core.proposal is None:
                 watched = set()  # a spare watches nobody until a round adds it
             for dead in self.names:
-                if dead in watched and self.down(dead) and (obs, dead) not in self.detected:
+                # (once per pair; again for a dead node taken back as a joiner -- a withdrawn
+                # node readmitted -- as its agent's links keep failing)
+                again = dead in {*core.joiners, *core._round_adds} and dead not in core.suspects
+                if dead in watched and self.down(dead) and ((obs, dead) not in self.detected
+                                                            or again):
                     options.append(("detect", obs, dead))
         if chaos:
             alive = [m for m in self.names if not self.down(m)]
