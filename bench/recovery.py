@@ -1,7 +1,8 @@
-"""Recovery latency: a node of a running job is killed -> first step committed again.
+"""Recovery latency: a node killed, hung or drained, a worker crashed -> first step committed again.
 
     python bench/recovery.py --json                  # 4 nodes x 2 workers, gpt-tiny, 3 reps
     python bench/recovery.py --json --nodes 5 --reps 5
+    python bench/recovery.py --json --modes crash,crash_under_hog --memory-models ''
 
 Two ways to survive the same kill, on the same job (gpt-tiny, `--nodes` local nodes x 2 worker
 processes, gloo on CPU), both timed from the SIGKILL of one node's process group (agent and
@@ -9,28 +10,42 @@ workers, `oobleck-hpc kill-node`) to the first training step committed afterward
 
 - oobleck (in place): `oobleck-hpc run` on per-node agents, checkpointing every 3 steps as in
   production; after `--kill-at` committed steps node1 is killed from outside (SIGKILL of agent
-  and workers), or hung (SIGSTOP: only the lease can tell), or killed while `nproc` busy-loop
-  processes keep every core busy (a CPU hog), or asked to drain (`oobleck-hpc drain`; it trains
-  on until the next step boundary, then leaves, and nothing is replayed: `drain_steps_failed`
-  counts failed steps, 0 expected; its recovery_s is timed from that boundary, the moment the
-  job stops training with it -- `request_to_recovered_s` from the request; it is asked once
-  the last checkpoint step before `--kill-at` committed, so that it leaves one or two steps
-  later, at no checkpoint: as the kill's recovery, it is timed without a periodic save in its
-  window); the survivors recover in place. Phases from the run's events
+  and workers: mode kill), or hung (SIGSTOP: found in band when a worker's wait stalls and
+  node1's agent does not answer a ping, recovery/stall.py, else by the lease; hang), or its local rank 0
+  worker alone is SIGKILLed, its agent alive (crash: the worker's pid from node1's
+  `agent_started` event), or killed or crashed while `nproc` busy-loop processes keep every core
+  busy from the start (a CPU hog: kill_under_hog, hang_under_hog, crash_under_hog), or asked to drain
+  (`oobleck-hpc drain`; it trains on until the next step boundary, then leaves, and nothing is
+  replayed: `drain_steps_failed` counts failed steps, 0 expected; its recovery_s is timed from
+  that boundary, the moment the job stops training with it -- `request_to_recovered_s` from the
+  request; it is asked once the last checkpoint step before `--kill-at` committed, so that it
+  leaves one or two steps later, at no checkpoint: as the kill's recovery, it is timed without a
+  periodic save in its window); the survivors recover in place. Phases from the run's events
   (recovery/driver.py): detect (kill -> first survivor noticed: a dropped agent connection or a
   failed step), agree (-> the new generation reached rank 0), plan (-> reconfigure() done),
   regroup (-> process groups rebuilt on the new store), transfer (-> last rank finished copying
   layer state), first_step (-> the replayed step committed). `recovery_s` = kill -> committed.
+  A crash also reports `rejoined_s`: crash -> node1 back in the plan, the first of its
+  restarted worker's first step (`worker_rejoined`: restarted in place, the node never left),
+  its `node_joined`, or a `recovered` event naming it in `joined` (the node left the plan at
+  once and came back as a joining node), `rejoined_by` (which of them), `healthy_evicted` (nodes
+  lost other than node1, from the `recovered` events after the crash; 0 expected) and
+  `in_place`; the job trains CRASH_STEPS steps after the crash, for the node to come back.
 - checkpoint-restart baseline (what torchrun elastic / Varuna do): the same job checkpointing
   every step (oobleck_hpc/checkpoint, async, as checkpoint/resume.py does); after `--kill-at` steps node1 is killed
   and, as those launchers do, every other process is stopped at once (detection is taken as
   free), the job is relaunched on the survivors, reloads the latest checkpoint and resumes:
   `restart_baseline_s` = kill -> first step committed by the relaunched job.
 
-`speedup` = restart_baseline_s / recovery_s (medians over --reps). `drain_below_kill`: the drain's
-time to the first step without the node is below the kill's (issue 15). Targets: kill -> first
-committed step <= 0.5 s and hang <= lease + 0.5 s, with checkpointing on (issue 12); recovery in
-place also under the hog; speedup >= 10 over checkpoint-restart on this 2-core machine (issue 5).
+The baseline is timed when kill is among `--modes`. `speedup` = restart_baseline_s / kill's
+recovery_s (medians over --reps). `drain_below_kill`: the drain's time to the first step without
+the node is below the kill's (issue 15); `drain_over_kill`: drain median / kill median. Per crash
+mode, `<mode>_rejoined_s` (median) and `<mode>_healthy_evicted` (total). Targets (TARGETS, issue
+31; each when its modes ran; `meets_targets`): kill -> first committed step <= 0.25 s; hang <=
+1.0 s with lease_s 3 (it was lease + 0.5 s: issue 12); crash <= 0.5 s median and node1 back in
+the plan <= 15 s after the crash, with 0 healthy nodes evicted; drain <= 0.9 x kill; every
+recovery in place (under the hog too); speedup >= 10 over checkpoint-restart on this 2-core
+machine (issue 5).
 
 Memory (issue 16), per model of --memory-models (default gpt-wide and gpt-wide-2x: weights
 dominate, 0.6 and 1.2 GB of training state per worker), 4 nodes x 1 worker, 2 pipelines of 2
@@ -69,6 +84,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LEASE_S = 3.0
 CHECKPOINT_EVERY = 3
+CRASH_STEPS = 300
+"""A crash run trains at least this many steps after the crash: time for its node to come back
+(issue 31: <= 15 s; its new workers import torch while 6 others train on the 2 cores, 30 s of
+steps here) before the job ends."""
 
 
 def job_dict(run_dir: Path, nodes: int, steps: int, checkpoint: Path | None,
@@ -131,11 +150,35 @@ def cpu_hog(n: int) -> list[subprocess.Popen]:
             for _ in range(n)]
 
 
+def crash_worker(run_dir: Path, node: str) -> float:
+    """SIGKILL the local rank 0 worker of `node` (not its agent): its pid from the node's
+    `agent_started` event. Returns the time the signal was sent."""
+    started = [e for e in read_events(run_dir / "events.jsonl")
+               if e["kind"] == ev.AGENT_STARTED and e["source"] == node]
+    pid = started[-1]["worker_pids"][0]
+    t = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return t
+
+
+def back_in_plan(events: list[dict], node: str) -> dict | None:
+    """The first event saying that `node` trains again in the plan after its worker crashed:
+    its restarted worker's first step (`worker_rejoined`, restart in place), or its rejoin as a
+    joining node (its `node_joined`, or a `recovered` that names it in `joined`)."""
+    return next((e for e in events
+                 if (e["kind"] in (ev.WORKER_REJOINED, ev.NODE_JOINED) and e["node"] == node)
+                 or (e["kind"] == ev.RECOVERED and node in e["joined"])), None)
+
+
 def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) -> dict:
-    """One in-place recovery: mode kill, hang, kill_under_hog or drain (module docstring)."""
+    """One in-place recovery: mode kill, hang, crash or drain, or the first three `_under_hog`
+    (module docstring)."""
     from oobleck_hpc.control.drain import request_drain
     from oobleck_hpc.launch.local import kill_node
 
+    fault = mode.removesuffix("_under_hog")
+    if fault == "crash":  # the job trains on long enough for the node to come back
+        steps = max(steps, kill_at + CRASH_STEPS)
     run_dir = work / f"oobleck-{mode}"
     run_dir.mkdir(parents=True)
     job = work / f"oobleck-{mode}.yaml"
@@ -143,17 +186,19 @@ def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) ->
                                            every_steps=CHECKPOINT_EVERY)))
     metrics = run_dir / "metrics.jsonl"
     # The hog runs from the start: the whole job (and its recovery) competes for every core.
-    hog = cpu_hog(os.cpu_count() or 2) if mode == "kill_under_hog" else []
+    hog = cpu_hog(os.cpu_count() or 2) if mode.endswith("_under_hog") else []
     proc = start(job, run_dir, metrics, work / f"oobleck-{mode}.log")
-    if mode == "drain":  # (module docstring: no checkpoint at the step boundary it leaves at)
+    if fault == "drain":  # (module docstring: no checkpoint at the step boundary it leaves at)
         kill_at -= kill_at % CHECKPOINT_EVERY
     try:
         wait_steps(metrics, kill_at, proc, 300)
-        if mode == "drain":
+        if fault == "drain":
             t_kill = time.time()
             request_drain(run_dir, ["node1"], by="bench")
+        elif fault == "crash":
+            t_kill = crash_worker(run_dir, "node1")
         else:
-            t_kill = kill_node(run_dir, "node1", signal.SIGSTOP if mode == "hang"
+            t_kill = kill_node(run_dir, "node1", signal.SIGSTOP if fault == "hang"
                                else signal.SIGKILL)
         rows = wait_steps(metrics, kill_at + 2, proc, 120)
         proc.wait(timeout=300)
@@ -165,13 +210,20 @@ def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) ->
     events = [e for e in read_events(run_dir / "events.jsonl") if e["t"] >= t_kill]
     first = next(e for e in events if e["kind"] == ev.RECOVERED)
     after = [r for r in rows if r["time"] > t_kill]
-    extra = {}
-    if mode == "drain":  # the job trains on until the step boundary where the node leaves:
+    extra: dict = {}
+    if fault == "drain":  # the job trains on until the step boundary where the node leaves:
         t_request = t_kill  # its pause starts there
         agreed = next(e for e in events if e["kind"] == ev.DRAIN_AGREED)
         t_kill = agreed["t"]
         extra = {"request_to_recovered_s": round(first["t"] - t_request, 4),
                  "left_after_step": agreed["step"]}
+    elif fault == "crash":
+        back = back_in_plan(events, "node1")
+        lost = {n for e in events if e["kind"] == ev.RECOVERED
+                for n in e["lost"] if n not in e["drained"]}
+        extra = {"rejoined_s": None if back is None else round(back["t"] - t_kill, 4),
+                 "rejoined_by": None if back is None else back["kind"],
+                 "healthy_evicted": len(lost - {"node1"}), "in_place": proc.returncode == 0}
     phases = recovery_phases(events, first, t_kill)  # the phases `oobleck-hpc report` shows
     replayed = sum(1 for e in events if e["kind"] == ev.STEP_FAILED)
     return {"mode": mode, "recovery_s": round(first["t"] - t_kill, 4), "steps_failed": replayed,
@@ -290,27 +342,63 @@ def memory_once(work: Path, model: str, steps: int = 40) -> dict:
                                   "after": round(after.get(n, 0.0), 1)} for n in survivors}}
 
 
+MODES = ("kill", "hang", "crash", "kill_under_hog", "hang_under_hog", "crash_under_hog", "drain")
+TARGETS = {"kill_s": 0.25, "hang_s": 1.0, "crash_s": 0.5, "crash_rejoined_s": 15.0,
+           "drain_over_kill": 0.9, "speedup": 10.0}
+"""Issue 31's (module docstring); each applies when its modes ran."""
+
+
+def summary(modes: tuple[str, ...], runs: dict[str, list[dict]], bases: list[dict]) -> dict:
+    """The medians over the reps, the comparisons between modes, and the verdict on TARGETS."""
+    med = {m: statistics.median(r["recovery_s"] for r in runs[m]) for m in modes}
+    out: dict = {f"{m}_s": med[m] for m in modes}
+    out["phases"] = {m: {k: statistics.median(r["phases"][k] for r in runs[m])
+                         for k in runs[m][0]["phases"]} for m in modes}
+    checks = [med.get("kill", 0.0) <= TARGETS["kill_s"], med.get("hang", 0.0) <= TARGETS["hang_s"]]
+    for m in [m for m in modes if m.startswith("crash")]:
+        back = [r["rejoined_s"] for r in runs[m]]
+        back_s = out[f"{m}_rejoined_s"] = None if None in back else statistics.median(back)
+        out[f"{m}_healthy_evicted"] = sum(r["healthy_evicted"] for r in runs[m])
+        checks += [med[m] <= TARGETS["crash_s"], out[f"{m}_healthy_evicted"] == 0,
+                   back_s is not None and back_s <= TARGETS["crash_rejoined_s"]]
+    if "drain" in modes:
+        out["drain_steps_failed"] = sum(r["steps_failed"] for r in runs["drain"])
+    if "drain" in modes and "kill" in modes:  # leaving on notice beats recovering from a kill
+        out["drain_below_kill"] = med["drain"] < med["kill"]
+        out["drain_over_kill"] = round(med["drain"] / max(med["kill"], 1e-9), 3)
+        checks.append(out["drain_over_kill"] <= TARGETS["drain_over_kill"])
+    if bases:  # (timed with the kill)
+        out["restart_baseline_s"] = statistics.median(b["restart_baseline_s"] for b in bases)
+        out["speedup"] = round(out["restart_baseline_s"] / max(med["kill"], 1e-9), 2)
+        checks.append(out["speedup"] >= TARGETS["speedup"])
+    # --max-requeues 0: a fallback to the checkpoint ends the launcher with 75
+    out["all_recovered_in_place"] = all(r["code"] == 0 for m in modes for r in runs[m])
+    out["meets_targets"] = all(checks) and out["all_recovered_in_place"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--kill-at", type=int, default=4, help="committed steps before the kill")
+    p.add_argument("--kill-at", type=int, default=4, help="committed steps before the fault")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--memory-models", default="gpt-wide,gpt-wide-2x",
                    help="models of the memory measurement (comma-separated; '' skips it)")
-    p.add_argument("--modes", default="kill,hang,kill_under_hog,drain",
-                   help="in-place modes to time (comma-separated)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="in-place modes to time (comma-separated: %(default)s); with kill, "
+                        "the checkpoint-restart baseline is timed too")
     p.add_argument("--skip-latency", action="store_true",
                    help="only the memory measurement")
     a = p.parse_args(argv)
     if a.nodes < 4:
         p.error("--nodes must be >= 4 (issue 5: >= 4 nodes x 2 workers)")
-    work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     modes = tuple(a.modes.split(","))
-    if "kill" not in modes:
-        p.error("--modes must include kill (the figure the others are compared with)")
+    if unknown := [m for m in modes if m not in MODES]:
+        p.error(f"unknown --modes {', '.join(unknown)} (known: {', '.join(MODES)})")
+    work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     bases = []
     memory = []
@@ -320,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(0 if a.skip_latency else a.reps):
             for m in modes:
                 runs[m].append(oobleck_once(work / f"rep{i}", a.nodes, a.kill_at, a.steps, m))
-            bases.append(restart_once(work / f"rep{i}", a.nodes, a.kill_at, a.steps))
+            if "kill" in modes:
+                bases.append(restart_once(work / f"rep{i}", a.nodes, a.kill_at, a.steps))
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -332,25 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{x['peak_rss_recovery_mb']} MB (x{x['recovery_over_steady']}), init "
             f"{x['init_s']:.3f} s" for x in memory))
         return 0
-    med = {m: statistics.median(r["recovery_s"] for r in runs[m]) for m in modes}
-    phases = {m: {k: statistics.median(r["phases"][k] for r in runs[m])
-                  for k in runs[m][0]["phases"]} for m in modes}
-    base = statistics.median(b["restart_baseline_s"] for b in bases)
-    targets = {"kill_s": 0.5, "hang_s": LEASE_S + 0.5, "speedup": 10.0}
-    in_place = all(r["code"] == 0 for m in modes for r in runs[m])  # --max-requeues 0: a fallback is 75
-    if "drain" in modes:  # issue 15: leaving on notice beats recovering from the kill
-        out_drain = {"drain_below_kill": med["drain"] < med["kill"],
-                     "drain_steps_failed": sum(r["steps_failed"] for r in runs["drain"])}
-    else:
-        out_drain = {}
-    out = {**{f"{m}_s": med[m] for m in modes}, **out_drain,
-           "phases": phases, "restart_baseline_s": base,
-           "speedup": round(base / max(med["kill"], 1e-9), 2), "targets": targets,
-           "all_recovered_in_place": in_place,
-           "meets_targets": (med["kill"] <= targets["kill_s"]
-                             and med.get("hang", 0.0) <= targets["hang_s"]
-                             and base / max(med["kill"], 1e-9) >= targets["speedup"]
-                             and in_place),
+    out = {**summary(modes, runs, bases), "targets": TARGETS,
            "checkpoint_every_steps": CHECKPOINT_EVERY, "lease_s": LEASE_S,
            "nodes": a.nodes, "workers_per_node": 2, "model": "gpt-tiny", "reps": a.reps,
            "runs": runs, "baselines": bases, "host": platform.node(), "cpus": os.cpu_count(),
@@ -359,8 +430,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
     else:
         for m in modes:
-            print(f"in place, {m}: fault -> first committed step {med[m]:.2f} s  {phases[m]}")
-        print(f"checkpoint-restart: {base:.2f} s   speedup {out['speedup']:.1f}x")
+            back = (f", node back {out[f'{m}_rejoined_s']} s" if m.startswith("crash") else "")
+            print(f"in place, {m}: fault -> first committed step {out[f'{m}_s']:.2f} s{back}  "
+                  f"{out['phases'][m]}")
+        if bases:
+            print(f"checkpoint-restart: {out['restart_baseline_s']:.2f} s   "
+                  f"speedup {out['speedup']:.1f}x")
     return 0
 
 

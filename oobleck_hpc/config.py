@@ -23,8 +23,9 @@ from typing import Any
 
 
 from oobleck_hpc.configs.cluster import ClusterConfig, ProfileConfig, SlurmConfig
-from oobleck_hpc.configs.resilience import (FENCED_GRACE_S, HEARTBEAT_S, LEASE_S, STARTUP_S,
-                                            CheckpointConfig, FaultConfig, FaultToleranceConfig)
+from oobleck_hpc.configs.resilience import (FENCED_GRACE_S, HEARTBEAT_S, LEASE_S, STALL_FLOOR_S,
+                                            STALL_MULTIPLE, STALL_PROBE_S, STALL_STEPS,
+                                            STARTUP_S, CheckpointConfig, FaultConfig, FaultToleranceConfig)
 from oobleck_hpc.configs.training import DataConfig, ModelConfig, TrainConfig
 from oobleck_hpc.schema import read_mapping
 from oobleck_hpc.schema import Where as _Where
@@ -33,7 +34,8 @@ from oobleck_hpc.schema import walk as _walk
 
 __all__ = ["CheckpointConfig", "ClusterConfig", "DataConfig", "FaultConfig", "FaultToleranceConfig",
            "JobConfig", "ModelConfig", "ProfileConfig", "SlurmConfig", "TrainConfig",
-           "FENCED_GRACE_S", "HEARTBEAT_S", "LEASE_S", "STARTUP_S", "job_from_dict", "load_job"]
+           "FENCED_GRACE_S", "HEARTBEAT_S", "LEASE_S", "STALL_FLOOR_S", "STALL_MULTIPLE",
+           "STALL_PROBE_S", "STALL_STEPS", "STARTUP_S", "job_from_dict", "load_job"]
 
 
 @dataclass

@@ -151,7 +151,7 @@ def train_or_fall_back(w: Worker) -> Ending:
 
 
 def joins(w: Worker) -> bool:
-    """A spare, or a worker restarted after a crash: it joins a running generation."""
+    """A spare, or a worker of a node back after a crash: it joins a running generation."""
     return bool(w.env.extra.get("spare") or w.env.extra.get("rejoin_after_gen"))
 
 
@@ -159,8 +159,8 @@ def rendezvous(w: Worker) -> Resume:
     """Generation 0's plan and groups and this rank's engine, restored from the latest
     checkpoint (if any; checkpoint/resume.py); a node lost meanwhile: rendezvous again among
     the survivors and restore again. A spare (cluster.spares) waits until a loss swaps it in,
-    then receives its layers and the step to train from the members (recovery/join.py); a
-    worker restarted after a crash (control/agent.py) joins the next generation the same way."""
+    then receives its layers and the step to train from the members (recovery/join.py); the
+    workers of a node that stepped out after a crash (control/agent.py) join the same way."""
     job, env, driver, faults = w.job, w.env, w.driver, w.faults
     if joins(w):
         after = env.extra.get("rejoin_after_gen")

@@ -17,7 +17,7 @@ import yaml
 from oobleck_hpc.operate.chaos import KILL_GRACE_S, KINDS, PHASES, check_steps, draw_campaign, trial_job
 from oobleck_hpc.operate.chaos_oracle import (RECOVERY_PHASES, START_PHASES, STEP_PHASES,
                                       expected_outcomes, has_quorum, judge, positions,
-                                      quorum_ways, round_orders)
+                                      quorum_ways, rejoins, round_orders)
 from oobleck_hpc.config import FaultConfig, job_from_dict
 from oobleck_hpc.errors import GuaranteeExceeded
 from oobleck_hpc.planning.instantiate import instantiate
@@ -259,22 +259,27 @@ def test_a_drain_is_taken_only_where_the_verdict_accepts_it():
         assert expected_outcomes(faults, plan, templates, profile, 1, steps=30) == sorted(uncut)
 
 
-def test_a_crashed_worker_is_a_loss_only_before_a_step_committed():
-    """A crash's worker is restarted in place once the node committed a step (control/agent.py): no
-    loss from step 2 on; a loss at the start and inside step 1; either where step 1's commit
-    may have happened on a local peer."""
+def test_a_crashed_worker_costs_its_node_which_rejoins_once_a_step_committed():
+    """A crash costs its node's place like a kill (control/agent.py: the node steps out at
+    once); once a step committed on the node, it comes back -- a node more, as a grown one, so
+    in place is expected where the losses alone would fall back."""
     F = FaultConfig
     profile, templates, plan = _plan(0, 10**9, 1, 3)
     late, early, racy = F(1, 3, "forward", "crash"), F(1, 1, "forward", "crash"), F(1, 1, "vote", "crash")
-    assert round_orders([late]) == [[(math.inf, [late])]]
+    assert round_orders([late]) == [[(3.0, [late])]]
     assert round_orders([early]) == [[(1.0, [early])]]
-    assert round_orders([racy]) == [[(1.0, [racy])], [(1.5, [racy])], [(math.inf, [racy])]]
+    assert round_orders([racy]) == [[(1.0, [racy])], [(1.5, [racy])]]
     assert round_orders([F(2, 1, "rendezvous", "crash")]) == [[(-1.0, [F(2, 1, "rendezvous", "crash")])]]
-    # every node but the first crashing from step 2 on: all restarted, nothing lost -- but as
-    # many retry generations in a row may exhaust MAX_RETRIES
-    every = [F(i, 2, "backward", "crash") for i in range(1, len(plan.nodes))]
-    assert expected_outcomes(every[:2], plan, templates, profile, 1) == ["in_place"]
-    assert expected_outcomes(every[:3], plan, templates, profile, 1) == ["fallback", "in_place"]
+    assert [rejoins(x) for x in (late, early, racy)] == [True, False, True]
+    # nodes lost at once beyond what the plan survives: killed, the job falls back; crashed,
+    # they come back, and in place is possible too
+    beyond = next(c for k in range(2, len(plan.nodes))
+                  for c in itertools.combinations(range(len(plan.nodes)), k)
+                  if expected_outcomes([F(i, 2, "backward", "kill") for i in c], plan, templates,
+                                       profile, 1) == ["fallback"])
+    crashes = [F(i, 2, "backward", "crash") for i in beyond]
+    assert expected_outcomes(crashes, plan, templates, profile, 1) == ["fallback", "in_place"]
+    assert expected_outcomes(crashes[:1], plan, templates, profile, 1) == ["in_place"]
 
 
 def test_trial_job_is_fp64_with_its_own_dirs_and_faults(tmp_path):

@@ -154,10 +154,15 @@ def test_a_node_that_exits_early_is_lost_and_the_others_train_every_step(tmp_pat
 
 @pytest.mark.timeout(240)
 def test_a_crashed_worker_restarts_and_the_run_trains_every_step(tmp_path):
+    """node1 steps out, restarts its workers and asks to join again; whether it is back before
+    the end depends on the machine's load (test_recovery.py checks the rejoin), the run trains
+    every step either way, and node1's agent ends with the job."""
     code, events, rows, run_dir = run_cli(tmp_path, faults=[
         {"node": 1, "step": 3, "phase": "forward", "kind": "crash"}])
     crashed = first(events, "worker_restarting", source="node1")
-    first(events, "worker_rejoined")
+    (end,) = [e for e in events if e["source"] == "node1" and e["kind"] in ("agent_exit",
+                                                                            "agent_finished")]
+    assert end.get("code", 0) == 0 and not any(end.get("codes", [])), end  # back or not
     check_finished(code, events, rows, run_dir, crashed["t"])
 
 

@@ -237,7 +237,12 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
     # healthy members were excluded and the job fell back. Crashes are still seen at once
     # (the connection drops), so the test checks the same recoveries.
     code, rows, run_dir = run_job(tmp_path, spares=1, steps=LONG_STEPS, during=act, lease_s=10.0)
-    assert said and "started node6" in said[0], said
+    if not said:  # the run ended before the two recoveries: say how, not just that
+        raise AssertionError(f"no grow: exit {code}; " + "; ".join(
+            f"{e['source']} {e['kind']} {e.get('gen', e.get('generation', ''))}"
+            for e in read_events(run_dir / "events.jsonl") if e["kind"] in (
+                "agreement_reached", "recovered", "fallback", "fenced", "run_finished")))
+    assert "started node6" in said[0], said
     reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=LONG_STEPS)),
                               LONG_STEPS)
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
@@ -264,13 +269,12 @@ def test_a_failure_in_the_vote_of_the_last_step(tmp_path, reference, kind):
     others settle the step with them and roll it forward -- then there is nothing left to run
     (chaos seed 7007, trial 76: they ran a step past the last and waited on the others at the
     end; rounds without a loss followed for ever). Which ranks see the vote complete depends
-    on timing; either way the run ends exact. A crashed worker there is restarted instead: the
-    end is agreed again with the new worker, on the same nodes."""
+    on timing; either way the run ends exact. A crashed worker there costs its node the same
+    way (it steps out; the run ends before it could rejoin)."""
     code, rows, run_dir = run_job(tmp_path, faults=[
         {"node": 2, "step": STEPS, "phase": "vote", "kind": kind}])
     # the last step may be committed on the first plan (by the ranks whose vote completed)
-    check_equal_to_reference(code, rows, run_dir, reference,
-                             {"node2"} if kind == "kill" else set(), last_on_new_plan=False)
+    check_equal_to_reference(code, rows, run_dir, reference, {"node2"}, last_on_new_plan=False)
 
 
 @pytest.mark.timeout(150)
@@ -379,35 +383,41 @@ def test_a_drained_node_leaves_at_a_step_boundary_with_nothing_replayed(tmp_path
     assert len({r["step"] for r in rows}) == len(rows)
 
 
-@pytest.mark.timeout(150)
-def test_a_crashed_worker_is_restarted_in_place_and_its_node_stays(tmp_path, reference):
-    """Issue 15: one worker of node2 is SIGKILLed in step 3's backward while node2's agent and
-    other worker live. The agent restarts it; a retry round gives the job a new generation on
-    the same 5 nodes; the new worker joins it, receives its layers from replicas and the step
-    is replayed: the run ends exact with every node."""
-    code, rows, run_dir = run_job(tmp_path, faults=[
+CRASH_STEPS = 300
+"""Long enough for a crashed node's new workers to start (import torch, build, plan) and rejoin
+while 8 processes train on 2 cores: 9-20 s, i.e. 100-200 of this job's ~0.1 s steps. (It once
+slowed node0 4x with the `slow` fault instead, to leave the new processes CPU time; under a
+CI run's load that fault's stops stretched steps to 2-10 s, collectives timed out, and 40 steps
+outlasted the test's timeout.)"""
+
+
+@pytest.mark.timeout(240)
+def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_path):
+    """Issue 31: one worker of node2 is SIGKILLed in step 3's backward while node2's agent and
+    other worker live. node2 steps out at once -- the others recover without it, as after a
+    kill, instead of waiting for a new process -- its workers restart, and it rejoins at a
+    later step boundary, receiving its layers from replicas. The run ends exact on all 5
+    nodes; the third crash of a worker still takes its node out (test_elastic_control.py)."""
+    from oobleck_hpc.engine import reference_run
+
+    reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
+                              CRASH_STEPS)
+    code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, faults=[
         {"node": 2, "step": 3, "phase": "backward", "kind": "crash"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
     kinds = [e["kind"] for e in events]
-    assert "worker_restarting" in kinds and "worker_rejoined" in kinds, kinds
     assert "worker_failed" not in kinds and "node_failed" not in kinds, kinds
+    (crash,) = [e for e in events if e["kind"] == "worker_restarting"]
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
+    out, back = recovered
+    assert out["step"] == 3 and back["step"] > 4, recovered
+    rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}
+    assert rejoined == {"node2/0", "node2/1"}, rejoined
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
-    moved = [e for e in events if e["kind"] == "state_transferred" and e["received_bytes"]]
-    assert moved and {e["source"] for e in moved} == {"node2/0"}, moved
-
-
-@pytest.mark.timeout(150)
-def test_a_worker_that_crashes_three_times_takes_its_node_out(tmp_path, reference):
-    """The same worker of node2 crashes in steps 2, 3 and 4: restarted in place twice, then the
-    third crash fails node2 (bounded, evented) and the others recover without it, exact."""
-    code, rows, run_dir = run_job(tmp_path, faults=[
-        {"node": 2, "step": s, "phase": "forward", "kind": "crash"} for s in (2, 3, 4)])
-    events = check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
-    restarts = [e for e in events if e["kind"] == "worker_restarting"]
-    assert [(e["source"], e["local_rank"], e["crashes"]) for e in restarts] == [
-        ("node2", 0, 1), ("node2", 0, 2)], restarts
-    failed = [e for e in events if e["kind"] == "worker_failed"]
-    assert [(e["source"], e["crashes"]) for e in failed] == [("node2", 3)], failed
+    print(f"\n[figures] crash -> first committed step {out['t'] - crash['t']:.3f} s "
+          f"({out['seconds']:.3f} s from the failure), node back in the plan "
+          f"{back['t'] - crash['t']:.1f} s after the crash")
 
 
 @pytest.mark.timeout(150)
@@ -445,9 +455,19 @@ def test_a_slowed_node_gets_fewer_microbatches_and_the_run_stays_exact(tmp_path)
 
 @pytest.mark.timeout(150)
 def test_hang_node(tmp_path, reference):
+    """A node stopped (SIGSTOP) in a step's forward pass is found in band (recovery/stall.py:
+    its peers' waits stall, their agents' pings go unanswered) and removed well before its
+    3 s lease would expire, with nobody else lost; the run ends exact."""
     code, rows, run_dir = run_job(tmp_path, faults=[
         {"node": 2, "step": 3, "phase": "forward", "kind": "hang"}])
-    check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
+    events = check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
+    fault = min(e["t"] for e in events if e["kind"] == "fault_injected")
+    removed = min(e["t"] for e in events if e["kind"] == "agreement_reached"
+                  and "node2" in e["lost"])
+    how = {e["how"] for e in events if e["kind"] == "failure_detected"}
+    print(f"\n[figures] hang -> node removed after {removed - fault:.3f} s ({how})")
+    assert removed - fault < 1.5, (removed - fault, how)
+    assert all("stall_probe_unanswered" in h for h in how), how
 
 
 @pytest.mark.timeout(30)

@@ -177,8 +177,11 @@ def test_frozen_node_is_dropped_and_fenced(slurm_cluster, tmp_path):
         assert "finished" in probes(run_dir)[node]
         assert probes(run_dir)[node]["signals"] == ["SIGUSR2"]
     # Thawed after it was dropped: Slurm kills the step's processes there (it never finishes).
+    # The exit-code wrapper may outlive its agent by a moment and record that kill (137 in a
+    # CI run), never an exit 0.
     assert "finished" not in probes(run_dir)["n2"]
-    assert not (run_dir / "exit" / f"{job_id}-r0" / "n2").exists()
+    code = run_dir / "exit" / f"{job_id}-r0" / "n2"
+    assert not code.exists() or int(code.read_text()) != 0, code.read_text()
     assert_one_job_completed(job_id)
 
 

@@ -26,6 +26,31 @@ STARTUP_S = 60.0
 """How long the agents wait for each other's first connection at start."""
 FENCED_GRACE_S = 2.0
 """How long a fenced node's workers get to exit before its agent kills them."""
+# In-band hang detection (recovery/stall.py, control/stall_probe.py): a worker that
+# waits inside one of a step's communications (a transfer, a collective, the commit vote)
+# longer than max(STALL_FLOOR_S, STALL_MULTIPLE x its usual step time) reports a stall; its
+# agent pings the suspects and suspects those silent after STALL_PROBE_S. A false stall report
+# costs a few pings (every agent answers: nothing happens); a false suspicion costs a healthy
+# node, so the threshold may be low and the probe's deadline must not be.
+STALL_FLOOR_S = 0.4
+"""No wait shorter than this is a stall, however short the steps: a descheduled peer on a
+loaded machine (tens to a few hundred ms) makes a step that long now and then (then its agent
+answers the ping: nothing happens). Not higher: hang -> first committed step is about this +
+STALL_PROBE_S + the recovery's ~0.2 s, which must stay under 1 s."""
+STALL_MULTIPLE = 3.0
+"""A wait is a stall past this many times the usual step time (the low median of the last
+STALL_STEPS committed steps, the slowest rank's time): no single wait of a healthy step lasts
+a whole step, and a node slowed up to this many times is not even reported (slowed more, its
+agent answers the ping: a straggler keeps its own path, recovery/straggler.py)."""
+STALL_STEPS = 8
+"""Committed steps whose low median is the usual step time (the first ones allocate: the low
+median forgets them)."""
+STALL_PROBE_S = 0.35
+"""How long an agent waits for a stalled worker's suspects to answer its ping. A SIGSTOPped
+agent never answers; a live one answered within 0.4-2.6 ms on this 2-core machine, quiet or
+under a CPU hog (the stall_probed event's answered_s, control/stall_probe.py), so an agent
+descheduled for 200 ms is still not suspected. Hang -> removed ~= STALL_FLOOR_S + this + a
+round: ~0.8 s."""
 
 
 @dataclass

@@ -9,8 +9,10 @@ srun step per node). It
    inherited link to the agent and the environment described in control/client.py);
 3. watches them (control/workers.py): a worker's exit is seen at once (one thread blocked in
    wait() per worker);
-4. relays what workers report (in-band communication errors; "training": a step committed, so
-   spares and grown nodes may join from now on) to the control plane, and what the control plane
+4. relays what workers report (in-band communication errors; stalls -- a wait inside a step far
+   longer than usual, recovery/stall.py: the peers waited on are pinged with a short deadline,
+   control/stall_probe.py; "training": a step committed, so spares and grown nodes
+   may join from now on) to the control plane, and what the control plane
    decides (a new generation: survivors, store address; an open round; fencing)
    to the workers;
 5. exits when its work is over (exit codes: oobleck_hpc/errors.py):
@@ -27,12 +29,14 @@ srun step per node). It
      for the workers' exit; exit 0 once they exited;
    - a worker rejected the job's input ("done" 2, or any exit with code 2): BYE "abort" -- every
      peer stops too, with 2 -- stop the other workers, exit 2;
-   - a worker crashed (exit without "done") once the job trains: it is restarted in place (a
-     new process for that local rank, told to rejoin; this agent's probe opens a retry round,
-     the new worker joins its generation and receives its layers from replicas), at most
-     MAX_WORKER_CRASHES - 1 times per local rank; its next crash, or one before the first
-     committed step, fails the NODE -- tell the peers (FAILED, so their event logs say why),
-     kill the node's other workers, exit 3;
+   - a worker crashed (exit without "done") once the job trains: the node steps out at once
+     (`withdraw`, membership.py 4d: the others go on without it, as after a loss, instead of
+     waiting seconds for a new process to import torch and join), its workers are killed and
+     restarted, and once all of them are ready it asks to join again: a round adds it at the
+     next step boundary and its workers receive their layers from replicas (recovery/join.py).
+     At most MAX_WORKER_CRASHES - 1 times per local rank; its next crash, or one before the
+     first committed step, fails the NODE -- tell the peers (FAILED, so their event logs say
+     why), kill the node's other workers, exit 3;
    - this node was fenced: tell the workers (`fenced` with the exit code), give them
      `--kill-grace-s` to exit, kill what is left, exit 3 when the peers excluded it, 75 when it
      cannot prove it is in the majority (no quorum, no agreement: the job must fall back to
@@ -80,7 +84,7 @@ from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNREC
 
 MAX_WORKER_CRASHES = 3
 """A local rank's worker that crashes this many times takes its node out of the job (the first
-crashes are restarted in place)."""
+crashes step the node out and restart its workers)."""
 EXIT_NODE_LOST = EXIT_UNRECOVERABLE
 """Exit code of an agent whose node failed, left early or was excluded (the job goes on
 without it)."""
@@ -151,6 +155,8 @@ class Agent:
                 if a is self.workers[a.local_rank]:  # (not a restarted worker's last words)
                     self._on_worker_msg(a, b)
             elif what == "worker_exit":
+                if a is not self.workers[a.local_rank]:
+                    continue  # a worker killed when its node stepped out (_restart_node)
                 code = self._on_worker_exit(a, b)
                 if code is not None:
                     return code
@@ -167,8 +173,9 @@ class Agent:
     # ------------------------------------------------------------------ workers
 
     def _spawn_worker(self, lr: int, rejoin_after: int | None = None) -> None:
-        """Start local rank `lr`'s worker; `rejoin_after`: it replaces a crashed one, and joins
-        the job at the first generation decided after that one (recovery/driver.py, join)."""
+        """Start local rank `lr`'s worker; `rejoin_after`: it replaces one of a node that
+        stepped out of that generation (`_restart_node`), and joins the job when a round adds
+        the node again (recovery/join.py)."""
         env = worker_env(self.opts, self.cp.decided, self.cp.core.joined, lr, self._first,
                          rejoin_after)
         w = start_worker(self.opts, lr, env, self.inbox)
@@ -176,7 +183,6 @@ class Agent:
             self.workers.append(w)
         else:
             self.workers[lr] = w
-            self._tell_membership(self.cp.decided, [w])
 
     def _broadcast(self, msg: dict[str, Any]) -> None:
         for w in self.workers:
@@ -186,10 +192,14 @@ class Agent:
         kind = msg.get("type")
         if kind == "report":
             suspects = [s for s in msg.get("suspects", []) if s != self.opts.node]
-            self.events.emit("worker_report", local_rank=w.local_rank, what=msg.get("kind"),
+            what = msg.get("kind")
+            self.events.emit("worker_report", local_rank=w.local_rank, what=what,
                              detail=msg.get("detail", ""), suspects=suspects)
-            why = f"worker {self.opts.node}/{w.local_rank} reported {msg.get('kind')}"
-            if suspects:
+            why = f"worker {self.opts.node}/{w.local_rank} reported {what}"
+            if what == "stall":  # (one that waits on its own node only: nobody to ping)
+                if suspects or not msg.get("suspects"):
+                    self.cp.stalls.probe(suspects, why, int(msg.get("gen", 0)))
+            elif suspects:
                 for node in suspects:
                     self.cp.check(node, why, gen=msg.get("gen"))
             else:
@@ -197,7 +207,9 @@ class Agent:
         elif kind == "waiting":
             w.waiting = True
             if not self.cp.core.joined and all(x.waiting for x in self.workers):
-                self.cp.request_join("spare")  # its workers are ready: swap it in when needed
+                # Its workers are ready: swap it in when needed (a spare), or now (a node that
+                # stepped out after a crash: the view lacks it).
+                self.cp.request_join("rejoin" if self._crashes else "spare")
         elif kind == "training":  # a step committed: nodes may join now (membership.py, 7)
             self._trains = True
             self.cp.open_joins()
@@ -271,24 +283,33 @@ class Agent:
         how = f"worker {w.local_rank} (pid {w.proc.pid}) exited with {describe_exit(code)} without 'done'"
         crashes = self._crashes[w.local_rank] = self._crashes.get(w.local_rank, 0) + 1
         if self._trains and crashes < MAX_WORKER_CRASHES:
-            # Restart it in place: a retry round (the probe finds every node alive) gives the
-            # job a new generation on the same nodes; the new worker joins it and receives its
-            # layers from their replicas (recovery/driver.py, join).
-            gen = self.cp.decided.gen
-            self._spawn_worker(w.local_rank, rejoin_after=gen)
-            self.events.emit("worker_restarting", local_rank=w.local_rank, code=code,
-                             detail=how, crashes=crashes, restarts=MAX_WORKER_CRASHES - 1,
-                             after_gen=gen, pid=self.workers[w.local_rank].proc.pid)
-            self.cp.probe(f"worker {self.opts.node}/{w.local_rank} crashed and restarts", gen=gen)
+            self._restart_node(w, code, how, crashes)
             return None
         if crashes > 1:
-            how += f" (its crash {crashes} of at most {MAX_WORKER_CRASHES - 1} restarted in place)"
+            how += f" (its crash {crashes}: the node rejoins after at most {MAX_WORKER_CRASHES - 1})"
         elif not self._trains:
             how += " (before the first committed step: no state to rejoin with)"
         self.events.emit("worker_failed", local_rank=w.local_rank, code=code, detail=how,
                          crashes=crashes)
         self.cp.fail_self(how)
         return None  # the 'fenced' note that fail_self produced ends the loop
+
+    def _restart_node(self, w: Worker, code: int, how: str, crashes: int) -> None:
+        """`w` crashed once the job trains: the node steps out at once (module docstring), its
+        other workers -- in a generation it no longer belongs to -- are killed, and all of them
+        start again as the node's joining workers; they say "waiting" when ready, and then the
+        node asks to join (`_on_worker_msg`)."""
+        gen = self.cp.decided.gen
+        self.cp.withdraw(how)
+        for x in self.workers:
+            if x.exit_code is None:
+                x.proc.kill()  # (its exit is reaped by its watcher and ignored: _loop)
+        self._exchange_parts.clear()
+        for lr in range(self.opts.workers):
+            self._spawn_worker(lr, rejoin_after=gen)
+        self.events.emit("worker_restarting", local_rank=w.local_rank, code=code, detail=how,
+                         crashes=crashes, restarts=MAX_WORKER_CRASHES - 1, after_gen=gen,
+                         pid=self.workers[w.local_rank].proc.pid)
 
     def _stop_siblings(self, w: Worker) -> None:
         """`w` stopped for a requeue (its checkpoint fallback, which each rank decides from its

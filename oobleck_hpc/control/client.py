@@ -38,6 +38,9 @@ Worker -> agent:
         once. Without suspects, the agent probes every peer agent and suspects those that do
         not answer within probe_s; if all answer, it opens a retry round (same nodes, fresh
         store). A report of a generation older than the agent's is ignored (already replaced).
+        Kind "stall" (recovery/stall.py: a wait inside a step far longer than usual, the wait
+        goes on) is only a question: the agent pings `suspects` (every peer when none) and
+        suspects those silent after stall_probe_s; if all answer, nothing happens.
     {"type": "exchange", gen, key, value}
         an all-gather among the current generation's nodes over the control plane (e.g. to
         confirm every survivor computed the same plan digest). The agent waits for all its
@@ -53,12 +56,12 @@ Worker -> agent:
         its node leaves and the other nodes recover without it, as from any loss. `drained`:
         its node's drain was accepted (the agent waits for all its workers, then BYE, exit 0).
 
-A crashed worker (exit without "done", or killed by a signal) is restarted in place once the job
-trains (control/agent.py): the new process gets OOBLECK_REJOIN_AFTER_GEN and OOBLECK_FIRST_NODES, joins
-the next generation like a spare and receives its layers from replicas (driver.py, `join`); the
-node stays. Before the first committed step, or at a local rank's third crash, the node fails
-instead: the agent tells its peers (FAILED), kills its other workers and exits; the survivors
-re-plan without it.
+A crashed worker (exit without "done", or killed by a signal) once the job trains makes its node
+step out (control/agent.py): the others go on without it, and the node's workers are restarted
+with OOBLECK_REJOIN_AFTER_GEN and OOBLECK_FIRST_NODES; they join like a spare when a round adds
+the node again and receive their layers from replicas (driver.py, `join`). Before the first
+committed step, or at a local rank's third crash, the node fails instead: the agent tells its
+peers (FAILED), kills its other workers and exits; the survivors re-plan without it.
 
 A worker's life with this link (the shape train.py / the reconfigure driver follows):
 

@@ -22,14 +22,16 @@ Kinds, all acting on the whole node -- the node agent and its workers share one 
 - kill: SIGKILL to the node's process group: agent and workers vanish at once, as when a machine
   dies (peers see dropped connections).
 - hang: SIGSTOP to the node's process group: everything stops and nothing is closed (peers see
-  silence: lease expiry, collective timeouts). Whoever runs the test resumes or kills it.
+  silence: their workers' waits stall and its agent answers no ping -- recovery/stall.py --,
+  its lease expires, collectives time out). Whoever runs the test resumes or kills it.
 - exit: a clean early exit: every worker of the node that reaches the fault (or whose step fails
   at the fault's step) says `leave()` to its agent and exits 0; the agent leaves the job (BYE
   "early") and its peers recover without the node, as from any other loss.
-- crash: SIGKILL to one worker process (local rank 0) of a live node: its agent restarts it in
-  place once the job trains (the new worker rejoins at the next generation and receives its
-  layers from replicas); a third crash of the node's workers, or one before the first committed
-  step, fails the whole node (control/agent.py).
+- crash: SIGKILL to one worker process (local rank 0) of a live node: once the job trains, the
+  node steps out at once (the others recover without it), its agent restarts its workers, and
+  the node rejoins when they are ready, receiving its layers from replicas; a third crash of a
+  local rank's worker, or one before the first committed step, fails the whole node
+  (control/agent.py).
 - slow: the node's agent stops and continues its workers (`DutyCycle`): from then on each
   second they compute is followed by factor - 1 seconds stopped, so their computation takes
   factor times as long, as on a throttled GPU or beside a noisy neighbour -- not a sleep
@@ -148,9 +150,9 @@ class FaultInjector:
         return cls([f for f in faults if f.node == node_index], node, local_rank, events, client)
 
     def skip_fired(self) -> FaultInjector:
-        """A worker restarted in place (control/agent.py) replays steps its predecessor ran: the faults
-        that predecessor fired (this run's events, same node, local rank and attempt) do not
-        fire again."""
+        """A worker restarted after a crash (control/agent.py) may run steps its predecessor ran
+        (its node rejoins at whichever step the members are at): the faults that predecessor
+        fired (this run's events, same node, local rank and attempt) do not fire again."""
         from oobleck_hpc.records.events import read_events
 
         if self.events is None or self.events.path is None:

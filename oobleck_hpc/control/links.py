@@ -336,3 +336,33 @@ class Connector:
                 link.sock.close()
                 link.sock = None
         self.open.clear()
+
+
+CONFIRM_S = 0.1
+"""How long a connection opened to check a peer must stay open (and silent) to prove the peer
+alive (`reach`)."""
+
+
+def reach(host: str, port: int, timeout: float, stop: threading.Event) -> OSError | None:
+    """Whether an agent still listens on host:port: None if a connection opens and stays open
+    for CONFIRM_S (then it is closed; the peer reads no HELLO and drops it), else the last error
+    of SEND_ATTEMPTS tries (a refusal or a reset at once: nobody listens)."""
+    error: OSError | None = None
+    for attempt in range(SEND_ATTEMPTS):
+        if attempt and stop.wait(RETRY_PAUSE_S):
+            break
+        try:
+            with socket.create_connection((host, port), timeout=timeout) as sock:
+                # A dying agent's listener may still accept for a moment; the kernel resets
+                # what it accepted once the listener closes. A live agent waits for a HELLO.
+                sock.settimeout(CONFIRM_S)
+                try:
+                    if sock.recv(1) == b"":
+                        return ConnectionResetError(f"{host}:{port} closed the connection")
+                except TimeoutError:
+                    return None
+        except ConnectionRefusedError as e:
+            return e
+        except OSError as e:
+            error = e
+    return error

@@ -21,7 +21,9 @@ Message flow
 1. Detection (plane.py, control/agent.py) calls `suspect(node, how)`: a dropped connection (a SIGKILLed
    agent's sockets are closed by its kernel: seen in milliseconds), a lease expiry (no message
    for `lease_s`: a hung or partitioned node), an explicit FAILED message (an agent whose worker
-   crashed declares its own node failed), or a worker-reported communication error naming a peer.
+   crashed declares its own node failed), a worker-reported communication error naming a peer,
+   or a ping unanswered after a worker reported a stall (a hung node found in band, long before
+   its lease: recovery/stall.py).
 2. PROPOSE(g, P, reasons, my_store_port, my last decision) goes to P's coordinator: its first
    node in roster order (the next store host). The coordinator itself sends its PROPOSE to
    every node of decided.nodes and to the round's joiners. A receiver adopts the sender's
@@ -55,6 +57,18 @@ Message flow
    like any other: the receivers suspect it. "abort" (a worker rejected the job's input) stops
    every receiver with exit code 2: the input is the same everywhere. "finished" and "abort" go
    to the spares too, which stop with the member's code (the job ended without needing them).
+4d. Withdrawing (`withdraw`, BYE "withdraw"): a node whose worker crashed steps out while its
+   agent lives. For the others it is a loss like "early" (they go on without it at once); the
+   node itself becomes a spare of the view it left (it takes no part in a round of its old
+   generation), and once its new workers are ready it asks to join again (step 7): a member
+   that heard its BYE "withdraw" and decided it away takes its JOIN as a new incarnation's --
+   it forgets the suspicion (`_readmit`), and a member that a peer's proposal tells about the
+   re-added node does the same. Until then the node's other messages are ignored, not fenced;
+   and a FENCE it gets before it asks to join again -- a member that decided it away before
+   reading its BYE answers what it sent before the BYE -- is no news to it: it stays a spare.
+   (Once it asked, a FENCE refuses its JOIN, as for any joiner. A stale FENCE that arrives after
+   the JOIN, which follows the BYE by the seconds its new workers take to start, costs the node,
+   not safety.)
 5. Adoption: an agent still in round g that receives DECIDED(g, V) (or a PROPOSE for g + 1,
    which carries its sender's decision of g) from a node it does not suspect, with itself in V,
    decides V too. This is how every member but the coordinator decides; it also unblocks
@@ -92,7 +106,8 @@ Message flow
    round, which opens as soon as this one decides. The quorum counts old members only. A joiner
    that fails (suspected, BYE, FAILED) is suspected for good: it is never added. A node that
    left a decided view is answered with FENCE when it asks to join again (a repaired node
-   comes back under a new name, a new incarnation). A spare watches nobody and opens no round
+   comes back under a new name, a new incarnation) -- unless it withdrew itself (4d). A spare
+   watches nobody and opens no round
    until a round adds it; before that it only follows the members' decisions. Messages about
    generations before the one that added a node do not exclude it.
 
@@ -116,7 +131,12 @@ proposal of the generation is a subset of, so proposals still form shrinking cha
 allows a decided generation that loses no node. Joins keep it too: a round's joiners are
 fixed when the agent opens it and only leave it afterwards, so each agent's proposals still
 shrink, a joiner's included (its first proposal is the one it opens the round with), and the
-argument above never used that a view is a subset of the last decided one. A round whose
+argument above never used that a view is a subset of the last decided one. A withdrawn node
+that comes back (4d) is a joiner like any other: it took part in no round since its BYE (it
+ignores its old generation's rounds until it asks again), and every member it reaches has
+decided it away first (a member that still has it in its view drops its JOIN; the node asks
+again every lease_s), so a generation that holds it again was proposed by it as a joiner, with
+the same shrinking chains. A round whose
 joiners were all dropped may decide a generation that changes nothing. The only
 disagreement possible is asymmetric -- A decided V containing B while B decided W without A
 (A was suspected after its proposal had left) -- and then A is fenced as soon as any message of
@@ -198,7 +218,20 @@ class MembershipCore(ExchangeSteps):
         self.joiners: dict[str, str] = {}
         """Nodes that asked to join and are not in the view yet (node -> how it asked)."""
         self._removed: set[str] = set()
-        """Nodes that were members and left a decided view: they never come back (FENCE)."""
+        """Nodes that were members and left a decided view: they never come back (FENCE), but
+        for those in `_withdrawn`."""
+        self._withdrawn: set[str] = set()
+        """Peers that withdrew themselves (4d): their JOIN readmits them once decided away."""
+        self._withdrew_from: int | None = None
+        """This node withdrew from that generation (4d) and has not seen itself decided away
+        yet: it ignores the rounds and decisions that still hold it."""
+        self._readmitted: set[str] = set()
+        """Withdrawn nodes readmitted as joiners and not in a decided view yet (`readmits`)."""
+        self._rejoins = False
+        """This node withdrew (4d) and no decided view holds it again yet: a FENCE before it
+        asks to join again is no news."""
+        self._unreachable: set[str] = set()
+        """Members this node, outside the view, could not reach (`_member_gone`)."""
         self._round_adds: tuple[str, ...] = ()  # the open round's joiners (shrinks like the view)
         self._round_told: tuple[str, ...] = ()  # its joiners when it opened: they hear about it
         self._absorbing = False  # taking over a peer's suspicions (one proposal for all of them)
@@ -207,7 +240,9 @@ class MembershipCore(ExchangeSteps):
         self._proposals: dict[int, dict[str, tuple[tuple[str, ...], int]]] = {}
         self._chain: dict[int, list[tuple[str, ...]]] = {}
         self._fence_sent: set[str] = set()
-        self._reasons: dict[tuple[int, str], dict[str, str]] = {}
+        self._reasons: dict[tuple[int, str], dict[str, Any]] = {}
+        """Proposals for a later round, kept until it opens here: their `reasons` and
+        `readmits` (keys of a PROPOSE)."""
         self._x = Exchanges()
 
     # ------------------------------------------------------------------ inputs
@@ -221,7 +256,8 @@ class MembershipCore(ExchangeSteps):
             self.fence(f"own node failed: {how}")
             return
         if not self.joined and self.proposal is None and not relayed:
-            return  # a spare watches nobody until a round adds it: members' proposals tell it
+            self._member_gone(node, how)  # a spare watches nobody until a round adds it ...
+            return
         if node in self.suspects or (node not in self._in and node not in self.joiners
                                      and node not in self._round_adds):
             return
@@ -230,6 +266,23 @@ class MembershipCore(ExchangeSteps):
         self.notes.append(("suspect", {"node": node, "how": how, "gen": self.decided.gen}))
         if not self._absorbing:  # (_absorb proposes once, with all it took over)
             self._update_round()
+
+    def _member_gone(self, node: str, how: str) -> None:
+        """... but this node, outside the view (a spare, or withdrawn: 4d), could not reach
+        `node` (its agent is gone: a refused connection). Once the members it can still reach
+        are too few for a quorum of the last view it knows, no round can add it any more (the
+        members fell back or ended without telling it: a fenced member tells no one) -- it
+        stops for the requeue instead of waiting for ever (chaos seed 2819, trial 13: a crashed
+        node's agent outlived the fallback of the others)."""
+        if node not in self.decided.nodes:
+            return
+        self._unreachable.add(node)
+        reachable = [n for n in self.decided.nodes if n != self.me
+                     and n not in self._unreachable and n not in self.left]
+        if not has_quorum(self.decided.nodes, reachable, self.quorum):
+            self.fence(f"the job's members are gone ({how}: {sorted(self._unreachable)} of "
+                       f"{list(self.decided.nodes)}): no round can add this node",
+                       code=EXIT_REQUEUE)
 
     def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
         """This node leaves the job on purpose (BYE). `how`:
@@ -248,14 +301,36 @@ class MembershipCore(ExchangeSteps):
         # From here on this node takes no part (no rounds over peers that exit after it).
         self.fenced, self.fence_code, self.proposal = f"left the job ({how})", code, None
 
+    def withdraw(self, reason: str) -> None:
+        """This node steps out of the job while its agent lives (4d: its worker crashed): BYE
+        "withdraw" to the view -- a loss for them -- and it is a spare of that view from now
+        on, until it asks to join again (`request_join`) and a round adds it."""
+        if self.fenced or not self.joined:
+            return
+        # Its view, and an open round's members and joiners: a joiner may have decided a
+        # generation that holds this node already (the random-schedule sweep found one).
+        for node in dict.fromkeys(self.decided.nodes + self._round_told + (self.proposal or ())):
+            if node != self.me:
+                self.outbox.append((node, {"type": "bye", "how": "withdraw",
+                                           "code": EXIT_UNRECOVERABLE, "reason": reason}))
+        self._fail_exchanges(f"this node withdrew: {reason}")
+        self.joined, self._asked, self._withdrew_from = False, False, self.decided.gen
+        self._rejoins = True
+        self.proposal, self._round_adds, self._round_told = None, (), ()
+        self.suspects.clear()
+        self.joiners.clear()
+        self.notes.append(("withdrawn", {"gen": self.decided.gen, "reason": reason}))
+
     def request_join(self, how: str = "spare", to: Sequence[str] = ()) -> None:
         """This node, outside the view (a spare, a replacement), asks the members (`to`, by
         default the last decided view it knows) to add it (step 7). Asking again is harmless;
-        the answer is a PROPOSE that adds it, or FENCE."""
+        the answer is a PROPOSE that adds it, or FENCE. (A member that still has a node that
+        withdrew in its view drops its JOIN: 4d.)"""
         if self.fenced or self.joined:
             return
         for node in to or self.decided.nodes:
-            self.outbox.append((node, {"type": "join", "how": how}))
+            if node != self.me:  # (a node that withdrew may not know it was decided away yet)
+                self.outbox.append((node, {"type": "join", "how": how}))
         if not self._asked:
             self._asked = True
             self.notes.append(("join_requested", {"node": self.me, "gen": self.decided.gen,
@@ -307,26 +382,7 @@ class MembershipCore(ExchangeSteps):
             return
         gone = src in self._removed or src in self.suspects or src in self.left
         if src not in self._in and not (src in self._round_adds and not gone):
-            if kind == "bye" and msg.get("how") == "abort":
-                self._on_bye(src, msg)  # bad input stops the job, even if src was excluded
-                return
-            if not gone:  # a node that never was a member: a spare, a replacement
-                if kind in ("join", "propose"):
-                    self._on_join(src, msg.get("how", "joins a round"))
-                elif kind in ("bye", "failed") and src in self.joiners:
-                    self.suspect(src, f"{kind} while joining")
-                return
-            if kind == "fence" and self.me not in msg.get("nodes", ()):
-                # We excluded each other (a partition, or two false suspicions at once): neither
-                # side may go on alone, or the job would split in two.
-                self.fence(f"{src} and this node excluded each other (split brain averted)",
-                           code=EXIT_REQUEUE)
-                return
-            # No longer a member of my view: tell it, once, that it is fenced.
-            if kind not in ("fence", "bye", "failed") and src not in self._fence_sent:
-                self._fence_sent.add(src)
-                self.outbox.append((src, {"type": "fence", "gen": self.decided.gen,
-                                          "nodes": list(self.decided.nodes)}))
+            self._from_outside(src, kind, msg, gone)
             return
         # A member whose view excludes me: I am fenced (suspicions are never withdrawn).
         if kind == "fence":
@@ -357,10 +413,61 @@ class MembershipCore(ExchangeSteps):
             self._on_exchange_done(src, msg)
         # heartbeat / hello / ping / pong: liveness only (tracked by the caller)
 
+    def _from_outside(self, src: str, kind: Any, msg: dict[str, Any], gone: bool) -> None:
+        """A message from a node outside this member's view: one that never was a member (a
+        spare, a replacement), or one that left it (`gone`)."""
+        if kind == "bye" and msg.get("how") == "abort":
+            self._on_bye(src, msg)  # bad input stops the job, even if src was excluded
+            return
+        if gone and (src in self._withdrawn or kind == "bye" and msg.get("how") == "withdraw"):
+            self._on_withdrawn(src, kind, msg)
+            return
+        if not gone:  # a node that never was a member: a spare, a replacement
+            if kind in ("join", "propose"):
+                self._on_join(src, msg.get("how", "joins a round"))
+            elif kind in ("bye", "failed") and src in self.joiners:
+                self.suspect(src, f"{kind} while joining")
+            return
+        if kind == "fence" and self.me not in msg.get("nodes", ()):
+            # We excluded each other (a partition, or two false suspicions at once): neither
+            # side may go on alone, or the job would split in two.
+            self.fence(f"{src} and this node excluded each other (split brain averted)",
+                       code=EXIT_REQUEUE)
+            return
+        # No longer a member of my view: tell it, once, that it is fenced.
+        if kind not in ("fence", "bye", "failed") and src not in self._fence_sent:
+            self._fence_sent.add(src)
+            self.outbox.append((src, {"type": "fence", "gen": self.decided.gen,
+                                      "nodes": list(self.decided.nodes)}))
+
+    def _on_withdrawn(self, src: str, kind: Any, msg: dict[str, Any]) -> None:
+        """A message from `src`, which withdrew (4d) and which this member decided away: its
+        JOIN readmits it (a new incarnation's request), a late BYE "withdraw" (this member
+        adopted the decision before it arrived) marks it; anything else is dropped -- it
+        knows it is out, no FENCE."""
+        if kind == "bye":
+            self._withdrawn.add(src)
+        elif kind == "join":
+            self._readmit(src)
+            self._on_join(src, msg.get("how", "rejoins"))
+
+    def _readmit(self, node: str) -> None:
+        """`node` withdrew, was decided away, and asks to come back (4d): forget it was lost."""
+        self._readmitted.add(node)
+        self.suspects.pop(node, None)
+        self._removed.discard(node)
+        self._withdrawn.discard(node)
+        self._fence_sent.discard(node)
+
     def _handle_as_spare(self, src: str, kind: Any, msg: dict[str, Any]) -> None:
         """Before a decided generation holds this node, only the rounds that may add it matter."""
         if kind == "fence":
-            self.fence(f"{src} refuses this node: it was a member and was excluded")
+            # A node that withdrew is outside by its own wish: a member that decided it away
+            # before reading its BYE fences what it sent before the BYE (4d); the BYE follows
+            # on the same link and makes that member readmit this node's JOIN. Once it asked
+            # to join again, a FENCE refuses that (a joiner suspected is out for good: 7).
+            if not self._rejoins or self._asked:
+                self.fence(f"{src} refuses this node: it was a member and was excluded")
         elif kind == "bye" and msg.get("how") in ("finished", "abort") and src in self.decided.nodes:
             code = msg.get("code", EXIT_OK)  # the job ended (or stopped) before a loss needed it
             self.fence(f"the job ended without this spare ({src}: {msg.get('how')}, exit {code})",
@@ -388,6 +495,9 @@ class MembershipCore(ExchangeSteps):
             self.notes.append(("peer_left", {"node": src, "code": code}))
         elif how == "abort":
             self.fence(f"{src} stopped the job: bad input: {reason}", code=EXIT_BAD_INPUT)
+        elif how == "withdraw":
+            self._withdrawn.add(src)
+            self.suspect(src, f"withdrew ({reason})")
         else:
             self.suspect(src, f"left_early (exit {code}{': ' + reason if reason else ''})")
 
@@ -474,7 +584,9 @@ class MembershipCore(ExchangeSteps):
         return {"type": "propose", "round": self.round, "view": list(self.proposal),
                 "port": self._my_port, "decided": self.decided.to_msg(),
                 # the suspected members, and joiners (never members): their suspicion spreads
-                "reasons": {n: why for n, why in self.suspects.items() if n not in self._removed}}
+                "reasons": {n: why for n, why in self.suspects.items() if n not in self._removed},
+                # joiners that withdrew before (4d): a member that missed their BYE takes them
+                "readmits": [n for n in self.proposal if n in self._readmitted]}
 
     def _on_propose(self, src: str, msg: dict[str, Any]) -> None:
         carried = Decision.from_msg(msg["decided"])
@@ -490,18 +602,26 @@ class MembershipCore(ExchangeSteps):
             return
         if not self.joined and self.me not in view and self.proposal is None:
             return  # a round that does not add this spare
+        if self._withdrew_from is not None:
+            return  # a round of the generation this node withdrew from (4d)
         self._proposals.setdefault(g, {})[src] = (view, msg["port"])
         if g == self.round:
-            self._absorb(src, view, msg.get("reasons", {}))
+            self._absorb(src, view, msg)
         else:  # (kept until its round opens here: thousands of entries in a partition)
-            self._reasons[(g, src)] = msg.get("reasons", {})
+            self._reasons[(g, src)] = {k: msg[k] for k in ("reasons", "readmits") if k in msg}
 
-    def _absorb(self, src: str, view: tuple[str, ...], reasons: dict[str, str]) -> None:
-        """Take over the suspicions (`reasons`: node -> why) of `src`'s proposal `view` for the
-        current round, join it."""
+    def _absorb(self, src: str, view: tuple[str, ...], msg: dict[str, Any]) -> None:
+        """Take over the suspicions (`msg["reasons"]`: node -> why) of `src`'s proposal `view`
+        for the current round, join it."""
+        reasons: dict[str, str] = msg.get("reasons", {})
         # Joiners: a round opened by a peer's proposal adds what it adds -- also when one of the
         # suspicions it carries is what opens it here; an open round keeps only the joiners
-        # the peer adds too (others wait for the next round).
+        # the peer adds too (others wait for the next round). A node that withdrew and was
+        # decided away here is readmitted -- its JOIN reached the peer first -- also when this
+        # member never heard its BYE (it was not a member then): the peer says so (4d).
+        readmits = set(msg.get("readmits", ()))
+        for n in [n for n in view if n not in self._in and (n in self._withdrawn or n in readmits)]:
+            self._readmit(n)
         adds = tuple(n for n in view if n not in self._in and n not in self.suspects
                      and n not in self._removed and n not in self.left) \
             if len(view) > len(self._in) or not self._in.issuperset(view) else ()
@@ -556,7 +676,10 @@ class MembershipCore(ExchangeSteps):
             return
         if not self.joined and self.me not in d.nodes:
             self._rebase(d)
+            self._withdrew_from = None  # (4d: decided away; a round may add it again)
             return
+        if self._withdrew_from is not None:
+            return  # a decision that still holds this node, which withdrew (4d)
         if d.gen > self.round:
             return
         if d.nodes not in self._chain.get(d.gen, []):
@@ -569,8 +692,9 @@ class MembershipCore(ExchangeSteps):
         told = self.decided.nodes + self._round_told + d.nodes
         self._rebase(d)
         if not self.joined:
-            self.joined, self._since = True, d.gen
+            self.joined, self._since, self._rejoins = True, d.gen, False
         self._removed.update(d.lost)
+        self._readmitted.difference_update(d.nodes)
         for node in [j for j in self.joiners if j in self._in]:
             del self.joiners[node]
         self.notes.append(("decided", {**d.to_msg(), "how": how}))

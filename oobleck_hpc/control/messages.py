@@ -73,7 +73,7 @@ MESSAGES: dict[str, dict[str, Check]] = {
     "failed": {"how": _str},
     "fence": {"gen": _int, "nodes": _names},
     "propose": {"round": _int, "view": _names, "port": _int, "decided": _decision,
-                "reasons": _reasons},
+                "reasons": _reasons, "readmits": _names},
     "decided": DECISION,
     # exchange.py
     "exchange": {"xgen": _int, "key": _str, "value": _any},

@@ -46,16 +46,27 @@ What each timeout bounds
   heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
   every peer answered, the agent opens a retry round (4b). Not while a round is open: the round
   explains the error, and the lease bounds its wait for a hung member.
+- stall_probe_s (configs/resilience.py, STALL_PROBE_S): after a worker reports a stall (a wait
+  inside a step far longer than its usual step: recovery/stall.py), the nodes it waits on (every
+  member when it does not know) are pinged, and those not heard from within stall_probe_s are
+  suspected if it is the only one and another node answered (several silent at once, or none
+  answering, is more likely a starved machine or prober): a hung node is lost in band, long
+  before its lease. If every one answered, nothing
+  happens (no retry round: a slow node is a straggler, not a failure; the lease remains the
+  backstop). Short, but far above a live agent's answer on a loaded machine (the
+  `stall_probed` event records each answer's delay). `stalls` (control/stall_probe.py).
 - agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
   proposal and no decision; an agent that hits it fences itself for a requeue (never hang).
 - startup_s: how long agents wait for each other's first connection at start.
 
 Detection sources, fastest first: a connection closed by the peer's kernel when its agent died
 (milliseconds; "connection_lost"), a failed send ("send_failed"), a FAILED message from a peer
-whose worker crashed, a BYE of a node that leaves early, a worker's report naming a peer, a probe
-after a worker's unexplained communication error (probe_s), and the lease (lease_s) for hung
-nodes and partitions. A probe that every peer answers opens a retry round instead (the failure
-was not a lost node: the workers rebuild their groups on the same nodes; membership.py, 4b).
+whose worker crashed, a BYE of a node that leaves early, a worker's report naming a peer, a ping
+unanswered after a worker's stall (stall_probe_s: a hung node, found in band), a probe after a
+worker's unexplained communication error (probe_s), and the lease (lease_s) for hung nodes that
+no worker waits on, and partitions. A probe (not a stall's) that every peer answers opens a retry
+round instead (the failure was not a lost node: the workers rebuild their groups on the same
+nodes; membership.py, 4b).
 
 Every note of the core becomes an event in the run's event log (see events.py) and is passed on
 to the owner (the agent) through `on_note(kind, fields)`, called with the lock held: the callback
@@ -70,11 +81,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from oobleck_hpc.config import HEARTBEAT_S, LEASE_S, STARTUP_S
+from oobleck_hpc.config import HEARTBEAT_S, LEASE_S, STALL_PROBE_S, STARTUP_S
 from oobleck_hpc.records.events import EventLog
-from oobleck_hpc.control.links import OUT_CAP, RETRY_PAUSE_S, SEND_ATTEMPTS, Link
+from oobleck_hpc.control.links import OUT_CAP, Link, reach
 from oobleck_hpc.control.loop import EventLoop
 from oobleck_hpc.control.membership import Decision, LeaveKind, MembershipCore, Quorum
+from oobleck_hpc.control.stall_probe import StallProbes
 from oobleck_hpc.control.topology import MONITORS, Monitor
 from oobleck_hpc.control.wire import NodeAddress, Roster, free_port
 from oobleck_hpc.polling import wait_until
@@ -94,9 +106,6 @@ stream (a switch, a partition) cost a few broadcasts to every member, not one ea
 REJECTS_LOGGED = 100
 """Rejected frames recorded as events one by one (then every 1000th): a flood of garbage does
 not fill the run's event log."""
-CONFIRM_S = 0.1
-"""How long a connection opened to check a peer must stay open (and silent) to prove the peer
-alive."""
 
 
 class ControlPlane:
@@ -107,7 +116,7 @@ class ControlPlane:
                  probe_s: float | None = None, agreement_timeout_s: float | None = None,
                  startup_s: float = STARTUP_S, quorum: Quorum = "majority",
                  open_to_joins: bool = True, monitors: int = MONITORS,
-                 events: EventLog | None = None,
+                 events: EventLog | None = None, stall_probe_s: float = STALL_PROBE_S,
                  on_note: Callable[[str, dict[str, Any]], None] | None = None):
         if lease_s <= heartbeat_s:
             raise ValueError(f"lease_s={lease_s} must exceed heartbeat_s={heartbeat_s}")
@@ -119,6 +128,7 @@ class ControlPlane:
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s
         self.probe_s = probe_s if probe_s is not None else max(2 * heartbeat_s, lease_s / 3)
+        self.stalls = StallProbes(self, stall_probe_s)  # (control/stall_probe.py)
         self.agreement_timeout_s = agreement_timeout_s or 2 * lease_s
         self.startup_s = startup_s
         self.events = events or EventLog(None, source=me)
@@ -214,6 +224,14 @@ class ControlPlane:
     def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
         self._run(lambda: self.core.leave(how, code, reason))
 
+    def withdraw(self, reason: str) -> None:
+        """This node steps out while its agent lives (membership.py, 4d); it asks to join again
+        with `request_join` once its new workers are ready -- not before (a member would wait
+        for them in the round that adds it)."""
+        with self._lock:
+            self._join_how = None
+            self._run(lambda: self.core.withdraw(reason))
+
     def exchange(self, key: str, value: Any, gen: int | None = None) -> None:
         self._run(lambda: self.core.exchange(key, value, gen))
 
@@ -233,8 +251,9 @@ class ControlPlane:
 
     def check(self, node: str, why: str, gen: int | None = None) -> None:
         """A worker named `node` as the peer whose connection broke. Suspect it if its agent
-        is gone too (a dead node's port refuses at once), else probe: its agent lives (e.g. it
-        restarts a crashed worker, control/agent.py) and a retry round follows. One short thread."""
+        is gone too (a dead node's port refuses at once), else probe: its agent lives (e.g. its
+        worker crashed and the node steps out: its BYE follows) and a retry round follows if
+        nothing else does. One short thread."""
         def run() -> None:
             a = self.roster.address(node)
             if reach(a.host, a.port, timeout=min(1.0, self.lease_s / 3), stop=self._stop):
@@ -354,6 +373,7 @@ class ControlPlane:
             self.received += 1
             if msg.get("type") == "ping":
                 self._link(src).put({"type": "pong"})
+            self.stalls.heard(src, msg)
             self._run(functools.partial(self._deliver, src, msg))
 
     def _link_failed(self, peer: str, how: str) -> None:
@@ -434,27 +454,3 @@ class ControlPlane:
                 self._run(lambda: self.core.retry(f"every peer answered the probe "
                                                   f"after: {why}"))
 
-
-def reach(host: str, port: int, timeout: float, stop: threading.Event) -> OSError | None:
-    """Whether an agent still listens on host:port: None if a connection opens and stays open
-    for CONFIRM_S (then it is closed; the peer reads no HELLO and drops it), else the last error
-    of SEND_ATTEMPTS tries (a refusal or a reset at once: nobody listens)."""
-    error: OSError | None = None
-    for attempt in range(SEND_ATTEMPTS):
-        if attempt and stop.wait(RETRY_PAUSE_S):
-            break
-        try:
-            with socket.create_connection((host, port), timeout=timeout) as sock:
-                # A dying agent's listener may still accept for a moment; the kernel resets
-                # what it accepted once the listener closes. A live agent waits for a HELLO.
-                sock.settimeout(CONFIRM_S)
-                try:
-                    if sock.recv(1) == b"":
-                        return ConnectionResetError(f"{host}:{port} closed the connection")
-                except TimeoutError:
-                    return None
-        except ConnectionRefusedError as e:
-            return e
-        except OSError as e:
-            error = e
-    return error

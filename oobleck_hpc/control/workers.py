@@ -12,7 +12,8 @@ OOBLECK_NODES (generation 0: the roster), OOBLECK_LOCAL_RANK, OOBLECK_NODE_ADDR,
 OOBLECK_JOB (with --job), OOBLECK_RUN_DIR, OOBLECK_STORE (generation 0's store host:port, to be
 hosted by local rank 0 of the first roster node), OOBLECK_AGENT_FD, OOBLECK_LOCAL_WORLD,
 OOBLECK_NODE_INDEX (see oobleck_hpc/control/client.py for the link itself); a spare's workers
-get OOBLECK_SPARE, a restarted worker OOBLECK_REJOIN_AFTER_GEN and OOBLECK_FIRST_NODES.
+get OOBLECK_SPARE, the workers of a node that rejoins after a crash OOBLECK_REJOIN_AFTER_GEN and
+OOBLECK_FIRST_NODES too.
 """
 
 from __future__ import annotations
@@ -60,13 +61,14 @@ def worker_env(opts: AgentOptions, d0: Decision, joined: bool, lr: int,
                first: tuple[str, ...], rejoin_after: int | None) -> dict[str, str]:
     """Local rank `lr`'s environment (module docstring), less OOBLECK_AGENT_FD (`start_worker`): `d0`
     the membership the node starts in, `joined` False for a spare, `first` generation 0's nodes
-    (the templates' size), `rejoin_after` the generation a restarted worker joins after."""
+    (the templates' size), `rejoin_after` the generation a restarted node stepped out of."""
     env = dict(os.environ)
     env.update(opts.extra_env)
     roster = opts.roster
     env.update({
         "OOBLECK_NODE": opts.node,
-        "OOBLECK_NODES": ",".join(d0.nodes if joined else d0.nodes + (opts.node,)),
+        "OOBLECK_NODES": ",".join(d0.nodes if joined else  # (a spare: after the view)
+                                  tuple(n for n in d0.nodes if n != opts.node) + (opts.node,)),
         "OOBLECK_NODE_ADDR": roster.address(opts.node).host,
         "OOBLECK_NODE_INDEX": str(roster.names.index(opts.node)),
         "OOBLECK_LOCAL_RANK": str(lr),

@@ -7,7 +7,7 @@
 - `stage`: what a rank holds: its layers (adopted, allocated or built), gradient segments and
   transfer buffers.
 - `clock`: `ComputeClock`, a rank's forward and backward time in a step (GPU time on CUDA).
-- `state`: `StepResult`, `TrainState`.
+- `state`: `StepResult`, `TrainState`, `Waiting` (the communication a running step waits for).
 - `reference`: `Reference`, `reference_run`: the single-process run every result must equal.
 - `sampler`: the global sampler (same global batches whatever the plan).
 - `optim`: AdamW, LR schedule, clipping (shared with the reference).

@@ -47,7 +47,10 @@ The engine never exits and never decides what to do about a failure.
 `abort()` (optional) is polled while the rank waits for communication (the final all-reduce
 included): when it turns true the wait is given up and the step returns as failed (error
 `Aborted`); the elastic layer sets it when its agents opened a membership round, so that no
-survivor waits out the collective timeout on a peer that already left the step.
+survivor waits out the collective timeout on a peer that already left the step. While it waits,
+`waiting` says since when, in which phase and on which ranks (`Waiting`): the elastic layer's
+stall watch reads it from another thread to report a peer that never arrives (a hung node) long
+before any timeout.
 
 `on_phase(phase, step)` (optional) is called when the step enters forward, backward,
 gradient_sync, reduce (the final all-reduce posted, not yet complete), optimizer (in `commit()`,
@@ -62,6 +65,7 @@ import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -75,7 +79,7 @@ from oobleck_hpc.engine.optim import clip_coefficient, lr_at, make_optimizer, se
 from oobleck_hpc.engine.sampler import Dataset, GlobalSampler
 from oobleck_hpc.engine.schedule import Action, max_in_flight, pipeline_schedule, validate
 from oobleck_hpc.engine.stage import build_layers, make_segments, transfer_buffers
-from oobleck_hpc.engine.state import StepResult, TrainState
+from oobleck_hpc.engine.state import StepResult, TrainState, Waiting
 from oobleck_hpc.engine.tied import TiedGradients
 from oobleck_hpc.models.base import LayerModel
 from oobleck_hpc.planning.plan import Plan
@@ -118,6 +122,8 @@ class Engine:
         self.on_phase = on_phase
         self.abort = abort
         self._waiter = Waiter("engine-wait")
+        self.waiting: Waiting | None = None
+        """The communication the step waits for now (module docstring), None between waits."""
         self._pending: StepResult | None = None
         self.train = job.train
         self.bf16 = job.model.dtype == "bfloat16"
@@ -293,7 +299,7 @@ class Engine:
         def wait(works: list[tuple[dist.Work, int]]) -> None:
             for work, peer in works:
                 try:
-                    self._wait(work)
+                    self._wait(work, phase, (peer,))
                 except Exception as e:
                     raise _Failure(phase, peer, None, e) from e
 
@@ -387,13 +393,18 @@ class Engine:
         if not self.first:
             self._outputs[("SEND_GRAD", k)] = grad
 
-    def _wait(self, work: dist.Work, sync: bool = False) -> None:
-        """Wait for `work`, bounded by the collective timeout; when `abort()` turns true the
-        step gives up at once instead of waiting out the timeout for a peer that already left
-        the step (`Comm.wait`: NCCL never blocks the CPU unless `sync`, gloo waits on the
-        engine's one helper thread). The abandoned work's groups are dropped by the caller
-        (groups.Comm.abandon)."""
-        self.comm.wait(work, self._waiter, self.abort, sync=sync)
+    def _wait(self, work: dist.Work, phase: str, ranks: tuple[int, ...],
+              sync: bool = False) -> None:
+        """Wait for `work` (in `phase`, on `ranks`: published as `waiting` meanwhile), bounded
+        by the collective timeout; when `abort()` turns true the step gives up at once instead
+        of waiting out the timeout for a peer that already left the step (`Comm.wait`: NCCL
+        never blocks the CPU unless `sync`, gloo waits on the engine's one helper thread). The
+        abandoned work's groups are dropped by the caller (groups.Comm.abandon)."""
+        self.waiting = Waiting(time.monotonic(), phase, ranks)
+        try:
+            self.comm.wait(work, self._waiter, self.abort, sync=sync)
+        finally:
+            self.waiting = None
 
     def _sync(self, loss_sum: torch.Tensor) -> torch.Tensor:
         if self.microbatches == 0:  # a pipeline with no samples still joins the reductions
@@ -402,13 +413,13 @@ class Engine:
         for seg in self.segments:
             if seg.work is not None:
                 try:
-                    self._wait(seg.work)
+                    self._wait(seg.work, "gradient_sync", seg.owners)
                 except Exception as e:
                     raise _Failure("gradient_sync", None, seg.owners, e) from e
                 seg.work = None
         for t in self.tied.tensors:  # shared tensors: both copies' gradients summed (tied.py)
             try:
-                self.tied.reduce(t, self._wait)
+                self.tied.reduce(t, partial(self._wait, phase="gradient_sync", ranks=t.holders))
             except Exception as e:
                 raise _Failure("gradient_sync", None, t.holders, e) from e
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -426,7 +437,7 @@ class Engine:
             # Abortable like every other wait: completing it commits nothing by itself (with
             # step(commit=False) the caller decides, after a vote, whether the step commits).
             # Its result is read on the CPU next: on NCCL the wait is synchronous.
-            self._wait(work, sync=True)
+            self._wait(work, "reduce", world, sync=True)
         except Exception as e:
             raise _Failure("reduce", None, world, e) from e
         return stats.cpu()

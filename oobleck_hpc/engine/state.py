@@ -1,6 +1,6 @@
 """What a training step returns (`StepResult`: a value, failed or not) and what advances when it
-commits (`TrainState`): the engine's two small public types, shared with the reference, the
-elastic layer and the checkpoints.
+commits (`TrainState`): the engine's small public types, shared with the reference, the elastic
+layer and the checkpoints; and the wait a running step is in (`Waiting`).
 """
 
 from __future__ import annotations
@@ -39,3 +39,17 @@ class StepResult:
     """The rank the failing transfer talked to (None for collectives and compute)."""
     group: tuple[int, ...] | None = None
     """The ranks of the failing collective."""
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A communication wait of a step in progress (`Engine.waiting`), read on another thread by
+    the elastic layer's stall watch (recovery/stall.py): a peer that never arrives is found in
+    band, long before the collective timeout or the agents' lease."""
+
+    since: float
+    """time.monotonic() when the wait began."""
+    phase: str
+    ranks: tuple[int, ...]
+    """The ranks waited on: the transfer's peer, or the collective's group (the world's for the
+    final all-reduce)."""

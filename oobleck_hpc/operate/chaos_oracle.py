@@ -2,9 +2,9 @@
 
 Expected outcome (`expected_outcomes`): the faults that fired (the run's `fault_injected`
 events; a drawn fault whose phase the code does not fire is reported, not counted), each the loss
-of its node (a `crash` only before a step committed: later its worker is restarted in place,
-`restarted`; a `drain` only where the job accepts it, `judge`; a `slow` node never: the trials
-run with `straggler: none`), taken in membership rounds in time
+of its node (a `crash` too: once a step committed its node steps out, restarts its workers and
+joins again, `rejoins`; a `drain` only where the job accepts it, `judge`; a `slow` node never: the
+trials run with `straggler: none`), taken in membership rounds in time
 order (`round_orders`): a step's own failures, then one round per recovery phase a further node
 dies in, then a node lost after the step's commit, noticed while the next step runs (after the
 last step: when the survivors agree they reached the end). Each round must keep the quorum of
@@ -19,7 +19,7 @@ counts, and any of their outcomes is expected.
 A `grow` fault asks the launcher for a node: it never costs one, and the node it adds joins
 after a loss (or waits as a spare, swapped in by the next loss's recovery) -- when depends on
 how fast it starts. A node more only adds survivors and replicas, so where the set would fall
-back without it, in place is expected too.
+back without it, in place is expected too. The same holds for a crashed node that rejoins.
 
 Stdlib and the planner only (no process, no torch.distributed): tests/test_chaos.py checks it
 against a brute force on random plans.
@@ -57,15 +57,12 @@ def positions(x: FaultConfig, steps: int = 0) -> tuple[float, ...]:
 
     A drain (`steps`: the run's last step) leaves right after the commit of whichever step's
     vote first carries its request -- step s or any later one, at s + 0.45 -- if the verdict
-    then accepts it (`judge`); or never (inf): the run ended first. A crashed worker restarted
-    in place (`restarted`) loses no node (inf)."""
+    then accepts it (`judge`); or never (inf): the run ended first."""
     s = x.step
     if x.kind in ("slow", "grow"):  # the node stays (the trials run with `straggler: none`)
         return (math.inf,)
     if x.kind == "drain":
         return tuple(c + 0.45 for c in range(max(1, s), steps + 1)) + (math.inf,)
-    if x.kind == "crash" and restarted(x) is not False:
-        return (math.inf,) if restarted(x) else _positions(x) + (math.inf,)
     return _positions(x)
 
 
@@ -82,14 +79,13 @@ def _positions(x: FaultConfig) -> tuple[float, ...]:
     return (float(s),)
 
 
-def restarted(x: FaultConfig) -> bool | None:
-    """Whether a `crash` fault's worker is restarted in place (its node stays: no loss), which
-    its agent does once a step committed on the node (control/agent.py): True from step 2 on and after
-    step 1's commit (its checkpoint); None (either) in step 1's vote, optimizer and commit
-    windows, where a local peer may have committed first; False before."""
-    if x.step >= 2 and x.phase not in START_PHASES or (x.step, x.phase) == (1, "checkpoint"):
-        return True
-    return None if x.step == 1 and x.phase in ("vote", *AFTER_VOTE_PHASES) else False
+def rejoins(x: FaultConfig) -> bool:
+    """Whether a `crash` fault's node may come back after its loss: its agent restarts the
+    workers and the node joins again once a step committed on it (control/agent.py) -- from
+    step 2 on, after step 1's commit (its checkpoint), and maybe in step 1's vote, optimizer
+    and commit windows, where a local peer may have committed first."""
+    return x.step >= 2 and x.phase not in START_PHASES or \
+        x.step == 1 and x.phase in ("checkpoint", "vote", *AFTER_VOTE_PHASES)
 
 
 def round_orders(faults: Sequence[FaultConfig],
@@ -180,23 +176,20 @@ def judge(order: list[tuple[float, list[FaultConfig]]], plan, templates, profile
 def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f: int,
                       quorum: str = "majority", steps: int = 0) -> list[str]:
     """The outcomes `faults` (those that fired) may have: `judge` over every `round_orders`
-    (`steps`: the run's last step, for drains). Crashed workers restarted in place cost a
-    retry generation each; more than MAX_RETRIES of them may end in the fallback.
+    (`steps`: the run's last step, for drains).
 
     A drain may leave after any step from its own to the last (`positions`), but every step
     after the set's last fault orders the rounds alike (the drain comes last, after a commit):
     the steps are cut there, so that a trial's tail of steps does not multiply the orders."""
-    from oobleck_hpc.recovery.rounds import MAX_RETRIES, MAX_ROUNDS
+    from oobleck_hpc.recovery.rounds import MAX_ROUNDS
 
     if faults:
         steps = min(steps, max(x.step for x in faults) + 1)
     out = set().union(*(judge(order, plan, templates, profile, f, quorum)
                         for order in round_orders(faults, steps)))
-    if sum(x.kind == "crash" and restarted(x) is not False for x in faults) >= MAX_RETRIES:
-        out.add("fallback")
     if rounds_at_one_step(faults) > MAX_ROUNDS:
         out.add("fallback")  # (`rounds_at_one_step`)
-    if any(x.kind == "grow" for x in faults):
+    if any(x.kind == "grow" or x.kind == "crash" and rejoins(x) for x in faults):
         out.add("in_place")  # (module docstring: a node more only adds survivors and replicas)
     return sorted(out)
 
@@ -204,11 +197,10 @@ def expected_outcomes(faults: Sequence[FaultConfig], plan, templates, profile, f
 def rounds_at_one_step(faults: Sequence[FaultConfig]) -> int:
     """The most membership rounds the fired `faults` can open while the job recovers one step:
     one per fault at that step in the step or one of its recovery's windows (faults in one
-    window may be agreed away one by one), a crashed worker's retry round and a grown node's
-    join round included. A recovery falls back after MAX_ROUNDS + 1 failed rounds
+    window may be agreed away one by one), a rejoining node's or a grown node's join round
+    included. A recovery falls back after MAX_ROUNDS + 1 failed rounds
     (recovery/rounds.py, each rank counting its own): k rounds fail k - 1 times by the faults
-    alone, and a round also fails when a peer's restarted worker or a joiner drops a
-    connection, so from MAX_ROUNDS + 1 faults at one step on, the fallback is expected too."""
+    alone, and a round also fails when a joiner drops a connection, so from MAX_ROUNDS + 1 faults at one step on, the fallback is expected too."""
     at: dict[int, int] = {}
     for x in faults:
         if x.kind not in ("slow", "drain") and x.phase in STEP_PHASES + RECOVERY_PHASES:

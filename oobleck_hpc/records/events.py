@@ -115,7 +115,8 @@ WORKER_EXITED = _declare("worker_exited", "A worker process exited (its agent's 
                          {"local_rank": int, "code": int},
                          {"drained": bool, "reason": str, "leaving": bool, "done": bool,
                           "pid": int})
-WORKER_RESTARTING = _declare("worker_restarting", "A crashed worker is restarted on its node.",
+WORKER_RESTARTING = _declare("worker_restarting",
+                             "A worker crashed: its node steps out, its workers restart.",
                              {"local_rank": int, "code": int, "detail": str, "crashes": int,
                               "restarts": int, "after_gen": int, "pid": int})
 WORKER_FAILED = _declare("worker_failed", "A worker crashed too often: its node leaves.",
@@ -147,6 +148,12 @@ EXCHANGE_FAILED = _declare("exchange_failed", "A value exchange between the work
                            {"key": str, "gen": int, "reason": str})
 PROBE = _declare("probe", "A worker's communication error made the agent probe its peers.",
                  {"why": str, "timeout_s": float})
+STALL_PROBED = _declare("stall_probed",
+                        "A worker's stall made its agent ping the nodes it waits on (and "
+                        "witnesses): a lone silent one is suspected if another node answered "
+                        "(else unconfirmed; answered_s: node -> seconds to its answer).",
+                        {"why": str, "nodes": _Nodes, "silent": _Nodes, "witnesses": _Nodes,
+                         "unconfirmed": bool, "timeout_s": float, "answered_s": dict})
 PROBE_SKIPPED = _declare("probe_skipped", "A probe was not started (a round answers already).",
                          {"why": str, "failed_gen": int, "gen": int, "round_open": bool})
 CONNECTION_REOPENED = _declare("connection_reopened", "A link to a peer was opened again.",

@@ -41,7 +41,8 @@ SIGNS = (ev.FAULT_INJECTED, ev.NODE_KILLED, ev.FAILURE_DETECTED, ev.STEP_FAILED)
 """Events that mark the start of a failure (the earliest one times the recovery)."""
 KILLED = {"SIGKILL": "killed", "SIGSTOP": "hung", "SIGTERM": "asked to stop"}
 """What `oobleck-hpc kill-node --signal` did to a node (its agent and workers), by signal:
-SIGKILL a crash, SIGSTOP a hang (frozen, not dead: the others exclude it once its lease
+SIGKILL a crash, SIGSTOP a hang (frozen, not dead: the others exclude it once their workers'
+waits on it stall and its agent does not answer a ping, recovery/stall.py, or once its lease
 expires), SIGTERM a stop request."""
 
 
@@ -152,8 +153,9 @@ class Story:
 
     def _worker_restarting(self, e: dict) -> str:
         return (f"worker crashed: {e['source']}/{e['local_rank']} ({e.get('detail', '')}); "
-                f"restarted in place (its crash {e.get('crashes', 1)}; one more than "
-                f"{e.get('restarts', 2)} takes the node out), it rejoins at the next generation")
+                f"the node steps out, the job goes on without it, and its workers restart "
+                f"(its crash {e.get('crashes', 1)}; one more than {e.get('restarts', 2)} takes "
+                "the node out for good): it rejoins once they are ready")
 
     def _worker_rejoined(self, e: dict) -> str:
         return (f"worker rejoined: {e['source']} in generation {e['generation']}, its layers "
@@ -241,6 +243,8 @@ class Story:
                 "its node's log")
 
     def _fenced(self, e: dict) -> str:
+        if e.get("code") == 0:  # a spare, or a node still rejoining: the job ended without it
+            return f"{e.get('source', '?')} ends with the job ({e.get('reason', '')})"
         return f"fenced: {e.get('source', '?')} stops ({e.get('reason', '')})"
 
     def _checkpoint_saved(self, e: dict) -> str:

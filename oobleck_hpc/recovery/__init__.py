@@ -7,7 +7,7 @@ in-place recovery when the membership changes.
                 functions of it.
 - `rounds`      the named phases of one recovery, and the retry rounds.
 - `planned`     changes at a step boundary that are not failures: drains, stragglers.
-- `join`        a spare or a restarted worker joining a running generation.
+- `join`        a spare, or a node back after a worker crashed, joining a running generation.
 - `generation`  this rank's groups in a generation, and a newer round noticed at once.
 - `rendezvous`  a generation's store and process groups; `store`: the authenticated rendezvous
                 store (torch's `Store` interface).

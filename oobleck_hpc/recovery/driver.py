@@ -69,10 +69,15 @@ drain (control/drain.py) or a straggler excluded leave right after that commit, 
 reconfigure from it with nothing replayed; a straggler's pipeline may instead get a smaller
 share of the batch, every rank switching plans in place (recovery/straggler.py).
 
+Stalls (recovery/stall.py). A watchdog thread reports a wait inside a step (a transfer, a
+collective, the commit vote) that lasts far longer than the usual step to the agent, which
+pings the nodes waited on and suspects those that do not answer at once: a hung node is lost
+in band, long before its lease expires. The wait itself goes on.
+
 State. The driver's state is one `DriverState` (recovery/state.py): the generation, the plan and
 its groups, the engine and the base engine, the recovery under way, the planned changes. The
 steps are functions that take it: recovery/rounds.py (the recovery rounds), recovery/planned.py
-(drains, stragglers), recovery/join.py (a spare or a restarted worker joining),
+(drains, stragglers), recovery/join.py (a spare, or a node back after a crash, joining),
 recovery/generation.py (a generation's groups; a newer round noticed). `ElasticDriver` holds it
 and runs the steps above.
 
@@ -97,6 +102,7 @@ from oobleck_hpc.recovery import generation, join, rounds
 from oobleck_hpc.recovery.generation import RoundOpened, on_phase, regroup, teardown
 from oobleck_hpc.recovery.planned import drain, straggle
 from oobleck_hpc.recovery.rounds import RecoveryError, plan_chosen, restart
+from oobleck_hpc.recovery.stall import Stall, Watchdog
 from oobleck_hpc.recovery.state import DriverState
 
 if TYPE_CHECKING:
@@ -145,6 +151,7 @@ class ElasticDriver:
                  secret: bytes):
         self.state = DriverState(job, model, profile, dataset, device, client, events, faults,
                                  secret, store_timeout_s)
+        self.watchdog = Watchdog(self.state, self._report_stall).start()
 
     # ------------------------------------------------------------------ generation 0
 
@@ -185,7 +192,7 @@ class ElasticDriver:
                 m = restart(s, m.gen, e)
 
     def join(self, first_nodes: Sequence[str], after_gen: int | None = None) -> tuple[Plan, Comm]:
-        """A spare's start, or a restarted worker's (recovery/join.py): (plan, comm) like
+        """A spare's start, or a restarted node's (recovery/join.py): (plan, comm) like
         `start`, the engine built already."""
         return join.join(self.state, first_nodes, after_gen)
 
@@ -234,6 +241,7 @@ class ElasticDriver:
                     continue
                 s.engine.commit()
                 self._committed()
+                s.stalls.observe(vote.seconds)
                 s.agreed = vote.ballot
                 done, s.rolled = s.rolled + [result], []
                 if vote.drains:
@@ -284,9 +292,13 @@ class ElasticDriver:
         if faults is not None:
             faults("prepared", step + 1)
         sent = None if faults is None else (lambda: faults("vote", step + 1))
-        values = s.client.exchange(
-            f"commit-{step}", Vote.cast(ballot, s.client.drain_request, compute_s, seconds),
-            timeout=s.agree_s, gen=s.gen, on_sent=sent)
+        s.voting = (time.monotonic(), step)  # (the stall watch: recovery/stall.py)
+        try:
+            values = s.client.exchange(
+                f"commit-{step}", Vote.cast(ballot, s.client.drain_request, compute_s, seconds),
+                timeout=s.agree_s, gen=s.gen, on_sent=sent)
+        finally:
+            s.voting = None
         return Vote.counted(values, s.plan)
 
     def _committed(self) -> None:
@@ -311,6 +323,12 @@ class ElasticDriver:
                               phases={k: round(v, 4) for k, v in r.phases.items()},
                               bytes_moved=r.bytes_moved)
 
+    def _report_stall(self, stall: Stall) -> None:
+        """The watchdog found this rank waiting too long inside a step (recovery/stall.py): its
+        agent probes the nodes it waits on. The wait goes on."""
+        self.state.client.report_failure("stall", stall.detail, stall.wait.nodes,
+                                         gen=stall.wait.gen)
+
     # ------------------------------------------------------------------ the agents' rounds
 
     def round_opened(self) -> bool:
@@ -323,6 +341,7 @@ class ElasticDriver:
 
     def close(self) -> None:
         s = self.state
+        self.watchdog.stop()
         for e in (s.engine, s.base):
             if e is not None:
                 e.close()

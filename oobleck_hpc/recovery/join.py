@@ -1,5 +1,5 @@
 """A node that joins a running job (membership.py, step 7): a spare swapped in by a round, or a
-worker restarted in place after a crash (control/agent.py). It takes part in that round's
+node that stepped out after a worker crashed (control/agent.py). It takes part in that round's
 recovery like a survivor with nothing to give: it learns the members' committed state and base
 plan from the reconcile exchange, computes the same new plan, rendezvous, and receives every
 layer of its rank (weights and AdamW state) from the members (recovery/rounds.py). Functions of
@@ -51,10 +51,8 @@ def join(s: DriverState, first_nodes: Sequence[str],
     node's first. Returns (plan, comm) like `ElasticDriver.start`. `first_nodes`: generation
     0's nodes (the templates' size).
 
-    A worker restarted in place after a crash starts here too, with `after_gen`: the
-    generation its predecessor worked in; it joins the next one (the retry round its agent
-    opened, or whatever round came first) as the same rank of a node that stays, and its
-    layers come from their replicas (Standing.fresh)."""
+    The workers of a node that stepped out after a crash start here too, with `after_gen`:
+    the generation the node left; they join when a round adds it again, as a spare's do."""
     from oobleck_hpc.planning import plan_job
 
     # What an engine's first build costs once per process, paid now instead of during the

@@ -16,6 +16,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from oobleck_hpc.recovery.stall import StallWatch
 from oobleck_hpc.recovery.straggler import Tracker
 
 if TYPE_CHECKING:
@@ -87,6 +88,10 @@ class DriverState:
     """Steps committed by roll-forward during a recovery, not yet returned by step()."""
     agreed: list[float] | None = None
     """The elementwise max of every rank's ballot in the vote that committed the last step."""
+    voting: tuple[float, int] | None = None
+    """(time.monotonic() when it began, step) while this rank waits for a commit vote."""
+    stalls: StallWatch = field(default_factory=StallWatch)
+    """The usual step time and the stalls reported (recovery/stall.py)."""
 
     # ---------------------------------------------------------------- recoveries
     pending: Recovery | None = None

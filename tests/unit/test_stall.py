@@ -1,0 +1,77 @@
+"""The stall watch (recovery/stall.py): when a wait inside a step is a stall, on a fake clock."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from oobleck_hpc.config import STALL_FLOOR_S, STALL_MULTIPLE
+from oobleck_hpc.engine.state import Waiting
+from oobleck_hpc.recovery.stall import StallWatch, Wait, current_wait
+
+
+def wait(since: float = 100.0, gen: int = 0, step: int = 5) -> Wait:
+    return Wait(since, "gradient_sync", ("node2",), gen, step)
+
+
+def test_no_stall_before_a_step_committed():
+    """The first step allocates and may take long: nothing is a stall before a usual time."""
+    w = StallWatch()
+    assert w.threshold is None
+    assert w.due(wait(), 1e6) is None
+
+
+def test_threshold_is_a_multiple_of_the_usual_step_bounded_below():
+    w = StallWatch(floor_s=0.4, multiple=3.0, steps=3)
+    w.observe(0.05)
+    assert w.threshold == 0.4  # short steps: the floor
+    for s in (1.0, 1.0, 1.0):
+        w.observe(s)
+    assert w.threshold == 3.0  # the window forgot the first step
+    w.observe(0.01)
+    assert w.threshold == 3.0  # the median: one fast step changes nothing
+    first = StallWatch(floor_s=0.4, multiple=3.0)
+    first.observe(1.2)  # the first step allocates
+    first.observe(0.08)
+    assert first.threshold == 0.4  # the low median: the second step's, not their mean
+    assert StallWatch().threshold is None and (STALL_FLOOR_S, STALL_MULTIPLE) == (
+        StallWatch().floor_s, StallWatch().multiple)
+
+
+def test_a_stall_is_reported_once_per_generation_and_step():
+    w = StallWatch(floor_s=0.4, multiple=3.0)
+    w.observe(0.1)  # threshold 0.4 s
+    assert w.due(None, 200.0) is None
+    assert w.due(wait(since=100.0), 100.39) is None
+    stall = w.due(wait(since=100.0), 100.41)
+    assert stall is not None and abs(stall.waited_s - 0.41) < 1e-9 and stall.threshold_s == 0.4
+    assert "node2" in stall.detail and "step 6" in stall.detail  # steps shown from 1
+    # the same step, a later wait: already reported (the probe answers for it)
+    assert w.due(wait(since=101.0), 105.0) is None
+    # the step replayed in the next generation, and the next step, may stall again
+    assert w.due(wait(since=110.0, gen=1), 111.0) is not None
+    assert w.due(wait(since=120.0, gen=1, step=6), 121.0) is not None
+
+
+def test_a_straggler_slows_the_usual_step_too():
+    """A node slowed 2x makes every step 2x: once its steps are the usual ones, a wait as long
+    as such a step is no stall."""
+    w = StallWatch(floor_s=0.4, multiple=3.0, steps=4)
+    for _ in range(4):
+        w.observe(0.5)
+    assert w.due(wait(since=0.0), 1.0) is None
+    assert w.due(wait(since=0.0), 1.6) is not None
+
+
+def test_current_wait_names_the_nodes_waited_on():
+    plan = SimpleNamespace(ranks=[SimpleNamespace(node=n) for n in
+                                  ("node0", "node0", "node1", "node1", "node2", "node2")])
+    engine = SimpleNamespace(plan=plan, state=SimpleNamespace(step=7),
+                             waiting=Waiting(3.0, "reduce", (0, 2, 3, 5)))
+    s = SimpleNamespace(gen=2, voting=None, engine=engine)
+    assert current_wait(s) == Wait(3.0, "reduce", ("node0", "node1", "node2"), 2, 7)
+    engine.waiting = None
+    assert current_wait(s) is None
+    s.voting = (4.0, 7)  # the commit vote: who has not voted only the agents know
+    assert current_wait(s) == Wait(4.0, "vote", (), 2, 7)
+    s.voting, s.engine = None, None
+    assert current_wait(s) is None
