@@ -102,7 +102,8 @@ class Agent:
                                probe_s=opts.probe_s,
                                agreement_timeout_s=opts.agreement_timeout_s,
                                startup_s=opts.startup_s, quorum=opts.quorum,  # type: ignore[arg-type]
-                               open_to_joins=False, events=self.events,
+                               open_to_joins=False, joins_at_boundary=True,
+                               events=self.events,
                                on_note=lambda kind, fields: self.inbox.put(("note", kind, fields)))
         self.workers: list[Worker] = []
         self._exchange_parts: dict[tuple[int, str], dict[int, Any]] = {}
@@ -354,7 +355,8 @@ class Agent:
             self._tell_membership(Decision.from_msg(fields))
         elif kind == "round_started":
             self._broadcast({"type": "round", "gen": fields["gen"],
-                             "suspects": fields["suspects"]})
+                             "suspects": fields["suspects"],
+                             "joins_only": fields["joins_only"]})
             # Exchanges still collecting local values never reached the control plane: fail
             # them here (those that did are failed by the core).
             for (gen, key) in list(self._exchange_parts):

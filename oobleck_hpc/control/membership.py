@@ -184,11 +184,18 @@ class MembershipCore(ExchangeSteps):
     open_to_joins: bool = True
     """Whether this member picks joiners for the rounds it opens (step 7; False until the job
     trains, then `open_joins`). It always takes the joiners a peer's proposal adds."""
+    joins_at_boundary: bool = False
+    """Whether a round that only adds joiners waits for a step boundary (step 7b): it opens
+    when a commit vote completes here (`step_boundary`), so that the step in flight commits
+    and nothing is replayed. The driver of the core calls `step_boundary()` itself once
+    `joins_held` has lasted too long (no step commits: the job is not training)."""
     hold_rebroadcasts: bool = False
     """Whether a coordinator holds the re-broadcast of its changed proposal (step 2) until
     `flush()`, which its driver calls once `held` is True, after a delay that doubles with each
     re-broadcast of the round (`rebroadcasts`): correlated failures (a switch, a partition)
     then cost a few broadcasts to every member, not one per suspicion."""
+    joins_held: bool = field(init=False, default=False)
+    """A round that would only add joiners waits for the next step boundary (step 7b)."""
     held: bool = field(init=False, default=False)
     rebroadcasts: int = field(init=False, default=0)
     decided: Decision = field(init=False)
@@ -244,6 +251,7 @@ class MembershipCore(ExchangeSteps):
         """Proposals for a later round, kept until it opens here: their `reasons` and
         `readmits` (keys of a PROPOSE)."""
         self._x = Exchanges()
+        self._boundary = False  # inside `step_boundary`
 
     # ------------------------------------------------------------------ inputs
 
@@ -351,6 +359,19 @@ class MembershipCore(ExchangeSteps):
         self.open_to_joins = True
         if self.joiners and self.proposal is None and not self.fenced:
             self._update_round()
+
+    def step_boundary(self) -> None:
+        """A step boundary (step 7b): a commit vote completed here -- its values are on their
+        way to every member ahead of anything this call sends -- or the joiners were held too
+        long. A round held for joiners opens now."""
+        if not self.joins_held or self.fenced or self.proposal is not None:
+            return
+        self._boundary = True
+        try:
+            self._update_round()
+        finally:
+            self._boundary = False
+        self.joins_held = False  # (opened, or nothing left to add)
 
     def retry(self, why: str) -> bool:
         """Open a round although nobody is suspected (retry in place: a collective failed while
@@ -525,15 +546,24 @@ class MembershipCore(ExchangeSteps):
                     return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
                 want = max(0, self.size - len(base)) if self.open_to_joins else 0
                 adds = tuple(sorted(self.joiners))[:want]
+                if adds and not join and self.joins_at_boundary and not self._boundary \
+                        and base == self.decided.nodes:  # only joiners: at a boundary (7b)
+                    if not self.joins_held:
+                        self.joins_held = True
+                        self.notes.append(("joins_held", {"gen": g, "joiners": list(adds)}))
+                    return
             adds = tuple(sorted(adds))
             new = shared(base + adds)
             if not join and new == self.decided.nodes:
                 return  # nothing to change
             self._round_adds = self._round_told = adds
+            self.joins_held = False
             self._my_port = self.alloc_port()
             self._fail_exchanges("membership round open")
             self.notes.append(("round_started", {"gen": g, "suspects": dict(self.suspects),
-                                                 "joiners": list(adds)}))
+                                                 "joiners": list(adds),
+                                                 "joins_only": base == self.decided.nodes
+                                                 and bool(adds) and not join}))
         else:
             self._round_adds = tuple(a for a in self._round_adds
                                      if a not in self.suspects and a not in self.left)

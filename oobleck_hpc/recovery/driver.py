@@ -97,6 +97,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from oobleck_hpc.control.membership import Superseded
+from oobleck_hpc.engine.groups import Aborted
 from oobleck_hpc.errors import OobleckError
 from oobleck_hpc.recovery import generation, join, rounds
 from oobleck_hpc.recovery.generation import RoundOpened, on_phase, regroup, teardown
@@ -230,6 +231,9 @@ class ElasticDriver:
             try:
                 result = s.engine.step(commit=False)
             except RoundOpened as e:
+                if generation.only_joins(s) and s.engine.prepared is None:
+                    rounds.admit(s, step)  # a node joins at this step boundary
+                    continue
                 result, why, phase, peer = None, str(e), "round", None
             if result is not None and result.ok:
                 try:
@@ -249,6 +253,10 @@ class ElasticDriver:
                 elif s.stragglers is not None:
                     straggle(s, vote.compute, vote.seconds)
                 return done
+            if result is not None and isinstance(result.error, Aborted) \
+                    and generation.only_joins(s):
+                rounds.admit(s, step)  # (the round stopped a wait of this step)
+                continue
             if result is not None:
                 why, phase = repr(result.error), result.phase
                 # Name the peer only when its connection broke (its process died). An aborted
