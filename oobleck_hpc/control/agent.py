@@ -78,8 +78,8 @@ from oobleck_hpc.control.drain import POLL_S, SHARED_POLL_S, DrainWatch
 from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.control.faults import DutyCycle
 from oobleck_hpc.control.membership import Decision
-from oobleck_hpc.control.workers import (Inbox, Worker, describe_exit, kill_workers, start_worker,
-                                         tell, worker_env)
+from oobleck_hpc.control.workers import (START_NICE, Inbox, Worker, describe_exit, kill_workers,
+                                         set_priority, start_worker, tell, worker_env)
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 MAX_WORKER_CRASHES = 3
@@ -112,6 +112,8 @@ class Agent:
         self._slow: DutyCycle | None = None
         self._first = self.cp.decided.nodes
         """Generation 0's nodes (the job's templates are built for their count)."""
+        self._boosted = False
+        """This node's workers start at START_NICE (workers.py) until one trains."""
         self._crashes: dict[int, int] = {}
         """Crashes of each local rank's worker (MAX_WORKER_CRASHES)."""
 
@@ -121,13 +123,13 @@ class Agent:
         self.cp.bind()
         for lr in range(self.opts.workers):
             self._spawn_worker(lr)
+        if self.opts.boost_start:  # (AgentOptions.boost_start says why)
+            self._boosted = set_priority(START_NICE, self.workers)
         self.cp.start()
         self.events.emit("agent_started", pid=os.getpid(), workers=self.opts.workers,
                          port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
         if self.cp.core.joined:  # a spare's workers wait until a round swaps it in
             self._tell_membership(self.cp.decided)
-        elif self.opts.join_at_start:  # (AgentOptions.join_at_start says why)
-            self.cp.request_join("grown")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward_signal)
         watch = DrainWatch(self.opts.run_dir, self.opts.node,
@@ -210,9 +212,12 @@ class Agent:
             if not self.cp.core.joined and all(x.waiting for x in self.workers):
                 # Its workers are ready: swap it in when needed (a spare), or now (a node that
                 # stepped out after a crash: the view lacks it).
-                self.cp.request_join("rejoin" if self._crashes else "spare")
+                self.cp.request_join("rejoin" if self._crashes else
+                                     "grown" if self.opts.boost_start else "spare")
         elif kind == "training":  # a step committed: nodes may join now (membership.py, 7)
             self._trains = True
+            if self._boosted:  # it trains: no more than the members' share from now on
+                self._boosted = not set_priority(0, self.workers)
             self.cp.open_joins()
         elif kind == "done":
             w.done_code, w.reason = int(msg.get("code", 0)), str(msg.get("reason", ""))
@@ -308,6 +313,7 @@ class Agent:
         self._exchange_parts.clear()
         for lr in range(self.opts.workers):
             self._spawn_worker(lr, rejoin_after=gen)
+        self._boosted = set_priority(START_NICE, self.workers)  # (the members train meanwhile)
         self.events.emit("worker_restarting", local_rank=w.local_rank, code=code, detail=how,
                          crashes=crashes, restarts=MAX_WORKER_CRASHES - 1, after_gen=gen,
                          pid=self.workers[w.local_rank].proc.pid)
