@@ -192,7 +192,8 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
        over the run with f = 1, never more than f at once: no fallback.
     3. `oobleck-hpc grow RUN_DIR --nodes 1` (from another process, as a user would) starts
        node6, which was in no roster the members started with: they learn its address from
-       its first message, and a round that loses nobody adds it (generation 3).
+       its first message, and a round that loses nobody adds it at a step boundary
+       (generation 3): the step in flight commits, none is replayed.
     The run ends on 5 nodes equal to the failure-free fp64 reference."""
     import subprocess
     import sys
@@ -248,6 +249,8 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
     agreed = {e["gen"]: (e["lost"], e["joined"]) for e in events if e["kind"] == "agreement_reached"}
     assert agreed == {1: (["node2"], ["node5"]), 2: (["node3"], []), 3: ([], ["node6"])}, agreed
+    # node6 joined at a step boundary: no step of generation 2 failed (membership.py, 7b)
+    assert not [e for e in events if e["kind"] == "step_failed" and e["generation"] == 2]
     assert not [e for e in events if e["kind"] == "fallback"]
     assert any(e["kind"] == "nodes_added" and e["nodes"] == ["node6"] for e in events)
     assert {e["source"] for e in events if e["kind"] == "peer_added"} == {
@@ -412,6 +415,8 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
     out, back = recovered
     assert out["step"] == 3 and back["step"] > 4, recovered
+    # It rejoined at a step boundary: the step in flight committed, none failed (membership.py, 7b).
+    assert not [e for e in events if e["kind"] == "step_failed" and e["step"] != 3], events
     rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}
     assert rejoined == {"node2/0", "node2/1"}, rejoined
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5

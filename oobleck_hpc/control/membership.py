@@ -91,7 +91,8 @@ Message flow
    0, `members0`), or a node grown into the running job (`add_node`: the control plane learns
    its address from its first message) -- asks with JOIN (`request_join`). A member records the
    joiner; while the view is smaller than the job (`size`: a node was lost) it opens a round at
-   once if none is open (else the next round takes it). So a spare that asked early waits, and
+   once if none is open (the agents: at the next step boundary, 7b; else the next round takes
+   it). So a spare that asked early waits, and
    the round of the next loss swaps it in. Only once the job trains (`open_joins`: the members'
    workers committed a step) does a member pick joiners itself: a joiner takes the members'
    committed state, which a job still starting (rendezvous, checkpoint restore) does not have
@@ -110,6 +111,18 @@ Message flow
    watches nobody and opens no round
    until a round adds it; before that it only follows the members' decisions. Messages about
    generations before the one that added a node do not exclude it.
+
+7b. Joins at a step boundary (`joins_at_boundary`, the agents' setting): a round that would only
+   add joiners -- nobody suspected or gone -- is held (`joins_held`) until a commit vote completes
+   at this member (`step_boundary`, from exchange.py: keys starting with BOUNDARY). The
+   coordinator completes the vote first: it sends the gathered values to every member and then
+   its PROPOSE, on the same links, so every member's workers hold the vote's result -- they
+   commit that step -- before they hear of the round. They then move to the grown generation
+   from the committed step with nothing failed and nothing replayed (recovery/rounds.py,
+   `admit`); the joiner takes that step's state. A job that commits no step for JOIN_HOLD_S
+   (plane.py: its start, a recovery, a long save) takes its joiners then, replaying the step
+   in flight. A loss's round takes the joiners at once, as before. Only when a round opens
+   changes, never what a proposal holds: the safety argument below is untouched.
 
 8. Exchanges (`exchange`: the workers' all-gathers, e.g. the commit vote of every step): each
    member sends its value to the decided view's first node, the coordinator, which sends all

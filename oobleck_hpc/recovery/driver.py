@@ -69,6 +69,11 @@ drain (control/drain.py) or a straggler excluded leave right after that commit, 
 reconfigure from it with nothing replayed; a straggler's pipeline may instead get a smaller
 share of the batch, every rank switching plans in place (recovery/straggler.py).
 
+Joins (control/membership.py, 7b). The agents open a round that only adds nodes right after a
+commit vote, so it reaches every rank between two steps (or at the first wait of the next):
+`rounds.admit` moves to the grown generation from the committed step like a drain does --
+no failed step, nothing replayed -- while the joiners take that step's state (recovery/join.py).
+
 Stalls (recovery/stall.py). A watchdog thread reports a wait inside a step (a transfer, a
 collective, the commit vote) that lasts far longer than the usual step to the agent, which
 pings the nodes waited on and suspects those that do not answer at once: a hung node is lost
