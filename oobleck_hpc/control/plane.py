@@ -382,6 +382,7 @@ class ControlPlane:
             self.received += 1
             if msg.get("type") == "ping":
                 self._link(src).put({"type": "pong"})
+                self.on_note("pinged", {"node": src})  # (a peer waits on this node: agent.py)
             self.stalls.heard(src, msg)
             self._run(functools.partial(self._deliver, src, msg))
 

@@ -135,6 +135,15 @@ def set_priority(nice: int, workers: list[Worker]) -> bool:
         return False
 
 
+def process_state(pid: int) -> str:
+    """The process state letter from /proc (R, S, T, Z, ...); '' if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def _watch_exit(w: Worker, inbox: Inbox) -> None:
     code = w.proc.wait()
     # What the worker sent before it exited (its "done") comes first: its end of the link

@@ -33,6 +33,7 @@ from oobleck_hpc.config import FENCED_GRACE_S, STARTUP_S
 from oobleck_hpc.records import runs
 from oobleck_hpc.control.auth import SECRET_ENV, write_secret
 from oobleck_hpc.control.wire import NodeAddress, Roster, free_ports
+from oobleck_hpc.control.workers import process_state
 from oobleck_hpc.polling import wait_until
 
 
@@ -184,12 +185,3 @@ class LocalAgents:
         for log in self.logs:
             log.close()
         self.logs.clear()
-
-
-def process_state(pid: int) -> str:
-    """The process state letter from /proc (R, S, T, Z, ...); '' if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
