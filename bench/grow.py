@@ -14,9 +14,11 @@ measured):
   (on this machine they share the cores), it receives its layers from the members and the job
   goes on at full size. `join_s` = the new agent's start (its `agent_started` event) -> the
   first step committed on the grown plan (the `recovered` event of its generation);
-  `join_round_s`: of that, the agreement that adds it -> that step (what the members wait:
-  the new workers' start included); `grow_request_s`: the `oobleck-hpc grow` command -> that
-  step.
+  `join_round_s`: of that, the agreement that adds it -> that step (what the members wait,
+  a step on the grown plan included); `join_pause_s`: the time between the last step
+  committed without it and the first with it, less the usual step (the members' pause);
+  `join_steps_failed`: steps failed by the join (0: the step in flight committed);
+  `grow_request_s`: the `oobleck-hpc grow` command -> that step.
 - swap: the same job with `cluster.spares: 1`; after `--window` steps node1 is killed and the
   loss's own round swaps the spare in. `swap_s` = kill -> first step committed with the spare in.
 
@@ -49,6 +51,13 @@ It now asks at once and its workers start while the members wait in the round th
 4 x 2, one run each, the machine also loaded by other jobs: grow_request_s 14.32 -> 8.28 s,
 join_s 10.98 -> 6.93 s; join_round_s 0.21 -> 6.89 s (the members' pause, now with the new
 workers' start in it; 2.6 s on a quieter machine).
+
+Issue 31: the members open the round that adds a node only at a step boundary (right after a
+commit vote: membership.py, 7b), and the grown node asks once its workers are ready, which
+start at a higher CPU priority on this shared machine (control/workers.py). 4 x 2, quiet
+machine, `--window 30 --settle 5`: join_round_s 2.90 -> 0.19-0.27 s, join_pause_s 0.21 s,
+join_steps_failed 0, grow_request_s 3.5 -> 3.9-4.2 s (10.6 s when asking once ready without
+the priority).
 """
 
 from __future__ import annotations
@@ -163,9 +172,15 @@ def grow_once(work: Path, nodes: int, workers: int, window: int, settle: int) ->
     started = next(e for e in events if e["kind"] == ev.AGENT_STARTED and e["source"] == node)
     agreed = next(e for e in events if e["kind"] == ev.AGREEMENT_REACHED and e["t"] > t_grow
                   and node in e.get("joined", []))
+    rows = {r["step"]: r for r in read_jsonl(metrics)}
+    grown_row, last_row = rows[grown["step"]], rows[grown["step"] - 1]  # (its first, the last before)
+    usual = statistics.median(r["seconds"] for r in rows.values() if r["time"] < t_grow)
     return {"node": node, "joined": grown["joined"], "generation": grown["generation"],
             "join_s": round(grown["t"] - started["t"], 4),
             "join_round_s": round(grown["t"] - agreed["t"], 4),
+            "join_pause_s": round(grown_row["time"] - last_row["time"] - usual, 4),
+            "join_steps_failed": sum(1 for e in events if e["kind"] == ev.STEP_FAILED
+                                     and e["generation"] == grown["generation"] - 1),
             "grow_request_s": round(grown["t"] - t_grow, 4), "phases": grown["phases"],
             "bytes_moved": grown.get("bytes_moved", 0),
             "throughput_before": before, "throughput_shrunk": shrunk, "throughput_after": after,

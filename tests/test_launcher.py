@@ -76,7 +76,7 @@ def _wait_for(procs: dict[str, subprocess.Popen], kill_grace_s: float, run_dir: 
 
 
 def _stopped(p: subprocess.Popen) -> subprocess.Popen:
-    from oobleck_hpc.launch.local_agents import process_state
+    from oobleck_hpc.control.workers import process_state
 
     p.send_signal(signal.SIGSTOP)
     while process_state(p.pid) not in ("T", "t"):

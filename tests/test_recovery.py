@@ -20,6 +20,7 @@ under a hard timeout and its processes are killed by pid at the end.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -192,7 +193,8 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
        over the run with f = 1, never more than f at once: no fallback.
     3. `oobleck-hpc grow RUN_DIR --nodes 1` (from another process, as a user would) starts
        node6, which was in no roster the members started with: they learn its address from
-       its first message, and a round that loses nobody adds it (generation 3).
+       its first message, and a round that loses nobody adds it at a step boundary
+       (generation 3): the step in flight commits, none is replayed.
     The run ends on 5 nodes equal to the failure-free fp64 reference."""
     import subprocess
     import sys
@@ -248,6 +250,8 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
     agreed = {e["gen"]: (e["lost"], e["joined"]) for e in events if e["kind"] == "agreement_reached"}
     assert agreed == {1: (["node2"], ["node5"]), 2: (["node3"], []), 3: ([], ["node6"])}, agreed
+    # node6 joined at a step boundary: no step of generation 2 failed (membership.py, 7b)
+    assert not [e for e in events if e["kind"] == "step_failed" and e["generation"] == 2]
     assert not [e for e in events if e["kind"] == "fallback"]
     assert any(e["kind"] == "nodes_added" and e["nodes"] == ["node6"] for e in events)
     assert {e["source"] for e in events if e["kind"] == "peer_added"} == {
@@ -412,12 +416,56 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
     out, back = recovered
     assert out["step"] == 3 and back["step"] > 4, recovered
+    # It rejoined at a step boundary: the step in flight committed, none failed (membership.py, 7b).
+    assert not [e for e in events if e["kind"] == "step_failed" and e["step"] != 3], events
     rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}
     assert rejoined == {"node2/0", "node2/1"}, rejoined
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
     print(f"\n[figures] crash -> first committed step {out['t'] - crash['t']:.3f} s "
           f"({out['seconds']:.3f} s from the failure), node back in the plan "
           f"{back['t'] - crash['t']:.1f} s after the crash")
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_worker_is_killed_when_a_peer_waits_on_it_and_its_node_rejoins(tmp_path):
+    """Issue 31: one worker of node2 is stopped (SIGSTOP) mid-run while its agent runs on. Its
+    peers' waits stall and their agents ping node2 (recovery/stall.py), whose agent answers --
+    it is not hung -- and finds its worker stopped: it kills it (`worker_stopped`), and the
+    node steps out and rejoins as after a crash. The run ends exact on all 5 nodes, long
+    before the collective timeout and its retry rounds would have ended it."""
+    import os
+    import signal
+
+    from oobleck_hpc.engine import reference_run
+    from oobleck_hpc.records.story import Tail
+
+    stopped: list[float] = []
+
+    def act(run_dir: Path, stop) -> None:
+        tail, events = Tail(run_dir / "events.jsonl"), []
+        metrics = run_dir / "metrics.jsonl"
+        while not stop.wait(0.05):
+            events.extend(tail.read())
+            if metrics.exists() and metrics.read_text().count("\n") >= 5:
+                pid = next(e["worker_pids"][1] for e in events
+                           if e["kind"] == "agent_started" and e["source"] == "node2")
+                stopped.append(time.time())
+                os.kill(pid, signal.SIGSTOP)
+                return
+
+    reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
+                              CRASH_STEPS)
+    code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, during=act)
+    assert stopped, "the run ended before step 5"
+    events = check_equal_to_reference(code, rows, run_dir, reference, set())
+    (found,) = [e for e in events if e["kind"] == "worker_stopped"]
+    assert (found["source"], found["local_rank"]) == ("node2", 1), found
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
+    assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
+    print(f"\n[figures] stopped worker -> killed {found['t'] - stopped[0]:.3f} s, first step "
+          f"without its node {recovered[0]['t'] - stopped[0]:.3f} s, node back in the plan "
+          f"{recovered[1]['t'] - stopped[0]:.1f} s after the stop")
 
 
 @pytest.mark.timeout(150)

@@ -68,6 +68,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 from typing import Any
 
 from oobleck_hpc.control.agent_options import AgentOptions, parse_args  # (re-exported: its command line)
@@ -78,10 +79,13 @@ from oobleck_hpc.control.drain import POLL_S, SHARED_POLL_S, DrainWatch
 from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.control.faults import DutyCycle
 from oobleck_hpc.control.membership import Decision
-from oobleck_hpc.control.workers import (Inbox, Worker, describe_exit, kill_workers, start_worker,
-                                         tell, worker_env)
+from oobleck_hpc.control.workers import (START_NICE, Inbox, Worker, describe_exit, kill_workers,
+                                         process_state, set_priority, start_worker, tell,
+                                         worker_env)
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
+RESTART_BOOST_AFTER_S = 1.0
+"""How long after a crash the restarted workers get their higher priority (`_restart_node`)."""
 MAX_WORKER_CRASHES = 3
 """A local rank's worker that crashes this many times takes its node out of the job (the first
 crashes step the node out and restart its workers)."""
@@ -102,7 +106,8 @@ class Agent:
                                probe_s=opts.probe_s,
                                agreement_timeout_s=opts.agreement_timeout_s,
                                startup_s=opts.startup_s, quorum=opts.quorum,  # type: ignore[arg-type]
-                               open_to_joins=False, events=self.events,
+                               open_to_joins=False, joins_at_boundary=True,
+                               events=self.events,
                                on_note=lambda kind, fields: self.inbox.put(("note", kind, fields)))
         self.workers: list[Worker] = []
         self._exchange_parts: dict[tuple[int, str], dict[int, Any]] = {}
@@ -111,6 +116,10 @@ class Agent:
         self._slow: DutyCycle | None = None
         self._first = self.cp.decided.nodes
         """Generation 0's nodes (the job's templates are built for their count)."""
+        self._boosted = False
+        """This node's workers start at START_NICE (workers.py) until one trains."""
+        self._trains_again = True
+        """False from a restart (`_restart_node`) until a new worker trains."""
         self._crashes: dict[int, int] = {}
         """Crashes of each local rank's worker (MAX_WORKER_CRASHES)."""
 
@@ -120,13 +129,13 @@ class Agent:
         self.cp.bind()
         for lr in range(self.opts.workers):
             self._spawn_worker(lr)
+        if self.opts.boost_start:  # (AgentOptions.boost_start says why)
+            self._boosted = set_priority(START_NICE, self.workers)
         self.cp.start()
         self.events.emit("agent_started", pid=os.getpid(), workers=self.opts.workers,
                          port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
         if self.cp.core.joined:  # a spare's workers wait until a round swaps it in
             self._tell_membership(self.cp.decided)
-        elif self.opts.join_at_start:  # (AgentOptions.join_at_start says why)
-            self.cp.request_join("grown")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward_signal)
         watch = DrainWatch(self.opts.run_dir, self.opts.node,
@@ -162,6 +171,9 @@ class Agent:
                     return code
             elif what == "signal":
                 self._on_signal(a)
+            elif what == "boost":  # (_restart_node)
+                if a is self.workers[0] and not self._trains_again:
+                    self._boosted = set_priority(START_NICE, self.workers)
             elif what == "drain":
                 self.events.emit("drain_requested", node=self.opts.node, force=a, by=b)
                 self._broadcast({"type": "drain", "force": a})
@@ -209,9 +221,12 @@ class Agent:
             if not self.cp.core.joined and all(x.waiting for x in self.workers):
                 # Its workers are ready: swap it in when needed (a spare), or now (a node that
                 # stepped out after a crash: the view lacks it).
-                self.cp.request_join("rejoin" if self._crashes else "spare")
+                self.cp.request_join("rejoin" if self._crashes else
+                                     "grown" if self.opts.boost_start else "spare")
         elif kind == "training":  # a step committed: nodes may join now (membership.py, 7)
-            self._trains = True
+            self._trains = self._trains_again = True
+            if self._boosted:  # it trains: no more than the members' share from now on
+                self._boosted = not set_priority(0, self.workers)
             self.cp.open_joins()
         elif kind == "done":
             w.done_code, w.reason = int(msg.get("code", 0)), str(msg.get("reason", ""))
@@ -307,9 +322,30 @@ class Agent:
         self._exchange_parts.clear()
         for lr in range(self.opts.workers):
             self._spawn_worker(lr, rejoin_after=gen)
+        # The members train meanwhile: the new workers start at a higher priority -- once the
+        # members' own recovery without this node is over (RESTART_BOOST_AFTER_S), which the
+        # boosted start would slow down (chaos seed 2820: crash recoveries 0.5-1.1 s, not 0.3).
+        self._trains_again = False
+        timer = threading.Timer(RESTART_BOOST_AFTER_S, self.inbox.put,
+                                [("boost", self.workers[0], None)])
+        timer.daemon = True
+        timer.start()
         self.events.emit("worker_restarting", local_rank=w.local_rank, code=code, detail=how,
                          crashes=crashes, restarts=MAX_WORKER_CRASHES - 1, after_gen=gen,
                          pid=self.workers[w.local_rank].proc.pid)
+
+    def _kill_stopped_workers(self, by: str) -> None:
+        """A peer that waits on this node pinged its agent (a stall probe, control/stall_probe.py),
+        which answers. A worker of this node that is stopped (SIGSTOP, a debugger's stop) would
+        hold the job until its collective timeout, then every retry round: it is killed, and its
+        exit is a crash like any other (the node steps out and rejoins: `_on_worker_exit`)."""
+        if self._slow is not None:
+            return  # (the slow fault stops and continues them on purpose)
+        for w in self.workers:
+            if w.exit_code is None and process_state(w.proc.pid) in ("T", "t"):
+                self.events.emit("worker_stopped", local_rank=w.local_rank, pid=w.proc.pid,
+                                 pinged_by=by)
+                w.proc.kill()
 
     def _stop_siblings(self, w: Worker) -> None:
         """`w` stopped for a requeue (its checkpoint fallback, which each rank decides from its
@@ -349,12 +385,15 @@ class Agent:
     # ------------------------------------------------------------------ control plane
 
     def _on_note(self, kind: str, fields: dict[str, Any]) -> int | None:
-        if kind == "decided":
+        if kind == "pinged":
+            self._kill_stopped_workers(fields["node"])
+        elif kind == "decided":
             self._exchange_parts.clear()
             self._tell_membership(Decision.from_msg(fields))
         elif kind == "round_started":
             self._broadcast({"type": "round", "gen": fields["gen"],
-                             "suspects": fields["suspects"]})
+                             "suspects": fields["suspects"],
+                             "joins_only": fields["joins_only"]})
             # Exchanges still collecting local values never reached the control plane: fail
             # them here (those that did are failed by the core).
             for (gen, key) in list(self._exchange_parts):

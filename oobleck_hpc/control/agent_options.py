@@ -41,14 +41,14 @@ class AgentOptions:
     """How often to ask slurmctld whether this node is set to DRAIN (0: never; control/drain.py)."""
     job: Path | None = None
     """The job file, passed to the workers as OOBLECK_JOB."""
-    join_at_start: bool = False
-    """A node outside the view (grown, spare) asks to join as soon as its agent is up, not once
-    its workers are ready (--join-at-start). Where it shares its cores with the members (the
-    local launcher's grown nodes: launch/local_agents.py), its workers start only while the members
-    wait for it in the round that adds it: as long as they train, the starting workers get a
-    small share of the cores (issue 27: 25-35 s to import torch and plan with 8-10 workers
-    training on 2 cores). A node with cores of its own asks once its workers are ready, so that
-    the members never idle through its start."""
+    boost_start: bool = False
+    """The node starts while the job trains, on cores it shares with the members (the local
+    launcher's grown nodes: launch/local_agents.py): its workers start at a higher CPU priority
+    until they train (workers.py, `START_NICE`). It asks to join once they are ready, as every
+    node does, so the members never idle through its start -- and without the boost its
+    workers, a small share of the cores among the members', took 25-35 s to import torch and
+    plan with 8-10 workers training on 2 cores (issue 27). A node with cores of its own needs
+    none."""
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -73,9 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-poll-s", type=float, default=None,
                    help="ask slurmctld this often whether this node is set to DRAIN (default: "
                    "fault_tolerance.drain_poll_s of --job under Slurm, else never)")
-    p.add_argument("--join-at-start", action="store_true",
-                   help="a node outside the view asks to join at once, not once its workers are "
-                   "ready (where it shares its cores with the members: AgentOptions)")
+    p.add_argument("--boost-start", action="store_true",
+                   help="start the workers at a higher CPU priority until they train (a node "
+                   "grown into a running job on cores it shares with the members: AgentOptions)")
     p.add_argument("--join", action="store_true",
                    help="this node is not in the roster: add it (this host's address, a free "
                    "port) and join the running job like a spare (a replacement job's agents)")
@@ -122,4 +122,4 @@ def parse_args(argv: list[str] | None = None) -> AgentOptions:
         agreement_timeout_s=a.agreement_timeout_s, startup_s=a.startup_s, quorum=a.quorum,
         kill_grace_s=a.kill_grace_s,
         drain_poll_s=a.drain_poll_s if a.drain_poll_s is not None else drain_poll_s,
-        job=Path(a.job) if a.job else None, join_at_start=a.join_at_start)
+        job=Path(a.job) if a.job else None, boost_start=a.boost_start)

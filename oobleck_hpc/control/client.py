@@ -15,9 +15,10 @@ Agent -> worker:
     {"type": "membership", gen, nodes, lost, store_node, store_host, store_port}
         a decided generation. Generation 0 (the roster) is sent at start; later ones after each
         agreement. Every worker of every surviving node receives the same decision.
-    {"type": "round", gen, suspects}
+    {"type": "round", gen, suspects, joins_only}
         a membership round has opened (some node is suspected, or -- `suspects` empty -- a
-        retry in place after a failure that lost no node): abort in-flight communication now
+        retry in place after a failure that lost no node; `joins_only`: a round that only adds
+        nodes, opened at a step boundary: recovery/rounds.py, `admit`): abort in-flight communication now
         (NCCL: abort the communicators; gloo: the short collective timeout) and wait for the
         next "membership". A generation with empty `lost` has the same nodes on a fresh store:
         rebuild the groups on it and replay the step.
@@ -346,7 +347,8 @@ class AgentClient:
                         self._round = None
                 elif kind == "round":
                     if self._membership is None or msg["gen"] > self._membership.gen:
-                        self._round = {"gen": msg["gen"], "suspects": msg["suspects"]}
+                        self._round = {"gen": msg["gen"], "suspects": msg["suspects"],
+                                       "joins_only": bool(msg.get("joins_only"))}
                 elif kind == "fenced":
                     self._fenced = msg["reason"]
                     self._fenced_code = int(msg.get("exit_code", EXIT_UNRECOVERABLE))

@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     from oobleck_hpc.control.decision import Decision
 
+BOUNDARY = "commit-"
+"""Keys of the exchanges that end a step: the workers' commit vote (recovery/driver.py). Once
+one completes, every member holds its values before any later message: a step boundary
+(membership.py, step 7b)."""
+
 OPEN_PER_NODE = 4
 """Exchanges one node may have values in, per generation, that have not completed here: a
 member is at most a step ahead (its vote, a drain's exchange); more is not a member's."""
@@ -80,6 +85,9 @@ class ExchangeSteps:
     notes: list[tuple[str, dict[str, Any]]]
     _x: Exchanges
 
+    def step_boundary(self) -> None:  # (MembershipCore's)
+        raise NotImplementedError
+
     def exchange(self, key: str, value: Any, gen: int | None = None) -> None:
         """Contribute `value` to the all-gather `key` among the nodes of generation `gen` (by
         default the current one). Completes with note ('exchange_done', {gen, key, values:
@@ -123,6 +131,8 @@ class ExchangeSteps:
                 for node in self.decided.nodes[1:]:
                     self.outbox.append((node, done))
             self.notes.append(("exchange_done", {"gen": gen, "key": key, "values": values}))
+            if key.startswith(BOUNDARY):
+                self.step_boundary()
 
     def _fail_exchanges(self, reason: str) -> None:
         for gen, key in self._x.abandon():

@@ -91,7 +91,8 @@ Message flow
    0, `members0`), or a node grown into the running job (`add_node`: the control plane learns
    its address from its first message) -- asks with JOIN (`request_join`). A member records the
    joiner; while the view is smaller than the job (`size`: a node was lost) it opens a round at
-   once if none is open (else the next round takes it). So a spare that asked early waits, and
+   once if none is open (the agents: at the next step boundary, 7b; else the next round takes
+   it). So a spare that asked early waits, and
    the round of the next loss swaps it in. Only once the job trains (`open_joins`: the members'
    workers committed a step) does a member pick joiners itself: a joiner takes the members'
    committed state, which a job still starting (rendezvous, checkpoint restore) does not have
@@ -110,6 +111,18 @@ Message flow
    watches nobody and opens no round
    until a round adds it; before that it only follows the members' decisions. Messages about
    generations before the one that added a node do not exclude it.
+
+7b. Joins at a step boundary (`joins_at_boundary`, the agents' setting): a round that would only
+   add joiners -- nobody suspected or gone -- is held (`joins_held`) until a commit vote completes
+   at this member (`step_boundary`, from exchange.py: keys starting with BOUNDARY). The
+   coordinator completes the vote first: it sends the gathered values to every member and then
+   its PROPOSE, on the same links, so every member's workers hold the vote's result -- they
+   commit that step -- before they hear of the round. They then move to the grown generation
+   from the committed step with nothing failed and nothing replayed (recovery/rounds.py,
+   `admit`); the joiner takes that step's state. A job that commits no step for JOIN_HOLD_S
+   (plane.py: its start, a recovery, a long save) takes its joiners then, replaying the step
+   in flight. A loss's round takes the joiners at once, as before. Only when a round opens
+   changes, never what a proposal holds: the safety argument below is untouched.
 
 8. Exchanges (`exchange`: the workers' all-gathers, e.g. the commit vote of every step): each
    member sends its value to the decided view's first node, the coordinator, which sends all
@@ -184,11 +197,18 @@ class MembershipCore(ExchangeSteps):
     open_to_joins: bool = True
     """Whether this member picks joiners for the rounds it opens (step 7; False until the job
     trains, then `open_joins`). It always takes the joiners a peer's proposal adds."""
+    joins_at_boundary: bool = False
+    """Whether a round that only adds joiners waits for a step boundary (step 7b): it opens
+    when a commit vote completes here (`step_boundary`), so that the step in flight commits
+    and nothing is replayed. The driver of the core calls `step_boundary()` itself once
+    `joins_held` has lasted too long (no step commits: the job is not training)."""
     hold_rebroadcasts: bool = False
     """Whether a coordinator holds the re-broadcast of its changed proposal (step 2) until
     `flush()`, which its driver calls once `held` is True, after a delay that doubles with each
     re-broadcast of the round (`rebroadcasts`): correlated failures (a switch, a partition)
     then cost a few broadcasts to every member, not one per suspicion."""
+    joins_held: bool = field(init=False, default=False)
+    """A round that would only add joiners waits for the next step boundary (step 7b)."""
     held: bool = field(init=False, default=False)
     rebroadcasts: int = field(init=False, default=0)
     decided: Decision = field(init=False)
@@ -244,6 +264,7 @@ class MembershipCore(ExchangeSteps):
         """Proposals for a later round, kept until it opens here: their `reasons` and
         `readmits` (keys of a PROPOSE)."""
         self._x = Exchanges()
+        self._boundary = False  # inside `step_boundary`
 
     # ------------------------------------------------------------------ inputs
 
@@ -351,6 +372,19 @@ class MembershipCore(ExchangeSteps):
         self.open_to_joins = True
         if self.joiners and self.proposal is None and not self.fenced:
             self._update_round()
+
+    def step_boundary(self) -> None:
+        """A step boundary (step 7b): a commit vote completed here -- its values are on their
+        way to every member ahead of anything this call sends -- or the joiners were held too
+        long. A round held for joiners opens now."""
+        if not self.joins_held or self.fenced or self.proposal is not None:
+            return
+        self._boundary = True
+        try:
+            self._update_round()
+        finally:
+            self._boundary = False
+        self.joins_held = False  # (opened, or nothing left to add)
 
     def retry(self, why: str) -> bool:
         """Open a round although nobody is suspected (retry in place: a collective failed while
@@ -525,15 +559,24 @@ class MembershipCore(ExchangeSteps):
                     return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
                 want = max(0, self.size - len(base)) if self.open_to_joins else 0
                 adds = tuple(sorted(self.joiners))[:want]
+                if adds and not join and self.joins_at_boundary and not self._boundary \
+                        and base == self.decided.nodes:  # only joiners: at a boundary (7b)
+                    if not self.joins_held:
+                        self.joins_held = True
+                        self.notes.append(("joins_held", {"gen": g, "joiners": list(adds)}))
+                    return
             adds = tuple(sorted(adds))
             new = shared(base + adds)
             if not join and new == self.decided.nodes:
                 return  # nothing to change
             self._round_adds = self._round_told = adds
+            self.joins_held = False
             self._my_port = self.alloc_port()
             self._fail_exchanges("membership round open")
             self.notes.append(("round_started", {"gen": g, "suspects": dict(self.suspects),
-                                                 "joiners": list(adds)}))
+                                                 "joiners": list(adds),
+                                                 "joins_only": base == self.decided.nodes
+                                                 and bool(adds) and not join}))
         else:
             self._round_adds = tuple(a for a in self._round_adds
                                      if a not in self.suspects and a not in self.left)

@@ -103,6 +103,10 @@ HOLD_S = 0.01
 twice as long each time, at most lease_s / 2), so that suspicions arriving together or in a
 stream (a switch, a partition) cost a few broadcasts to every member, not one each
 (membership.py: hold_rebroadcasts). A round's first broadcast is not held."""
+JOIN_HOLD_S = 2.0
+"""The longest a round that only adds joiners waits for a step boundary (membership.py, 7b):
+a job that commits no step meanwhile (its start, a recovery, a long checkpoint save, a test's
+echo workers) takes its joiners then, at the cost of a replayed step."""
 REJECTS_LOGGED = 100
 """Rejected frames recorded as events one by one (then every 1000th): a flood of garbage does
 not fill the run's event log."""
@@ -115,7 +119,8 @@ class ControlPlane:
                  heartbeat_s: float = HEARTBEAT_S, lease_s: float = LEASE_S,
                  probe_s: float | None = None, agreement_timeout_s: float | None = None,
                  startup_s: float = STARTUP_S, quorum: Quorum = "majority",
-                 open_to_joins: bool = True, monitors: int = MONITORS,
+                 open_to_joins: bool = True, joins_at_boundary: bool = False,
+                 monitors: int = MONITORS,
                  events: EventLog | None = None, stall_probe_s: float = STALL_PROBE_S,
                  on_note: Callable[[str, dict[str, Any]], None] | None = None):
         if lease_s <= heartbeat_s:
@@ -136,6 +141,7 @@ class ControlPlane:
         self.core = MembershipCore(me, roster.names, roster.store_port,
                                    lambda: free_port(self.addr.host), quorum,
                                    members0=roster.members0, open_to_joins=open_to_joins,
+                                   joins_at_boundary=joins_at_boundary,
                                    hold_rebroadcasts=True)
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -152,6 +158,7 @@ class ControlPlane:
         """Messages sent and received (HELLOs included): the control plane's load."""
         self._t0 = time.monotonic()
         self._round_t: dict[int, float] = {}
+        self._joins_held = 0.0  # since when the core holds a round for joiners (JOIN_HOLD_S)
         self._probe: tuple[float, float, int, str] | None = None  # started, deadline, gen, why
         self._join_how: str | None = None
         self._join_asked = 0.0
@@ -351,6 +358,8 @@ class ControlPlane:
         elif kind == "fenced":
             self.events.emit("fenced", reason=fields["reason"], gen=fields["gen"],
                              code=fields["code"])
+        elif kind == "joins_held":
+            self._joins_held = now
         elif kind in ("join_requested", "join_request"):
             self.events.emit(kind, node=fields["node"], gen=fields["gen"], how=fields["how"])
         elif kind == "peer_left":
@@ -373,6 +382,7 @@ class ControlPlane:
             self.received += 1
             if msg.get("type") == "ping":
                 self._link(src).put({"type": "pong"})
+                self.on_note("pinged", {"node": src})  # (a peer waits on this node: agent.py)
             self.stalls.heard(src, msg)
             self._run(functools.partial(self._deliver, src, msg))
 
@@ -440,6 +450,8 @@ class ControlPlane:
         if (self._join_how is not None and not self.core.joined
                 and now - self._join_asked >= self.lease_s):
             self.request_join(self._join_how)
+        if self.core.joins_held and now - self._joins_held >= JOIN_HOLD_S:
+            self._run(self.core.step_boundary)  # no step commits: take the joiners now
         if self._probe is not None and now >= self._probe[1]:
             started, _, gen, why = self._probe
             self._probe = None

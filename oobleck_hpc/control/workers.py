@@ -33,6 +33,13 @@ from oobleck_hpc.control.membership import Decision
 from oobleck_hpc.control.wire import ConnectionClosed, recv_msg, send_msg
 from oobleck_hpc.errors import OobleckError
 
+START_NICE = -10
+"""The CPU priority of a node whose workers start while the job trains (a node back after a
+crash, a grown node: AgentOptions.boost_start), until they train (`set_priority`). Where it
+shares the cores with the members (one machine) its start then takes seconds, not half a
+minute of a small share (a worker needs about 3 CPU seconds to be ready: torch, the model,
+AdamW's first construction). Only root may raise a priority: elsewhere they start as usual."""
+
 Inbox = queue.SimpleQueue[tuple[str, Any, Any]]
 """The agent's queue of (what, a, b): everything its one thread acts on."""
 
@@ -102,6 +109,39 @@ def start_worker(opts: AgentOptions, lr: int, env: dict[str, str], inbox: Inbox)
     threading.Thread(target=_watch_link, args=(w, inbox), daemon=True,
                      name=f"agent-link-{lr}").start()
     return w
+
+
+def set_priority(nice: int, workers: list[Worker]) -> bool:
+    """This node's CPU priority (START_NICE, then 0 again). With the kernel's autogroups -- a
+    scheduling group per session, and the local launcher starts every agent in its own -- a
+    process's nice only ranks it within its group, so the node's group takes it (the agent's
+    share rises with its workers': its heartbeats are never behind them); else each thread of
+    each worker. False when not allowed (not root) or not possible."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            autogroups = f.read().strip() == "1"
+    except OSError:
+        autogroups = False
+    try:
+        if autogroups:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+            return True
+        for w in workers:
+            for tid in os.listdir(f"/proc/{w.proc.pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        return True
+    except OSError:  # (PermissionError: not root; a worker that exited meanwhile)
+        return False
+
+
+def process_state(pid: int) -> str:
+    """The process state letter from /proc (R, S, T, Z, ...); '' if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _watch_exit(w: Worker, inbox: Inbox) -> None:

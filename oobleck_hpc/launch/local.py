@@ -47,7 +47,7 @@ from typing import Any
 
 from oobleck_hpc.records import runs
 from oobleck_hpc.config import JobConfig
-from oobleck_hpc.launch.local_agents import process_state
+from oobleck_hpc.control.workers import process_state
 from oobleck_hpc.errors import EXIT_BAD_INPUT
 from oobleck_hpc.files import write_json
 from oobleck_hpc.polling import wait_until

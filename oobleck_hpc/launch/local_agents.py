@@ -33,6 +33,7 @@ from oobleck_hpc.config import FENCED_GRACE_S, STARTUP_S
 from oobleck_hpc.records import runs
 from oobleck_hpc.control.auth import SECRET_ENV, write_secret
 from oobleck_hpc.control.wire import NodeAddress, Roster, free_ports
+from oobleck_hpc.control.workers import process_state
 from oobleck_hpc.polling import wait_until
 
 
@@ -112,11 +113,11 @@ class LocalAgents:
 
     def add(self, count: int) -> list[str]:
         """Grow the running job: `count` new nodes (named after the last one), appended to the
-        roster file as spares, each with its agent. They ask to join as soon as their agents
-        are up (`--join-at-start`: their workers, which share the cores with the members',
-        start while the members wait in the round that adds them) and are added by the
-        members while the view is smaller than the job (membership.py, step 7); the members
-        learn their addresses from their first message. Returns their names."""
+        roster file as spares, each with its agent. They ask to join once their workers are
+        ready (`--boost-start`: the workers, which share the cores with the members', start at
+        a higher priority) and are added by the members at a step boundary while the view is
+        smaller than the job (membership.py, step 7); the members learn their addresses from
+        their first message. Returns their names."""
         if count < 1:
             raise ValueError(f"count={count}: grow by at least one node")
         used = {int(n[4:]) for n in self.names if n.startswith("node") and n[4:].isdigit()}
@@ -127,7 +128,7 @@ class LocalAgents:
         with runs.private_files(self.group_access):
             self.roster.write(self.run_dir / "roster.json")  # atomically, before any agent reads it
             for name in new:
-                self._spawn(name, "--join-at-start")
+                self._spawn(name, "--boost-start")
         return new
 
     @property
@@ -184,12 +185,3 @@ class LocalAgents:
         for log in self.logs:
             log.close()
         self.logs.clear()
-
-
-def process_state(pid: int) -> str:
-    """The process state letter from /proc (R, S, T, Z, ...); '' if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""

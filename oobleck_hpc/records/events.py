@@ -119,6 +119,9 @@ WORKER_RESTARTING = _declare("worker_restarting",
                              "A worker crashed: its node steps out, its workers restart.",
                              {"local_rank": int, "code": int, "detail": str, "crashes": int,
                               "restarts": int, "after_gen": int, "pid": int})
+WORKER_STOPPED = _declare("worker_stopped",
+                          "A peer waited on this node and its worker was stopped: killed (a crash).",
+                          {"local_rank": int, "pid": int, "pinged_by": str})
 WORKER_FAILED = _declare("worker_failed", "A worker crashed too often: its node leaves.",
                          {"local_rank": int, "code": int, "detail": str, "crashes": int})
 DRAIN_REQUESTED = _declare("drain_requested", "A node was asked to leave (drain).",

@@ -157,6 +157,10 @@ class Story:
                 f"(its crash {e.get('crashes', 1)}; one more than {e.get('restarts', 2)} takes "
                 "the node out for good): it rejoins once they are ready")
 
+    def _worker_stopped(self, e: dict) -> str:
+        return (f"worker stopped: {e['source']}/{e['local_rank']} (pid {e['pid']}) was stopped "
+                f"while {e['pinged_by']} waited on it; killed, it is restarted as after a crash")
+
     def _worker_rejoined(self, e: dict) -> str:
         return (f"worker rejoined: {e['source']} in generation {e['generation']}, its layers "
                 f"from replicas ({mb(e.get('received_bytes') or 0)}), "
@@ -308,6 +312,7 @@ _RENDER: dict[str, Callable[[Story, dict], str]] = {
     ev.REPLACEMENTS_ENDED: Story._replacements_ended,
     ev.NODES_RELEASED: Story._nodes_released,
     ev.WORKER_RESTARTING: Story._worker_restarting,
+    ev.WORKER_STOPPED: Story._worker_stopped,
     ev.WORKER_REJOINED: Story._worker_rejoined,
     ev.DRAIN_REQUESTED: Story._drain_requested,
     ev.REQUEST_IGNORED: Story._request_ignored,

@@ -69,6 +69,11 @@ drain (control/drain.py) or a straggler excluded leave right after that commit, 
 reconfigure from it with nothing replayed; a straggler's pipeline may instead get a smaller
 share of the batch, every rank switching plans in place (recovery/straggler.py).
 
+Joins (control/membership.py, 7b). The agents open a round that only adds nodes right after a
+commit vote, so it reaches every rank between two steps (or at the first wait of the next):
+`rounds.admit` moves to the grown generation from the committed step like a drain does --
+no failed step, nothing replayed -- while the joiners take that step's state (recovery/join.py).
+
 Stalls (recovery/stall.py). A watchdog thread reports a wait inside a step (a transfer, a
 collective, the commit vote) that lasts far longer than the usual step to the agent, which
 pings the nodes waited on and suspects those that do not answer at once: a hung node is lost
@@ -97,6 +102,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from oobleck_hpc.control.membership import Superseded
+from oobleck_hpc.engine.groups import Aborted
 from oobleck_hpc.errors import OobleckError
 from oobleck_hpc.recovery import generation, join, rounds
 from oobleck_hpc.recovery.generation import RoundOpened, on_phase, regroup, teardown
@@ -230,6 +236,9 @@ class ElasticDriver:
             try:
                 result = s.engine.step(commit=False)
             except RoundOpened as e:
+                if generation.only_joins(s) and s.engine.prepared is None:
+                    rounds.admit(s, step)  # a node joins at this step boundary
+                    continue
                 result, why, phase, peer = None, str(e), "round", None
             if result is not None and result.ok:
                 try:
@@ -249,6 +258,10 @@ class ElasticDriver:
                 elif s.stragglers is not None:
                     straggle(s, vote.compute, vote.seconds)
                 return done
+            if result is not None and isinstance(result.error, Aborted) \
+                    and generation.only_joins(s):
+                rounds.admit(s, step)  # (the round stopped a wait of this step)
+                continue
             if result is not None:
                 why, phase = repr(result.error), result.phase
                 # Name the peer only when its connection broke (its process died). An aborted

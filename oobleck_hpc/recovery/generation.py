@@ -30,6 +30,16 @@ def round_opened(s: DriverState) -> bool:
     return (r is not None and r["gen"] > s.gen) or (m is not None and m.gen > s.gen)
 
 
+def only_joins(s: DriverState) -> bool:
+    """The round opened past this generation adds nodes and suspects none (membership.py, 7b:
+    a round opened at a step boundary), as far as this rank heard."""
+    r = s.client.round_open
+    if r is not None:
+        return r["joins_only"]
+    m = s.client.membership
+    return m is not None and m.gen == s.gen + 1 and not m.lost and bool(m.joined)
+
+
 def on_phase(s: DriverState, phase: str, step: int) -> None:
     """The engine's hook between the phases of a step: injected faults, and RoundOpened when
     a round opened before the vote (past it a step commits whatever happens: driver.py)."""

@@ -145,6 +145,25 @@ def report(s: DriverState, step: int, phase: str, why: str,
                             suspects, gen=s.gen)
     if s.faults is not None:
         s.faults.on_failed_step(step + 1)
+    return set_aside(s, step)
+
+
+def admit(s: DriverState, step: int) -> None:
+    """A round that only adds nodes opened at the step boundary after step `step`
+    (membership.py, 7b: the members open it once a commit vote completed, so every member
+    committed that step; the next one, which this rank may have begun, did nothing it must
+    keep): reconfigure with the joiners from the committed step, as after a drain -- nothing
+    failed, nothing is replayed. A member that held the step prepared (its vote was the one
+    superseded) goes through `recover` instead."""
+    rec, _ = set_aside(s, step)
+    run_rounds(s, rec, None, "a node joins at the step boundary")
+
+
+def set_aside(s: DriverState, step: int) -> tuple[Recovery, Engine | None]:
+    """Step `step` cannot go on in this generation: keep the base engine and an engine holding
+    a prepared step (settled by `reconcile`), drop this generation's groups, and open (or count
+    a round of) the recovery under way. Returns (its record, the engine holding a prepared
+    step or None)."""
     engine, s.engine = s.engine, None
     if s.base is None:  # the current engine was the base
         s.base, s.base_plan = engine, s.plan

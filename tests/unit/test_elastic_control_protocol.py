@@ -40,8 +40,12 @@ class SimNet:
         self.names = tuple(f"n{i}" for i in range(n + spares))
         ports = itertools.count(1000)
         hold = seed % 2 == 1  # half the schedules: coordinators hold re-broadcasts (flush)
+        # a third of them: rounds that only add joiners wait for a step boundary (7b), which
+        # comes at random (a commit vote, or the plane's JOIN_HOLD_S)
+        boundary = seed % 3 == 0
         self.cores = {m: MembershipCore(m, self.names, 999, lambda: next(ports), quorum,
-                                        members0=self.names[:n], hold_rebroadcasts=hold)
+                                        members0=self.names[:n], hold_rebroadcasts=hold,
+                                        joins_at_boundary=boundary)
                       for m in self.names}
         self.spares = self.names[n:]
         self.asked: set[str] = set()  # spares that asked to join
@@ -91,6 +95,8 @@ class SimNet:
             core = self.cores[obs]
             if core.held:
                 options.append(("flush", obs, ""))
+            if core.joins_held:
+                options.append(("boundary", obs, ""))
             watched = {*core.decided.nodes, *core.joiners, *core._round_adds}  # grows with joins
             if not core.joined and core.proposal is None:
                 watched = set()  # a spare watches nobody until a round adds it
@@ -132,6 +138,9 @@ class SimNet:
                         q.pop()
         elif kind == "flush":
             self.cores[a].flush()
+            self.drain(a)
+        elif kind == "boundary":
+            self.cores[a].step_boundary()
             self.drain(a)
         elif kind == "join":
             self.asked.add(a)
@@ -583,6 +592,50 @@ def test_joiners_wait_until_the_job_trains():
     for m in ("n0", "n2", "n3"):
         d = net.cores[m].decided
         assert (d.gen, d.nodes, d.lost, d.joined) == (2, ("n0", "n2", "n3"), (), ("n3",))
+    net.check_safety()
+
+
+def test_a_round_that_only_adds_a_joiner_opens_at_the_next_commit_vote():
+    """Step 7b: members that train hold a round that would only add a joiner until a commit
+    vote completes; the coordinator sends the vote's values ahead of its PROPOSE on every link,
+    so every member commits that step before it hears of the round (nothing is replayed). A
+    loss meanwhile takes the joiner at once; `step_boundary` opens a held round (what the
+    plane does after JOIN_HOLD_S without a commit)."""
+    net = SimNet(3, seed=4, spares=1)
+    for m in ("n0", "n1", "n2"):
+        net.cores[m].joins_at_boundary = True
+    net.crashed.add("n1")  # the view lacks a node: the spare is wanted
+    net.quiesce()
+    assert net.cores["n0"].decided.nodes == ("n0", "n2")
+
+    def deliver(a: str, b: str) -> None:  # (by hand: quiesce() would reach a boundary)
+        while net.links[(a, b)]:
+            net.cores[b].handle(a, net.links[(a, b)].popleft())
+        net.drain(b)
+
+    net.asked.add("n3")
+    net.cores["n3"].request_join()
+    net.drain("n3")
+    deliver("n3", "n0"), deliver("n3", "n2")
+    for m in ("n0", "n2"):  # another exchange is no step boundary
+        net.cores[m].exchange("recover-1", 1)
+        net.drain(m)
+    deliver("n2", "n0"), deliver("n0", "n2")
+    assert all(net.cores[m].decided.gen == 1 and net.cores[m].joins_held
+               and net.cores[m].proposal is None for m in ("n0", "n2"))
+    net.cores["n2"].exchange("commit-7", 1)
+    net.drain("n2")
+    net.cores["n0"].handle("n2", net.links[("n2", "n0")].popleft())
+    net.cores["n0"].exchange("commit-7", 1)  # the coordinator's vote completes the exchange
+    kinds = [(dst, msg["type"]) for dst, msg in net.cores["n0"].outbox]
+    assert kinds.index(("n2", "exchange_done")) < kinds.index(("n2", "propose")), kinds
+    assert net.cores["n0"].proposal == ("n0", "n2", "n3")
+    net.drain("n0")
+    net.quiesce()
+    for m in ("n0", "n2", "n3"):
+        d = net.cores[m].decided
+        assert (d.gen, d.nodes, d.lost, d.joined) == (2, ("n0", "n2", "n3"), (), ("n3",))
+        assert not net.cores[m].joins_held
     net.check_safety()
 
 
