@@ -554,18 +554,19 @@ class MembershipCore(ExchangeSteps):
         x = (self.suspects.keys() | self.left) & self._in  # (C loops: thousands of nodes)
         base = tuple(filterfalse(x.__contains__, self.decided.nodes)) if x else self.decided.nodes
         if self.proposal is None:
-            if adds is None:
+            mine = adds is None
+            if mine:
                 if not self.joined:
                     return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
                 want = max(0, self.size - len(base)) if self.open_to_joins else 0
                 adds = tuple(sorted(self.joiners))[:want]
-                if adds and not join and self.joins_at_boundary and not self._boundary \
-                        and base == self.decided.nodes:  # only joiners: at a boundary (7b)
-                    if not self.joins_held:
-                        self.joins_held = True
-                        self.notes.append(("joins_held", {"gen": g, "joiners": list(adds)}))
-                    return
             adds = tuple(sorted(adds))
+            joins_only = bool(adds) and not join and base == self.decided.nodes
+            if mine and joins_only and self.joins_at_boundary and not self._boundary:
+                if not self.joins_held:  # (7b: at the next step boundary)
+                    self.joins_held = True
+                    self.notes.append(("joins_held", {"gen": g, "joiners": list(adds)}))
+                return
             new = shared(base + adds)
             if not join and new == self.decided.nodes:
                 return  # nothing to change
@@ -575,8 +576,7 @@ class MembershipCore(ExchangeSteps):
             self._fail_exchanges("membership round open")
             self.notes.append(("round_started", {"gen": g, "suspects": dict(self.suspects),
                                                  "joiners": list(adds),
-                                                 "joins_only": base == self.decided.nodes
-                                                 and bool(adds) and not join}))
+                                                 "joins_only": joins_only}))
         else:
             self._round_adds = tuple(a for a in self._round_adds
                                      if a not in self.suspects and a not in self.left)

@@ -236,10 +236,11 @@ class ElasticDriver:
             try:
                 result = s.engine.step(commit=False)
             except RoundOpened as e:
-                if generation.only_joins(s) and s.engine.prepared is None:
-                    rounds.admit(s, step)  # a node joins at this step boundary
-                    continue
                 result, why, phase, peer = None, str(e), "round", None
+            if (result is None or isinstance(result.error, Aborted)) \
+                    and generation.only_joins(s):
+                rounds.admit(s, step)  # a node joins at this step boundary (nothing prepared)
+                continue
             if result is not None and result.ok:
                 try:
                     vote = self._vote(step, list(ballot), result.compute_s, result.seconds)
@@ -258,10 +259,6 @@ class ElasticDriver:
                 elif s.stragglers is not None:
                     straggle(s, vote.compute, vote.seconds)
                 return done
-            if result is not None and isinstance(result.error, Aborted) \
-                    and generation.only_joins(s):
-                rounds.admit(s, step)  # (the round stopped a wait of this step)
-                continue
             if result is not None:
                 why, phase = repr(result.error), result.phase
                 # Name the peer only when its connection broke (its process died). An aborted
