@@ -555,7 +555,7 @@ class MembershipCore(ExchangeSteps):
         base = tuple(filterfalse(x.__contains__, self.decided.nodes)) if x else self.decided.nodes
         if self.proposal is None:
             mine = adds is None
-            if mine:
+            if adds is None:
                 if not self.joined:
                     return  # a spare opens no round: a PROPOSE that adds it does (_absorb)
                 want = max(0, self.size - len(base)) if self.open_to_joins else 0
