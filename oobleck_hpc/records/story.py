@@ -370,12 +370,13 @@ class Tail:
         except FileNotFoundError:
             return
         end = data.rfind(b"\n") + 1
-        self.offset += end
-        for line in data[:end].splitlines():
+        for line in data[:end].split(b"\n")[:-1]:
+            self.offset += len(line) + 1  # (per line: a reader that stops knows where it was)
             try:
-                yield json.loads(line)
+                event = json.loads(line)
             except ValueError:
                 continue  # a torn line of a writer killed mid-write
+            yield event
 
 
 def tell(events: list[dict[str, Any]]) -> list[str]:

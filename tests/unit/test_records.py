@@ -13,7 +13,7 @@ import pytest
 
 from oobleck_hpc.records import runs
 from oobleck_hpc.records.events import EventLog, read_jsonl
-from oobleck_hpc.records.story import Story, tell
+from oobleck_hpc.records.story import Story, Tail, tell
 
 
 def test_a_new_run_moves_the_previous_runs_records_to_history(tmp_path, monkeypatch):
@@ -394,3 +394,25 @@ def test_a_recovery_is_named_by_what_left_or_came():
     assert what({"lost": [], "joined": ["node5"], "drained": []}) == "+node5"  # a grow
     assert what({"lost": [], "joined": [], "drained": []}) == "(retry)"
     assert what({"lost": ["node1"]}) == "lost node1"  # a report of records before joins
+
+
+def test_a_tail_moves_past_each_line_as_it_is_read(tmp_path):
+    """The fleet manager records how far it read a job's events after each event it handled:
+    the offset is past that event and no further; a torn last line waits for its end."""
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps({"kind": "a", "i": i}) + "\n" for i in range(3)]
+    path.write_text("".join(lines) + "not json\n" + '{"kind": "torn"')
+    tail = Tail(path)
+    seen = []
+    for e in tail.read():
+        seen.append((e["i"], tail.offset))
+        if e["i"] == 1:
+            break
+    assert seen == [(0, len(lines[0])), (1, len(lines[0]) + len(lines[1]))]
+    rest = Tail(path)
+    rest.offset = tail.offset
+    assert [e["i"] for e in rest.read()] == [2]
+    assert rest.offset == len("".join(lines) + "not json\n")
+    with open(path, "a") as f:
+        f.write("}\n")
+    assert [e["kind"] for e in rest.read()] == ["torn"]
