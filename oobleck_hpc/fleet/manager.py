@@ -16,6 +16,15 @@ What it reacts to, as fleet/simulate.py's FleetSim.rebalance does on traces:
 - A job that ends (finished or not): its nodes are free; the manager re-solves and grows the
   others, or starts a job that was waiting.
 
+A move's cost is each job's own pause, measured: the `seconds` of its `recovered` events (a
+loss, a drain or a join: the fault or the agreement -> its first committed step), their median;
+until a job has one, the fleet file's transition_s stands in.
+
+Its state is explicit: `snapshot()` is a JSON document of everything the events changed (each
+job's counts, members, targets, pauses; the free nodes, the drains under way, the triggers
+waiting), `restore()` takes it back, so a manager restarted from its records (launch/fleet.py)
+goes on from the same state with the events that came since.
+
 Local limits, designed within: a grown local node joins only while its job runs below the node
 count it started with (control/membership.py), else it waits as a spare. So the decision never
 gives a running job more than it started with (its max_nodes is capped there): nodes freed by a
@@ -80,10 +89,24 @@ class JobState:
     """The count the decision being enacted gives it."""
     growing: int = 0
     """Nodes asked for (grow) that its plan does not run on yet."""
+    pauses: list[float] = field(default_factory=list)
+    """Its measured pauses (`recovered` events' seconds), in order."""
+
+    DYNAMIC = ("started", "count", "members", "state", "target", "growing", "pauses")
+    """The fields the events change (the rest comes from the fleet file): `snapshot`."""
 
     @property
     def running(self) -> bool:
         return self.state == "running"
+
+    def pause_s(self) -> float:
+        """Its pause when its count changes: the median of the measured ones, else the fleet
+        file's transition_s."""
+        if not self.pauses:
+            return self.transition_s
+        ordered = sorted(self.pauses)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
     def curve(self) -> JobCurve:
         if self.state in ("finished", "failed"):
@@ -93,7 +116,7 @@ class JobState:
         if self.running:  # a local grown node joins only below the count it started with
             cap = self.started if cap is None else min(cap, self.started)
         return JobCurve(self.name, self.waf, max(self.min_nodes, smallest), cap,
-                        self.transition_s, self.count if self.running else None)
+                        self.pause_s(), self.count if self.running else None)
 
 
 class Manager:
@@ -109,6 +132,25 @@ class Manager:
         """node asked to drain -> (its job, the job it goes to)."""
         self.again: list[tuple[str, str]] = []
         """(trigger, reason) that came while a decision was enacted."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state the events made (module docstring), as JSON-ready data."""
+        return {"free": self.free, "again": [list(a) for a in self.again],
+                "draining": {node: list(v) for node, v in self.draining.items()},
+                "jobs": {n: {k: getattr(j, k) for k in JobState.DYNAMIC}
+                         for n, j in self.jobs.items()}}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Take back a `snapshot()` (of a manager of the same fleet)."""
+        if set(snap["jobs"]) != set(self.jobs):
+            raise ValueError(f"the snapshot's jobs {sorted(snap['jobs'])} are not the "
+                             f"fleet's {sorted(self.jobs)}")
+        self.free = int(snap["free"])
+        self.again = [(str(t), str(r)) for t, r in snap["again"]]
+        self.draining = {node: (str(a), str(b)) for node, (a, b) in snap["draining"].items()}
+        for name, fields in snap["jobs"].items():
+            for k in JobState.DYNAMIC:
+                setattr(self.jobs[name], k, fields[k])
 
     def waf_now(self) -> float:
         return sum(float(j.waf[j.count]) for j in self.jobs.values() if j.running)
@@ -149,10 +191,12 @@ class Manager:
                 job.target = None
             self.emit("fleet_nodes", job=name, nodes=job.count, counts=self.counts(),
                       waf=self.waf_now())
-        elif kind == "recovered" and (lost := sorted(set(e["lost"]) - set(e["drained"]))):
-            job.target = None  # (a loss changed its count: a target it had is void)
-            return self.trigger(name, f"{', '.join(lost)} lost in {name}; it recovered "
-                                f"in place (step {e['step']} committed)")
+        elif kind == "recovered":
+            job.pauses.append(float(e["seconds"]))
+            if lost := sorted(set(e["lost"]) - set(e["drained"])):
+                job.target = None  # (a loss changed its count: a target it had is void)
+                return self.trigger(name, f"{', '.join(lost)} lost in {name}; it recovered "
+                                    f"in place (step {e['step']} committed)")
         elif kind == "drain_agreed":
             return self._drained(name, [n for n in e["nodes"] if n in self.draining])
         elif kind == "drain_refused":
@@ -220,7 +264,8 @@ class Manager:
         self.emit("fleet_decision", trigger=name, reason=why, nodes_before=before,
                   nodes_after=after, waf_before=self.waf_now(), waf_after=decision.total_waf,
                   objective=decision.objective if math.isfinite(decision.objective) else 0.0,
-                  free=self.free, enacted=enact, moves=moves)
+                  free=self.free, enacted=enact, moves=moves,
+                  pause_s={j.name: round(j.pause_s(), 3) for j in jobs})
         if not enact or not moves:
             return []
         return self._enact(jobs, after)

@@ -236,7 +236,8 @@ FLEET_DECISION = _declare("fleet_decision",
                           "The manager re-solved the allocation (allocate.decide) and why.",
                           {"trigger": str, "reason": str, "nodes_before": _Counts,
                            "nodes_after": _Counts, "waf_before": float, "waf_after": float,
-                           "objective": float, "free": int, "enacted": bool, "moves": list})
+                           "objective": float, "free": int, "enacted": bool, "moves": list},
+                          {"pause_s": dict})
 FLEET_DRAIN = _declare("fleet_drain", "The manager asked a job to drain a node for another.",
                        {"job": str, "node": str, "for_job": str})
 FLEET_GROW = _declare("fleet_grow", "The manager grew a job by nodes (from a drain or free).",
@@ -249,6 +250,8 @@ FLEET_JOB_STARTED = _declare("fleet_job_started", "The manager started a job of 
                              {"job": str, "nodes": int, "run_dir": str, "pid": int})
 FLEET_JOB_ENDED = _declare("fleet_job_ended", "A job of the fleet ended (its launcher's code).",
                            {"job": str, "code": int, "finished": bool, "nodes": int})
+FLEET_RESUMED = _declare("fleet_resumed", "A new manager took the fleet over from its records.",
+                         {"pid": int, "since_s": float, "pending": list, "jobs": dict})
 FLEET_ENDED = _declare("fleet_ended", "Every job of the fleet ended.",
                        {"codes": dict, "seconds": float})
 

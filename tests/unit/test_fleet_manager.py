@@ -3,6 +3,8 @@ events it writes: no processes (tests/test_fleet_run.py runs the real thing)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from oobleck_hpc.fleet.manager import Drain, Grow, JobState, Manager, Start
@@ -24,8 +26,9 @@ def plan(nodes: int) -> dict:
     return {"kind": "plan_chosen", "nodes": nodes}
 
 
-def recovered(lost: list[str], drained: list[str] = ()) -> dict:
-    return {"kind": "recovered", "lost": lost, "drained": list(drained), "step": 3}
+def recovered(lost: list[str], drained: list[str] = (), seconds: float = 0.3) -> dict:
+    return {"kind": "recovered", "lost": lost, "drained": list(drained), "step": 3,
+            "seconds": seconds}
 
 
 def test_a_loss_in_the_heaviest_job_moves_a_node_from_the_lightest():
@@ -51,6 +54,54 @@ def test_a_loss_in_the_heaviest_job_moves_a_node_from_the_lightest():
     assert m.on_event("light", plan(3)) == [] and m.settled()
     # no job gets more than it started with: a local grown node would wait as a spare
     assert m.counts() == {"heavy": 3, "middle": 0, "light": 3} and m.free == 1
+
+
+def test_moves_are_charged_the_jobs_measured_pauses():
+    """A pause of a day (the fleet file's guess) makes no move pay over the 3-h MTBF; once
+    each job measured its own (its `recovered` events' seconds, their median), the same loss
+    moves a node."""
+    for measured, moves in ((False, []), (True, [Drain("light", "node2", "heavy")])):
+        out: list[tuple[str, dict]] = []
+        m = fleet(lambda kind, **f: out.append((kind, f)))
+        for j in m.jobs.values():
+            j.transition_s = 86400.0
+        m.start()
+        if measured:  # (e.g. the joins of an earlier move, and a loss)
+            m.on_event("light", recovered([], seconds=0.5))
+            m.on_event("heavy", recovered([], seconds=0.1))
+            m.on_event("heavy", recovered([], seconds=0.9))
+        m.on_event("heavy", plan(2))
+        assert m.on_event("heavy", recovered(["node2"], seconds=0.2)) == moves
+        decision = [f for k, f in out if k == "fleet_decision"][-1]
+        pauses = {"heavy": 0.2, "middle": 86400.0, "light": 0.5} if measured else {
+            "heavy": 0.2, "middle": 86400.0, "light": 86400.0}
+        assert decision["pause_s"] == pauses, decision
+        assert decision["enacted"] and bool(decision["moves"]) == measured, decision
+
+
+def test_a_manager_restored_from_its_snapshot_goes_on_as_the_first_would():
+    """Mid-move (a drain asked, its answer not yet in), the state as JSON and back: the new
+    manager answers the rest of the events exactly as the one that never stopped."""
+    rest = [("light", {"kind": "drain_agreed", "nodes": ["node2"]}),
+            ("light", recovered(["node2"], ["node2"])), ("light", plan(2)),
+            ("heavy", plan(3))]
+    outs: list[list] = []
+    for restart in (False, True):
+        m = fleet(lambda kind, **f: None)
+        m.start()
+        m.on_event("light", recovered([], seconds=0.4))
+        m.on_event("heavy", plan(2))
+        m.on_event("heavy", recovered(["node2"]))
+        assert not m.settled()
+        if restart:
+            snap = json.loads(json.dumps(m.snapshot()))
+            m = fleet(lambda kind, **f: None)
+            m.restore(snap)
+            assert m.snapshot() == snap
+        outs.append([m.on_event(n, e) for n, e in rest] + [m.on_exit("middle", 0, True)]
+                    + [m.snapshot()])
+    assert outs[0] == outs[1]
+    assert outs[0][0] == [Grow("heavy", 1, "light")]
 
 
 def test_a_refused_drain_cancels_the_move():
