@@ -161,6 +161,7 @@ _EXIT_REASONS = {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input: not requeued",
 
 def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir) -> int:
     import json
+    import os
     import tempfile
     from pathlib import Path
 
@@ -178,7 +179,7 @@ def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir
     events = EventLog(run_dir / "events.jsonl", source="launcher")
     events.emit("run_started", job=job.name, model=job.model.name, steps=job.train.steps,
                 nodes=job.cluster.nodes, gpus_per_node=job.cluster.gpus_per_node,
-                launch="local")
+                launch="local", pid=os.getpid())
     console = Console(run_dir / "events.jsonl")
 
     def launch(attempt) -> int:

@@ -227,9 +227,12 @@ class LocalRun:
 GROW_DIR = "grow"
 
 
-def grow(run_dir: str | Path, count: int, timeout: float = 30.0) -> list[str]:
+def grow(run_dir: str | Path, count: int, timeout: float = 30.0, tag: str = "") -> list[str]:
     """Ask the launcher of the local job running in `run_dir` for `count` more nodes (from
-    another process: module docstring); returns their names once their agents started."""
+    another process: module docstring); returns their names once their agents started.
+    `tag` names the request, which makes asking again idempotent (the fleet manager, restarted
+    from its records, repeats a grow it may have made): a request of that tag already
+    answered is answered again, one still pending is waited for."""
     run_dir = Path(run_dir)
     if count < 1:
         raise ValueError(f"--nodes {count}: grow by at least one node")
@@ -237,7 +240,7 @@ def grow(run_dir: str | Path, count: int, timeout: float = 30.0) -> list[str]:
         raise FileNotFoundError(f"{run_dir / 'agents.json'} does not exist: is a local job "
                                 f"running with run dir {run_dir}? (`oobleck-hpc run` writes it "
                                 "at start)")
-    request = request_grow(run_dir, count)
+    request = request_grow(run_dir, count, tag)
     done = request.with_suffix(".done")
     try:
         wait_until(done.exists, timeout, f"the launcher of the job in {run_dir} to answer (is "
@@ -246,19 +249,22 @@ def grow(run_dir: str | Path, count: int, timeout: float = 30.0) -> list[str]:
         request.unlink(missing_ok=True)  # a launcher that comes back must not act on it
         raise
     answer = json.loads(done.read_text())
-    done.unlink()
+    if not tag:
+        done.unlink()  # (a tagged answer stays: the tag's owner may ask again)
     if "error" in answer:
         raise RuntimeError(f"the launcher could not grow the job: {answer['error']}")
     return list(answer["nodes"])
 
 
-def request_grow(run_dir: str | Path, count: int) -> Path:
+def request_grow(run_dir: str | Path, count: int, tag: str = "") -> Path:
     """Write a request for `count` more nodes that the running local job's launcher answers
-    (`grow` waits for its answer; the `grow` fault does not); returns the request file."""
+    (`grow` waits for its answer; the `grow` fault does not); returns the request file. A
+    `tag` already asked for (its request or its answer there) is not asked again."""
     folder = Path(run_dir) / GROW_DIR
     folder.mkdir(exist_ok=True)
-    request = folder / f"{os.getpid()}-{time.time_ns()}.request"
-    write_json(request, {"nodes": count})
+    request = folder / f"{tag or f'{os.getpid()}-{time.time_ns()}'}.request"
+    if not (tag and (request.exists() or request.with_suffix(".done").exists())):
+        write_json(request, {"nodes": count})
     return request
 
 

@@ -190,9 +190,45 @@ def kill_leftovers(launcher: subprocess.Popen, run_dir: Path) -> None:
         except ProcessLookupError:
             pass
     launcher.wait()
+    kill_agents(run_dir)
+
+
+def agent_groups(run_dir: Path) -> set[int]:
+    """The process groups of the agents named in RUN_DIR/agents.json (none if it is not
+    there)."""
     try:
-        groups = set(json.loads((run_dir / "agents.json").read_text()).values())
+        return set(json.loads((run_dir / "agents.json").read_text()).values())
     except (FileNotFoundError, ValueError):
+        return set()
+
+
+def kill_agents(run_dir: Path) -> None:
+    """SIGKILL every oobleck_hpc process in the process groups of the agents named in
+    RUN_DIR/agents.json (matched by process group and command line: `kill_leftovers`)."""
+    kill_groups(agent_groups(run_dir))
+
+
+def kill_fleet(managers: Sequence[subprocess.Popen], run_dir: Path) -> None:
+    """SIGKILL whatever a fleet run left (`fleet run`, launch/fleet.py): its managers'
+    sessions, each job launcher's session (pids from the fleet's `fleet_job_started` events)
+    and the process groups of every job's agents (RUN_DIR/<job>/agents.json)."""
+    from oobleck_hpc.records.events import read_events
+
+    groups = {m.pid for m in managers}
+    events = run_dir / "events.jsonl"
+    groups |= {e["pid"] for e in (read_events(events) if events.exists() else [])
+               if e.get("kind") == ev.FLEET_JOB_STARTED}
+    for job in run_dir.glob("*/agents.json"):
+        groups |= agent_groups(job.parent)
+    kill_groups(groups)
+    for m in managers:
+        m.wait()
+
+
+def kill_groups(groups: set[int]) -> None:
+    """SIGKILL every oobleck_hpc process in these process groups (matched by process group
+    and command line, so that a recycled pid is never hit)."""
+    if not groups:
         return
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
