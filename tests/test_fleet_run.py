@@ -1,17 +1,20 @@
 """`oobleck-hpc fleet run` end to end (issue 32, local): three real jobs on one pool, a node of the
-heaviest killed, a node moved to it from the lightest.
+heaviest killed, a node moved to it from the lightest, the manager killed and taken over; and a
+job that falls back to its checkpoint, requeued inside the fleet.
 
 The fleet: jobs heavy / middle / light, weights 4 / 2 / 1, each gpt-tiny in fp64 on local nodes
 of 1 worker, on a pool of 8 nodes. Their max_nodes (3 / 2 / -) make the first decision 3 / 2 / 3
 (the planner's smallest plan is 2 nodes with f = 1, so heavy and light can each lose one and
-keep training). heavy's job file kills its node2 in step 3 (`faults:`): heavy recovers in place
-(2 nodes); the manager then re-solves with the moves' costs, and 4 x heavy's gain pays for
+keep training). Once every job started, the manager is SIGKILLed: the jobs train on. heavy's
+job file kills its node2 in step 3 (`faults:`): heavy recovers in place (2 nodes) while no
+manager runs; then a new one takes over from the records (`fleet run --resume`), reads what
+happened meanwhile, re-solves with the moves' costs, and 4 x heavy's gain pays for
 light's loss and both pauses: it drains one node of light (drain_agreed there) and grows heavy by
 one (node3 joins, below the 3 nodes heavy started with). Every job must finish with every step
 once and its losses and final parameters equal to its own failure-free fp64 reference
 (`engine.reference_run`, as tests/test_recovery.py and operate/chaos.py check a run).
 
-The fleet runs as a subprocess under a hard timeout; every process it started (the jobs'
+Each manager runs as a subprocess under a hard timeout; every process they started (the jobs'
 launchers, their agents and workers) is killed by pid at the end, whatever happened.
 """
 
@@ -22,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +33,7 @@ import pytest
 import yaml
 
 from oobleck_hpc.config import job_from_dict
-from oobleck_hpc.operate.chaos import check_steps, max_rel_diff
+from oobleck_hpc.operate.chaos import check_steps, kill_fleet, max_rel_diff
 from oobleck_hpc.records.events import read_events, read_jsonl
 
 from test_recovery import TOL, job_dict
@@ -79,49 +83,46 @@ def references(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-def kill_everything(fleet: subprocess.Popen, run_dir: Path) -> None:
-    """SIGKILL the fleet's session, each job launcher's session (pids from the fleet's
-    events) and the process groups of every job's agents (agents.json), matched by process
-    group and command line so that a recycled pid is never hit."""
-    groups = {fleet.pid}
-    events = run_dir / "events.jsonl"
-    for e in read_events(events) if events.exists() else []:
-        if e.get("kind") == "fleet_job_started":
-            groups.add(e["pid"])
-    for agents in run_dir.glob("*/agents.json"):
-        try:
-            groups |= set(json.loads(agents.read_text()).values())
-        except ValueError:
-            pass
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pgid = int(stat.read_text().rsplit(")", 1)[1].split()[2])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if pgid in groups and b"oobleck_hpc" in cmdline:
-            try:
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    fleet.wait()
+def wait_for(path: Path, kind: str, count: int, deadline: float, where: str,
+             lost: bool = False) -> None:
+    """Until `path` holds `count` events of `kind` (`lost`: that lost a node)."""
+    while time.monotonic() < deadline:
+        events = read_events(path) if path.exists() else []
+        if len([e for e in kinds(events, kind) if e.get("lost") or not lost]) >= count:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"no {count} {kind} events in {path} {where}")
 
 
 def run_fleet(tmp_path: Path) -> tuple[int | None, Path]:
+    """The fleet, its manager SIGKILLed once every job started, a new one started with
+    --resume once heavy recovered from its loss: the second manager's exit code."""
     path = write_fleet(tmp_path)
     run_dir = tmp_path / "fleet-run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "oobleck_hpc", "fleet", "run", str(path), "--run-dir",
+           str(run_dir)]
+    deadline = time.monotonic() + TIMEOUT_S
+    where = f"(log {tmp_path / 'fleet.log'})"
+    managers: list[subprocess.Popen] = []
     with open(tmp_path / "fleet.log", "w") as log:
-        fleet = subprocess.Popen([sys.executable, "-m", "oobleck_hpc", "fleet", "run",
-                                  str(path), "--run-dir", str(run_dir)], cwd=tmp_path, env=env,
-                                 stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        def manager(*extra: str) -> subprocess.Popen:
+            managers.append(subprocess.Popen(cmd + list(extra), cwd=tmp_path, env=env,
+                                             stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True))
+            return managers[-1]
         try:
-            code: int | None = fleet.wait(timeout=TIMEOUT_S)
+            first = manager()
+            wait_for(run_dir / "events.jsonl", "fleet_job_started", len(STEPS), deadline, where)
+            first.send_signal(signal.SIGKILL)  # (only the manager: each job has its session)
+            assert first.wait(timeout=30) == -signal.SIGKILL
+            wait_for(run_dir / "heavy" / "events.jsonl", "recovered", 1, deadline, where,
+                     lost=True)
+            code: int | None = manager("--resume").wait(timeout=deadline - time.monotonic())
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            kill_everything(fleet, run_dir)
+            kill_fleet(managers, run_dir)
     return code, run_dir
 
 
@@ -137,6 +138,8 @@ def test_a_node_moves_from_the_lightest_job_to_the_heaviest_after_its_loss(tmp_p
     fleet = read_events(run_dir / "events.jsonl")
     started = kinds(fleet, "fleet_started")[0]
     assert started["nodes"] == {"heavy": 3, "middle": 2, "light": 3}, started
+    resumed = kinds(fleet, "fleet_resumed")
+    assert len(resumed) == 1 and len(kinds(fleet, "fleet_job_started")) == 3, resumed
 
     heavy = read_events(run_dir / "heavy" / "events.jsonl")
     recovered = [e for e in kinds(heavy, "recovered") if e["lost"]]
@@ -147,7 +150,8 @@ def test_a_node_moves_from_the_lightest_job_to_the_heaviest_after_its_loss(tmp_p
     assert decision["enacted"] and decision["nodes_before"]["heavy"] == 2, decision
     assert decision["nodes_after"] == {"heavy": 3, "middle": 2, "light": 2}, decision
     assert decision["waf_after"] > decision["waf_before"] > 0, decision
-    assert decision["t"] > recovered[0]["t"], "the manager decided before heavy recovered"
+    assert decision["t"] > resumed[0]["t"] > recovered[0]["t"], "not decided by the new manager"
+    assert decision["pause_s"]["heavy"] == pytest.approx(recovered[0]["seconds"], abs=1e-3)
     drain = kinds(fleet, "fleet_drain")
     assert [(e["job"], e["for_job"]) for e in drain] == [("light", "heavy")], drain
     light = read_events(run_dir / "light" / "events.jsonl")
@@ -179,3 +183,86 @@ def test_a_node_moves_from_the_lightest_job_to_the_heaviest_after_its_loss(tmp_p
     assert [k for _, k in rep["jobs"]["heavy"]["nodes_over_time"]] == [3, 2, 3, 0], rep
     assert rep["jobs"]["light"]["nodes_over_time"][1][1] == 2, rep
     assert rep["ended"]["codes"] == {n: 0 for n in STEPS}, rep
+    assert [m["move"] for m in rep["moves"]][0] == "resumed", rep["moves"]
+
+
+# -- a job below its minimum: requeued inside the fleet -------------------------------------------
+FALL_STEPS = {"main": 40, "frail": 12}
+
+
+@pytest.fixture(scope="module")
+def fall_references(tmp_path_factory):
+    import torch
+
+    from oobleck_hpc.engine import reference_run
+
+    tmp = tmp_path_factory.mktemp("fall-refs")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: reference_run(job_from_dict(job_dict(tmp, nodes=2, gpus=1, steps=steps)),
+                                    steps)
+                for name, steps in FALL_STEPS.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 120)
+def test_a_job_below_its_minimum_falls_back_and_is_requeued_when_nodes_free_up(
+        tmp_path, fall_references):
+    """main (weight 2, exactly 2 nodes) and frail (min_nodes 2 in the fleet, checkpoints every
+    3 steps) share 4 nodes. frail's node1 is killed in step 5: it recovers in place on 1 node,
+    below its minimum, so the manager stops it at its checkpoint (its launcher exits 75). Its
+    survivor is free, too few to start it again (main would have to stop); when main finishes,
+    frail starts again (attempt 1) on the nodes free, resumes from its checkpoint and
+    finishes. Both end equal to their own failure-free fp64 references."""
+    entries = []
+    for name, steps in FALL_STEPS.items():
+        data = job_dict(tmp_path / name, nodes=2, gpus=1, steps=steps,
+                        faults=[{"node": 1, "step": 5, "phase": "backward", "kind": "kill"}]
+                        if name == "frail" else [])
+        data["name"] = name
+        data["cluster"]["kill_grace_s"] = 5.0
+        data["checkpoint"] = {"dir": str(tmp_path / f"{name}-ckpt"), "every_steps": 3}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(data))
+        entries.append({"job": f"{name}.yaml", "name": name, **(
+            {"weight": 2, "min_nodes": 2, "max_nodes": 2} if name == "main"
+            else {"weight": 1, "min_nodes": 2})})
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump({"name": "fall", "pool": {"nodes": 4}, "jobs": entries}))
+    run_dir = tmp_path / "fleet-run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    where = f"(fleet: {run_dir}, log {tmp_path / 'fleet.log'})"
+    with open(tmp_path / "fleet.log", "w") as log:
+        fleet = subprocess.Popen([sys.executable, "-m", "oobleck_hpc", "fleet", "run", str(path),
+                                  "--run-dir", str(run_dir)], cwd=tmp_path, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        try:
+            code = fleet.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            kill_fleet([fleet], run_dir)
+    assert code == 0, f"fleet exit code {code} {where}"
+    events = read_events(run_dir / "events.jsonl")
+    assert kinds(events, "fleet_started")[0]["nodes"] == {"main": 2, "frail": 2}
+    ends = [(e["job"], e["code"], e.get("requeued")) for e in kinds(events, "fleet_job_ended")]
+    assert ends == [("frail", 75, True), ("main", 0, False), ("frail", 0, False)], ends
+    starts = [(e["job"], e.get("attempt", 0), e["t"]) for e in kinds(events, "fleet_job_started")]
+    main_end = next(e["t"] for e in kinds(events, "fleet_job_ended") if e["job"] == "main")
+    assert [(j, a) for j, a, _ in starts] == [("main", 0), ("frail", 0), ("frail", 1)], starts
+    assert starts[-1][2] >= main_end, "frail started again before nodes were free"
+    frail = read_events(run_dir / "frail" / "events.jsonl")
+    assert [e["job"] for e in kinds(events, "fleet_stop")] == ["frail"], events
+    assert kinds(frail, "stopping") and kinds(frail, "restored"), f"no stop/resume {where}"
+    for name, (losses, params) in fall_references.items():
+        rows = read_jsonl(run_dir / name / "metrics.jsonl")
+        assert check_steps(rows, FALL_STEPS[name]), f"{name}: steps missing or twice {where}"
+        last = {}
+        for r in rows:  # (a step replayed after the fallback: its last attempt's loss)
+            last[r["step"]] = r["loss"]
+        np.testing.assert_allclose([last[k] for k in range(1, FALL_STEPS[name] + 1)], losses,
+                                   rtol=TOL)
+        diff = max_rel_diff(run_dir / name / "final", params)
+        assert diff is not None and diff <= TOL, f"{name}: final parameters differ by {diff}"

@@ -15,6 +15,13 @@ What it reacts to, as fleet/simulate.py's FleetSim.rebalance does on traces:
   jobs the decision grows are grown by as many.
 - A job that ends (finished or not): its nodes are free; the manager re-solves and grows the
   others, or starts a job that was waiting.
+- A job that runs on fewer nodes than its min_nodes after a loss (its `plan_chosen`) is
+  stopped at its checkpoint (`Stop`): it falls back as below, its nodes free for the others.
+- A job that falls back to its checkpoint (its launcher exits 75, errors.EXIT_REQUEUE: fewer
+  nodes than any plan needs, or stopped as above): its nodes are free and it waits again;
+  every decision from then on counts it as a waiting job, and it is started again (`Start`
+  with its next attempt number: it resumes from its checkpoint) once it gets nodes -- at once,
+  if the pool has enough free, else when a job ends or gives nodes back.
 
 A move's cost is each job's own pause, measured: the `seconds` of its `recovered` events (a
 loss, a drain or a join: the fault or the agreement -> its first committed step), their median;
@@ -42,6 +49,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from oobleck_hpc.errors import EXIT_REQUEUE
 from oobleck_hpc.fleet.allocate import JobCurve, decide
 
 
@@ -63,9 +71,19 @@ class Grow:
 class Start:
     job: str
     count: int
+    attempt: int = 0
+    """0: its first start; k: its k-th requeue in the fleet (from its checkpoint)."""
 
 
-Action = Drain | Grow | Start
+@dataclass(frozen=True)
+class Stop:
+    """Stop the job at its next step boundary with a checkpoint (SIGTERM to its launcher: it
+    exits 75), to be requeued inside the fleet."""
+
+    job: str
+
+
+Action = Drain | Grow | Start | Stop
 
 
 @dataclass
@@ -85,6 +103,10 @@ class JobState:
     members: list[str] = field(default_factory=list)
     state: str = "waiting"
     """waiting | running | finished | failed"""
+    attempts: int = 0
+    """Times it fell back to its checkpoint and was requeued in the fleet."""
+    stopping: bool = False
+    """Asked to stop at its checkpoint (below min_nodes): not asked again."""
     target: int | None = None
     """The count the decision being enacted gives it."""
     growing: int = 0
@@ -92,7 +114,8 @@ class JobState:
     pauses: list[float] = field(default_factory=list)
     """Its measured pauses (`recovered` events' seconds), in order."""
 
-    DYNAMIC = ("started", "count", "members", "state", "target", "growing", "pauses")
+    DYNAMIC = ("started", "count", "members", "state", "target", "growing", "pauses",
+               "attempts", "stopping")
     """The fields the events change (the rest comes from the fleet file): `snapshot`."""
 
     @property
@@ -174,10 +197,10 @@ class Manager:
         return out
 
     def _start(self, job: JobState, k: int) -> Start:
-        job.state, job.started, job.count, job.target = "running", k, k, None
+        job.state, job.started, job.count, job.target, job.growing = "running", k, k, None, 0
         job.members = [f"node{i}" for i in range(k)]
         self.free -= k
-        return Start(job.name, k)
+        return Start(job.name, k, job.attempts)
 
     def on_event(self, name: str, e: dict[str, Any]) -> list[Action]:
         """One event of job `name`'s events file."""
@@ -191,12 +214,20 @@ class Manager:
                 job.target = None
             self.emit("fleet_nodes", job=name, nodes=job.count, counts=self.counts(),
                       waf=self.waf_now())
+            if job.count < job.min_nodes and not job.stopping:
+                job.stopping = True
+                self.emit("fleet_stop", job=name, nodes=job.count, reason=f"{name} runs on "
+                          f"{job.count} nodes, below its min_nodes {job.min_nodes}: stopped at "
+                          "its checkpoint, it waits for nodes")
+                return [Stop(name)]
         elif kind == "recovered":
             job.pauses.append(float(e["seconds"]))
             if lost := sorted(set(e["lost"]) - set(e["drained"])):
                 job.target = None  # (a loss changed its count: a target it had is void)
                 return self.trigger(name, f"{', '.join(lost)} lost in {name}; it recovered "
                                     f"in place (step {e['step']} committed)")
+        elif kind == "fallback" and e.get("nodes") and job.running:
+            job.count = min(job.count, len(set(e["nodes"])))  # (the survivors: freed at its exit)
         elif kind == "drain_agreed":
             return self._drained(name, [n for n in e["nodes"] if n in self.draining])
         elif kind == "drain_refused":
@@ -210,10 +241,14 @@ class Manager:
         return self._retry()
 
     def on_exit(self, name: str, code: int, finished: bool) -> list[Action]:
-        """Job `name`'s launcher exited: its nodes are free."""
+        """Job `name`'s launcher exited: its nodes are free; exit 75 (EXIT_REQUEUE: it fell
+        back to its checkpoint) and it waits to be started again (module docstring)."""
         job = self.jobs[name]
         nodes = job.count if job.running else 0
-        job.state = "finished" if finished else "failed"
+        requeued = code == EXIT_REQUEUE and not finished
+        job.state = "waiting" if requeued else "finished" if finished else "failed"
+        job.attempts += requeued
+        job.stopping = False
         job.target = None
         self.free += nodes
         for node, (src, to) in list(self.draining.items()):
@@ -222,18 +257,20 @@ class Manager:
                 for other in (self.jobs[src], self.jobs.get(to)):
                     if other is not None:
                         other.target = None
-        self.emit("fleet_job_ended", job=name, code=code, finished=finished, nodes=nodes)
+        self.emit("fleet_job_ended", job=name, code=code, finished=finished, nodes=nodes,
+                  requeued=requeued)
         self.emit("fleet_nodes", job=name, nodes=0, counts=self.counts(), waf=self.waf_now())
         if not any(j.running for j in self.jobs.values()):
             return self._start_waiting()
-        return self.trigger(name, f"{name} ended ({'finished' if finished else f'exit {code}'})"
-                            f": its {nodes} nodes are free")
+        how = ("fell back to its checkpoint: it waits for nodes" if requeued else
+               "ended (finished)" if finished else f"ended (exit {code})")
+        return self.trigger(name, f"{name} {how}; its {nodes} nodes are free")
 
     def settled(self) -> bool:
         """No move under way: no drain unanswered, no grown node not yet in its job's plan,
-        every job the last decision changed at its count."""
+        every job the last decision changed at its count, no job stopping."""
         return not self.draining and all(
-            j.growing == 0 and (j.target is None or j.count == j.target)
+            j.growing == 0 and (j.target is None or j.count == j.target) and not j.stopping
             for j in self.jobs.values() if j.running)
 
     def _retry(self) -> list[Action]:
@@ -311,6 +348,8 @@ class Manager:
                 continue
             if job.state == "waiting" and self.free >= job.target and job.name not in promised:
                 out.append(self._start(job, job.target))
+                self.emit("fleet_nodes", job=job.name, nodes=job.count, counts=self.counts(),
+                          waf=self.waf_now())
             elif job.running and job.name not in promised:
                 k = min(job.target - job.count - job.growing, self.free)
                 if k > 0:

@@ -1,5 +1,5 @@
-"""`oobleck-hpc fleet run FLEET.yaml [--run-dir DIR]`: every job of a fleet on this machine, and
-the fleet manager that moves nodes between them (issue 32, local).
+"""`oobleck-hpc fleet run FLEET.yaml [--run-dir DIR] [--resume]`: every job of a fleet on this
+machine, and the fleet manager that moves nodes between them (issue 32, local).
 
 Each job is an ordinary local job: `oobleck-hpc run JOB.yaml --run-dir DIR/<job> --nodes K
 --max-requeues 0` (launch/cli.py, launch/local.py), its own process session, K its share of the
@@ -10,34 +10,66 @@ request (control/drain.request_drain) and a grow (launch/local.grow) -- as fleet
 decides. Its decisions, moves and each job's node count over time are the fleet's own
 DIR/events.jsonl (`fleet_*` events: `oobleck-hpc fleet status DIR` tells them).
 
-The fleet is over when every job's launcher exited; exit code 0 when every job finished, else
-the first job's nonzero code. Ctrl-C / SIGTERM: forwarded to every job's launcher (which
-checkpoint and stop), then whatever is left after a grace period is killed, by pid.
-Not built: a Slurm fleet (`fleet submit`), a manager restarted from its records, a job stopped
-or requeued inside the fleet.
+The manager's records: DIR/manager.json, rewritten atomically whenever an event changed
+something -- the manager's state (`Manager.snapshot`), how far it read each job's events, each
+job launcher's pid, the actions decided and not yet done, the fleet events not yet written. In
+that order: the state with the actions is written first, then the events, then the actions are
+done, then the state without them. So the manager can die at any point (SIGKILL) and the jobs
+train on (their own sessions); `fleet run FLEET --run-dir DIR --resume` takes the fleet over:
+it writes what the dead manager had decided but not written, does the actions it had not done
+(each can be done twice: a drain request is a file per node, a grow is tagged with the
+action's number and answered once per tag, a job's attempt is started only if its events hold
+no `run_started` of it, which names its launcher's pid), reads each job's events from where it
+stopped, and watches the launchers it did not start by pid and by their `run_ended` event.
+Only re-allocation pauses while no manager runs.
+
+A job that falls back to its checkpoint (its launcher exits 75; or stopped by a SIGTERM to its
+launcher when it ran below its min_nodes) waits in the fleet and is started again, from its
+checkpoint, when the manager gives it nodes (fleet/manager.py).
+
+The fleet is over when every job's launcher exited and none was started again; exit code 0
+when every job finished, else the first job's nonzero code (75: a job still waits).
+Ctrl-C / SIGTERM: forwarded to every job's launcher (which checkpoint and stop), then
+whatever is left after a grace period is killed, by pid.
+Not built: a Slurm fleet (`fleet submit`); stopping a job of a running fleet by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.files import write_json
 from oobleck_hpc.fleet import cli as fleet_cli
-from oobleck_hpc.fleet.manager import Action, Drain, Grow, JobState, Manager, Start
-from oobleck_hpc.records.events import EventLog
+from oobleck_hpc.fleet.manager import Action, Drain, Grow, JobState, Manager, Start, Stop
+from oobleck_hpc.records.events import EventLog, read_events
 from oobleck_hpc.records.story import Tail
 
 POLL_S = 0.2
 STOP_GRACE_S = 30.0
 """Seconds the jobs get to stop after a forwarded signal before they are killed."""
+STATE = "manager.json"
+ACTIONS: dict[str, type] = {"start": Start, "drain": Drain, "grow": Grow, "stop": Stop}
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of a live process (/proc, clock ticks since boot: with the pid, its
+    identity); None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 @dataclass
@@ -48,32 +80,111 @@ class FleetJobRun:
     job_file: Path
     run_dir: Path
     proc: subprocess.Popen | None = None
+    """The launcher, when this manager started it."""
+    pid: int | None = None
+    pid_start: int | None = None
+    """The launcher's pid and start time (process_start), whoever started it."""
+    attempt: int | None = None
+    """The attempt its launcher runs (0 first, k after its k-th requeue in the fleet); None
+    before it started."""
+    watching: bool = False
+    """Its launcher runs, or ran and its end was not handled yet."""
+    ended: dict[str, Any] | None = None
+    """The attempt's `run_ended` event, once read."""
     tail: Tail | None = None
     log: IO[bytes] | None = None
 
-    def start(self, nodes: int) -> int:
+    def start(self, nodes: int, attempt: int) -> int:
+        """Start its launcher; an attempt after a fallback continues the run (the launcher's
+        watchdog-restart path, OOBLECK_RESTART_COUNT: same records, from the checkpoint) with
+        the job file's injected `faults:` left out (they belong to the first run, as in the
+        launcher's own requeue: launch/cli.py)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "oobleck_hpc", "run", str(self.job_file), "--run-dir",
+        job_file = self.job_file
+        env = {k: v for k, v in os.environ.items()  # (its attempt is the fleet's to say)
+               if k not in ("OOBLECK_RUN_ID", "OOBLECK_REQUEUE_COUNT", "OOBLECK_ATTEMPT")}
+        env["OOBLECK_RESTART_COUNT"] = str(attempt)
+        if attempt > 0:
+            import yaml
+
+            from oobleck_hpc.config import load_job
+
+            job_file = self.run_dir.parent / f"{self.name}-attempt{attempt}.yaml"
+            this = load_job(self.job_file, {"faults": []}).to_dict()
+            job_file.write_text(yaml.safe_dump(json.loads(json.dumps(this)), sort_keys=False))
+            env["OOBLECK_ATTEMPT"] = f"fleet-{attempt}"
+        cmd = [sys.executable, "-m", "oobleck_hpc", "run", str(job_file), "--run-dir",
                str(self.run_dir), "--nodes", str(nodes), "--max-requeues", "0"]
-        self.log = open(self.run_dir.parent / f"{self.name}.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+        if self.log is None:
+            self.log = open(self.run_dir.parent / f"{self.name}.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        self.tail = Tail(self.run_dir / "events.jsonl")
+        self.pid, self.pid_start = self.proc.pid, process_start(self.proc.pid)
+        self._watch(attempt)
         return self.proc.pid
+
+    def _watch(self, attempt: int) -> None:
+        self.attempt, self.watching, self.ended = attempt, True, None
+        if self.tail is None:
+            self.tail = Tail(self.run_dir / "events.jsonl")
+
+    def adopt(self, saved: dict[str, Any]) -> None:
+        """Watch a launcher that a manager before this one started."""
+        self.pid, self.pid_start = saved["pid"], saved["pid_start"]
+        self._watch(saved["attempt"])
+        self.watching = saved["watching"]
+        assert self.tail is not None
+        self.tail.offset = int(saved["offset"])
+
+    def find(self, attempt: int) -> bool:
+        """Watch the launcher of `attempt` if one started (its `run_started` event names its
+        pid: a manager that died as it started it did not record it)."""
+        path = self.run_dir / "events.jsonl"
+        for e in read_events(path) if path.exists() else []:
+            if e.get("kind") == "run_started" and e.get("attempt") == attempt:
+                pid = e.get("pid")
+                self.proc, self.pid = None, pid
+                self.pid_start = process_start(pid) if pid is not None else None
+                self._watch(attempt)
+                return True
+        return False
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.pid is not None and self.pid_start is not None \
+            and process_start(self.pid) == self.pid_start
+
+    def exit_code(self) -> int | None:
+        """Its launcher's exit code once it exited (None while it runs): its own, or, for a
+        launcher adopted from an earlier manager, the code of its `run_ended` event (1 if it
+        left none)."""
+        if self.proc is not None:
+            return self.proc.poll()
+        if self.alive() or (self.pid is None and self.ended is None):
+            return None  # (its pid unknown: its last word, `run_ended`)
+        return int(self.ended["code"]) if self.ended is not None else 1
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM (the launcher forwards it and checkpoints), then SIGKILL what is left."""
-        from oobleck_hpc.operate.chaos import kill_leftovers
+        from oobleck_hpc.operate.chaos import kill_agents, kill_leftovers
 
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_leftovers(self.proc, self.run_dir)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            kill_leftovers(self.proc, self.run_dir)
+        elif self.alive() and self.pid is not None:  # (adopted: not our child, by pid)
+            os.kill(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            if self.alive():
+                os.killpg(self.pid, signal.SIGKILL)  # (its session: start_new_session)
+            kill_agents(self.run_dir)
         if self.log is not None:
             self.log.close()
 
@@ -82,8 +193,15 @@ class FleetJobRun:
 class FleetRun:
     path: Path
     run_dir: Path
+    resume: bool = False
     jobs: dict[str, FleetJobRun] = field(default_factory=dict)
     codes: dict[str, int] = field(default_factory=dict)
+    seq: int = 0
+    """Actions decided so far (each action's number: the tag of a grow)."""
+    pending: list[tuple[int, Action]] = field(default_factory=list)
+    """Actions decided and not done yet, with their numbers."""
+    log: EventLog = field(init=False)
+    _unwritten: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     _stop: bool = False
 
     def run(self) -> int:
@@ -92,11 +210,13 @@ class FleetRun:
 
         fleet, entries = load_fleet(self.path)
         events = self.run_dir / "events.jsonl"
-        if events.exists():
+        saved = self._saved() if self.resume else None
+        if saved is None and events.exists():
             raise ConfigError("<command line>", "--run-dir", f"value {str(self.run_dir)!r} "
-                              "holds a fleet run already", "give the fleet a new --run-dir")
+                              "holds a fleet run already", "give the fleet a new --run-dir, or "
+                              "add --resume to take it over if its manager died")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = EventLog(events, source="fleet")
+        self.log = EventLog(events, source="fleet")
         states = []
         for fj in entries:
             c = job_curve(fj, fleet.pool.nodes)
@@ -104,74 +224,169 @@ class FleetRun:
                                    fj.entry.transition_s))
             self.jobs[fj.name] = FleetJobRun(fj.name, fleet.job_path(fj.entry).resolve(),
                                              self.run_dir / fj.name)
-        manager = Manager(states, fleet.pool.nodes, fleet.mtbf_hours * 3600, log.emit)
+        manager = Manager(states, fleet.pool.nodes, fleet.mtbf_hours * 3600,
+                          lambda kind, **f: self._unwritten.append((kind, f)))
         t0 = time.monotonic()
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            first = manager.start()
-            log.emit("fleet_started", fleet=fleet.name, pool=fleet.pool.nodes,
-                     nodes=manager.counts(), waf=manager.waf_now(),
-                     run_dirs={n: str(j.run_dir) for n, j in self.jobs.items()})
-            self._enact(manager, first, log)
-            self._loop(manager, log)
+            if saved is not None:
+                self._take_over(manager, saved)
+            else:
+                first = manager.start()
+                manager.emit("fleet_started", fleet=fleet.name, pool=fleet.pool.nodes,
+                             nodes=manager.counts(), waf=manager.waf_now(),
+                             run_dirs={n: str(j.run_dir) for n, j in self.jobs.items()})
+                self._decided(manager, first)
+            self._loop(manager)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
             for job in self.jobs.values():
                 job.stop(STOP_GRACE_S if self._stop else 5.0)
-            log.emit("fleet_ended", codes=self.codes, seconds=round(time.monotonic() - t0, 3))
-            log.close()
+            self.log.emit("fleet_ended", codes=self.codes,
+                          seconds=round(time.monotonic() - t0, 3))
+            self.log.close()
         bad = [c for c in self.codes.values() if c != 0]
         if bad:
             return bad[0]
         return 0 if len(self.codes) == len(self.jobs) else 3  # (a job never got nodes)
+
+    # -- the records (module docstring) ---------------------------------------------------
+
+    def _saved(self) -> dict[str, Any]:
+        """The records of a fleet whose manager is gone (else a ConfigError that says why)."""
+        path = self.run_dir / STATE
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError("<command line>", "--resume", f"{path} cannot be read ({e})",
+                              "give --run-dir the run dir of a fleet started by `oobleck-hpc "
+                              "fleet run`") from None
+        if process_start(saved["pid"]) == saved["pid_start"]:
+            raise ConfigError("<command line>", "--resume", f"the fleet's manager (pid "
+                              f"{saved['pid']}) still runs", "stop it first (SIGTERM stops "
+                              "the jobs too; SIGKILL only the manager), or leave it be")
+        if saved.get("ended"):
+            raise ConfigError("<command line>", "--resume", f"the fleet in {self.run_dir} "
+                              "ended", "start it again with a new --run-dir")
+        return saved
+
+    def _save(self, manager: Manager, ended: bool = False) -> None:
+        write_json(self.run_dir / STATE, {
+            "pid": os.getpid(), "pid_start": process_start(os.getpid()), "t": time.time(),
+            "ended": ended, "manager": manager.snapshot(), "codes": self.codes,
+            "seq": self.seq, "log_size": self._log_size(),
+            "pending": [{"id": i, "action": type(a).__name__.lower(), **asdict(a)}
+                        for i, a in self.pending],
+            "unwritten": [[k, f] for k, f in self._unwritten],
+            "jobs": {n: {"pid": j.pid, "pid_start": j.pid_start, "attempt": j.attempt,
+                         "watching": j.watching,
+                         "offset": j.tail.offset if j.tail is not None else None}
+                     for n, j in self.jobs.items()}})
+
+    def _log_size(self) -> int:
+        try:
+            return (self.run_dir / "events.jsonl").stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _take_over(self, manager: Manager, saved: dict[str, Any]) -> None:
+        """Go on from a dead manager's records (module docstring)."""
+        manager.restore(saved["manager"])
+        self.seq, self.codes = int(saved["seq"]), dict(saved["codes"])
+        for name, job in saved["jobs"].items():
+            if job["attempt"] is not None:
+                self.jobs[name].adopt(job)
+        if self._log_size() == saved["log_size"]:  # (it died before it wrote them)
+            self._unwritten = [(k, f) for k, f in saved["unwritten"]]
+        self.pending = [(d["id"], ACTIONS[d["action"]](**{k: v for k, v in d.items()
+                                                           if k not in ("id", "action")}))
+                        for d in saved["pending"]]
+        manager.emit("fleet_resumed", pid=os.getpid(), since_s=round(time.time() - saved["t"], 3),
+                     pending=[d["action"] for d in saved["pending"]],
+                     jobs={n: j.state for n, j in manager.jobs.items()})
+        self._decided(manager, [])
+
+    def _decided(self, manager: Manager, actions: list[Action]) -> None:
+        """Record, write and do what an event made the manager decide (module docstring)."""
+        if self._stop:  # (stopping: nothing starts, nothing moves)
+            actions = []
+        for a in actions:
+            self.seq += 1
+            self.pending.append((self.seq, a))
+        if not self.pending and not self._unwritten:
+            return
+        self._save(manager)
+        for kind, fields in self._unwritten:
+            self.log.emit(kind, **fields)
+        self._unwritten.clear()
+        while self.pending and not self._stop:
+            i, a = self.pending[0]
+            self._do(manager, i, a)
+            self.pending.pop(0)
+            self._save(manager)
+
+    def _do(self, manager: Manager, i: int, a: Action) -> None:
+        from oobleck_hpc.control.drain import request_drain
+        from oobleck_hpc.launch.local import grow
+
+        job = self.jobs[a.job]
+        if isinstance(a, Start):
+            if job.attempt == a.attempt or job.find(a.attempt):
+                return  # (done before the manager died)
+            pid = job.start(a.count, a.attempt)
+            self.log.emit("fleet_job_started", job=a.job, nodes=a.count,
+                          run_dir=str(job.run_dir), pid=pid, attempt=a.attempt)
+        elif isinstance(a, Stop):
+            if job.alive() and job.pid is not None:  # (it checkpoints and exits 75)
+                os.kill(job.pid, signal.SIGTERM)
+        elif isinstance(a, Drain):
+            if a.node in manager.draining:  # (not answered yet)
+                request_drain(job.run_dir, [a.node], by="fleet")
+        elif isinstance(a, Grow):
+            try:
+                names = grow(job.run_dir, a.count, tag=f"fleet-{i}")
+            except (OSError, RuntimeError, TimeoutError) as e:
+                self.log.emit("fleet_move_failed", job=a.job, reason=f"grow: {e}")
+                return
+            self.log.emit("fleet_grow", job=a.job, nodes=names, from_job=a.from_job)
+
+    # -- the loop ---------------------------------------------------------------------------
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop = True
         for job in self.jobs.values():
             if job.proc is not None and job.proc.poll() is None:
                 job.proc.send_signal(signum)
+            elif job.alive() and job.pid is not None:
+                os.kill(job.pid, signum)
 
-    def _loop(self, manager: Manager, log: EventLog) -> None:
+    def _loop(self, manager: Manager) -> None:
         while True:
-            started = [j for j in self.jobs.values() if j.proc is not None]
-            if all(j.name in self.codes for j in started):
-                return  # every started job ended, and the last end started none
-            for job in started:
-                if job.name in self.codes:
-                    continue
-                assert job.tail is not None and job.proc is not None
-                for e in job.tail.read():
-                    self._enact(manager, manager.on_event(job.name, e), log)
-                code = job.proc.poll()
-                if code is not None:
-                    for e in job.tail.read():  # its last events first
-                        self._enact(manager, manager.on_event(job.name, e), log)
-                    self.codes[job.name] = code
-                    self._enact(manager, manager.on_exit(job.name, code, code == 0), log)
+            watched = [j for j in self.jobs.values() if j.watching]
+            if not watched:
+                break  # every started job ended, and the last end started none
+            for job in watched:
+                self._read(manager, job)
             time.sleep(POLL_S)
+        self._save(manager, ended=True)
 
-    def _enact(self, manager: Manager, actions: list[Action], log: EventLog) -> None:
-        from oobleck_hpc.control.drain import request_drain
-        from oobleck_hpc.launch.local import grow
+    def _read(self, manager: Manager, job: FleetJobRun) -> None:
+        """The job's new events, then its end if its launcher exited."""
+        self._events(manager, job)
+        if job.exit_code() is not None:
+            self._events(manager, job)  # (its last ones: they are all there once it exited)
+            code = job.exit_code()
+            assert code is not None
+            self.codes[job.name], job.watching = code, False
+            self._decided(manager, manager.on_exit(job.name, code, code == 0))
 
-        if self._stop:  # (stopping: nothing starts, nothing moves)
-            return
-        for a in actions:
-            job = self.jobs[a.job]
-            if isinstance(a, Start):
-                pid = job.start(a.count)
-                log.emit("fleet_job_started", job=a.job, nodes=a.count,
-                         run_dir=str(job.run_dir), pid=pid)
-            elif isinstance(a, Drain):
-                request_drain(job.run_dir, [a.node], by="fleet")
-            elif isinstance(a, Grow):
-                try:
-                    names = grow(job.run_dir, a.count)
-                except (OSError, RuntimeError, TimeoutError) as e:
-                    log.emit("fleet_move_failed", job=a.job, reason=f"grow: {e}")
-                    continue
-                log.emit("fleet_grow", job=a.job, nodes=names, from_job=a.from_job)
+    def _events(self, manager: Manager, job: FleetJobRun) -> None:
+        assert job.tail is not None
+        for e in job.tail.read():  # (its offset moves per event: `_save` records it)
+            if e.get("kind") == "run_ended" and e.get("attempt") == job.attempt:
+                job.ended = e
+            self._decided(manager, manager.on_event(job.name, e))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,11 +397,12 @@ def run(args: argparse.Namespace) -> int:
         fleet, _ = load_fleet(args.fleet)
         run_dir = Path("runs") / fleet.name
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return FleetRun(Path(args.fleet), run_dir).run()
+    return FleetRun(Path(args.fleet), run_dir, resume=args.resume).run()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """`fleet plan` and `fleet status` (fleet/cli.py), and `fleet run` (here: it starts jobs)."""
+    """`fleet plan` and `fleet status` (fleet/cli.py), `fleet run` (here: it starts jobs) and
+    `fleet chaos` (operate/fleet_chaos.py)."""
     fleet_sub = fleet_cli.register(sub)
     p = fleet_sub.add_parser("run", help="run every job of the fleet on this machine, and the "
                              "manager that moves nodes between them")
@@ -194,4 +410,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", default=None,
                    help="the fleet's run dir: its events, and each job's run dir under it "
                         "(default: runs/<fleet name>)")
+    p.add_argument("--resume", action="store_true",
+                   help="take over the fleet in --run-dir whose manager died (its jobs train "
+                        "on): from its records, DIR/manager.json")
     p.set_defaults(func=run)
+    from oobleck_hpc.operate import fleet_chaos
+
+    fleet_chaos.register(fleet_sub)

@@ -77,7 +77,7 @@ _Opt = float | None
 RUN_STARTED = _declare("run_started", "The launcher started the run (or a Slurm job's driver did).",
                        {"launch": str, "nodes": int},
                        {"job": str, "model": str, "steps": int, "gpus_per_node": int,
-                        "job_id": str})
+                        "job_id": str, "pid": int})
 RUN_FINISHED = _declare("run_finished", "Training reached its last step (rank 0 of the plan).",
                         {"steps": int, "total": int, "model": str},
                         {"wall_s": float, "first_loss": _Opt, "last_loss": _Opt,
@@ -242,14 +242,19 @@ FLEET_DRAIN = _declare("fleet_drain", "The manager asked a job to drain a node f
                        {"job": str, "node": str, "for_job": str})
 FLEET_GROW = _declare("fleet_grow", "The manager grew a job by nodes (from a drain or free).",
                       {"job": str, "nodes": _Nodes, "from_job": str})
+FLEET_STOP = _declare("fleet_stop", "The manager stopped a job at its checkpoint (below its "
+                      "min_nodes): it is requeued inside the fleet.",
+                      {"job": str, "nodes": int, "reason": str})
 FLEET_MOVE_FAILED = _declare("fleet_move_failed", "A move could not be made (drain refused...).",
                              {"job": str, "reason": str})
 FLEET_NODES = _declare("fleet_nodes", "A job's node count changed (its plan): the fleet's WAF now.",
                        {"job": str, "nodes": int, "counts": _Counts, "waf": float})
 FLEET_JOB_STARTED = _declare("fleet_job_started", "The manager started a job of the fleet.",
-                             {"job": str, "nodes": int, "run_dir": str, "pid": int})
+                             {"job": str, "nodes": int, "run_dir": str, "pid": int},
+                             {"attempt": int})
 FLEET_JOB_ENDED = _declare("fleet_job_ended", "A job of the fleet ended (its launcher's code).",
-                           {"job": str, "code": int, "finished": bool, "nodes": int})
+                           {"job": str, "code": int, "finished": bool, "nodes": int},
+                           {"requeued": bool})
 FLEET_RESUMED = _declare("fleet_resumed", "A new manager took the fleet over from its records.",
                          {"pid": int, "since_s": float, "pending": list, "jobs": dict})
 FLEET_ENDED = _declare("fleet_ended", "Every job of the fleet ended.",

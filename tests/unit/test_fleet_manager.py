@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from oobleck_hpc.fleet.manager import Drain, Grow, JobState, Manager, Start
+from oobleck_hpc.fleet.manager import Drain, Grow, JobState, Manager, Start, Stop
 from oobleck_hpc.fleet.status import format_status, read_status
 from oobleck_hpc.records.events import EventLog
 
@@ -122,6 +122,38 @@ def test_a_waiting_job_starts_when_a_job_ends():
     assert m.on_exit("heavy", 0, True) == [Start("light", 4)]
 
 
+def test_a_job_that_falls_back_waits_and_starts_again_when_nodes_free_up():
+    """light (min 2 nodes) loses a node of its 2 and falls back to its checkpoint (exit 75):
+    its survivor is free, too few to start it again while heavy and middle keep theirs; when
+    middle ends it starts again, its next attempt, on what the pool has."""
+    out: list[tuple[str, dict]] = []
+    m = fleet(lambda kind, **f: out.append((kind, f)), pool=6)
+    m.jobs["light"].min_nodes = 2
+    assert m.start() == [Start("heavy", 2), Start("middle", 2), Start("light", 2)]
+    assert m.on_event("light", {"kind": "fallback", "nodes": ["node0"]}) == []
+    assert m.on_exit("light", 75, False) == []  # (taking a node from heavy or middle: no pay)
+    ended = [f for k, f in out if k == "fleet_job_ended"][-1]
+    assert ended["requeued"] and m.jobs["light"].state == "waiting" and m.free == 1
+    assert m.on_exit("middle", 0, True) == [Start("light", 3, attempt=1)]
+    assert m.counts() == {"heavy": 2, "middle": 0, "light": 3} and m.free == 0
+
+
+def test_a_job_below_its_min_nodes_after_a_loss_is_stopped_at_its_checkpoint():
+    out: list[tuple[str, dict]] = []
+    m = fleet(lambda kind, **f: out.append((kind, f)))
+    m.jobs["light"].min_nodes = 3
+    m.start()
+    assert m.on_event("light", plan(2)) == [Stop("light")]
+    assert [k for k, _ in out][-1] == "fleet_stop" and m.jobs["light"].stopping
+    assert m.on_event("light", recovered(["node1"])) == []  # (asked once; no move meanwhile)
+    # stopped: its 2 nodes are free, and one of heavy's (3 -> 2 costs heavy 4 x 2, light on 3
+    # gains 12) brings it to its minimum: it starts again once that node left heavy
+    assert m.on_exit("light", 75, False) == [Drain("heavy", "node2", "light")]
+    assert m.jobs["light"].state == "waiting" and not m.jobs["light"].stopping
+    assert m.on_event("heavy", {"kind": "drain_agreed", "nodes": ["node2"]}) == [
+        Start("light", 3, attempt=1)]
+
+
 def test_status_tells_the_managers_events(tmp_path):
     log = EventLog(tmp_path / "events.jsonl", source="fleet")
     m = fleet(log.emit)
@@ -140,3 +172,27 @@ def test_status_tells_the_managers_events(tmp_path):
     assert rep["moves"][0]["move"] == "drain" and rep["waf_now"] == m.waf_now()
     text = format_status(rep)
     assert "drain node2 of light for heavy" in text and "decision: node2 lost in heavy" in text
+
+
+def test_report_on_a_fleet_run_dir_tells_and_plots_it(tmp_path, capsys):
+    """`oobleck-hpc report DIR` on a fleet's run dir is `fleet status`, with its plot."""
+    import argparse
+
+    from oobleck_hpc.records.report import main
+
+    log = EventLog(tmp_path / "events.jsonl", source="fleet")
+    m = fleet(log.emit)
+    m.start()
+    log.emit("fleet_started", fleet="f", pool=8, nodes=m.counts(), waf=m.waf_now(),
+             run_dirs={n: str(tmp_path / n) for n in m.jobs})
+    m.on_event("heavy", plan(2))
+    m.on_event("heavy", recovered(["node2"]))
+    log.emit("fleet_resumed", pid=1, since_s=2.5, pending=["drain"], jobs={})
+    log.close()
+    plot = tmp_path / "fleet.png"
+    assert main(argparse.Namespace(run_dir=str(tmp_path), run=None, plot=str(plot),
+                                   json=False)) == 0
+    out = capsys.readouterr().out
+    assert "drain node2 of light for heavy" in out and "a new manager (pid 1) took over" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
