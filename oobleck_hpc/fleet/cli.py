@@ -10,7 +10,8 @@ job whose count changes then pays its transition_s x its WAF, amortised over the
 --json: one object (keys fleet, nodes, mtbf_hours, jobs, total_waf, objective, idle_nodes,
 waf_before, seconds), each job with its whole curve (samples_per_s_by_nodes, index = nodes).
 
-`oobleck-hpc fleet status RUN_DIR [--json]` tells a fleet run from its events (status.py);
+`oobleck-hpc fleet status RUN_DIR [--json] [--plot FILE]` tells a fleet run from its events
+(status.py; `oobleck-hpc report RUN_DIR` on a fleet's run dir does the same);
 `fleet run` (launch/fleet.py: it starts processes) registers itself beside these. `fleet
 submit` (a Slurm fleet) is not built yet (issue 32); `oobleck-hpc simulate --fleet`
 (fleet/simulate.py) replays the decision on failure traces.
@@ -41,19 +42,31 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
                              "fleet's WAF (from its events)")
     s.add_argument("run_dir", help="the fleet's run dir (`fleet run --run-dir`)")
     s.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    s.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw the fleet's WAF and each job's nodes over time into this PNG")
     s.set_defaults(func=status)
     return fleet_sub
 
 
 def status(args: argparse.Namespace) -> int:
-    from oobleck_hpc.fleet.status import format_status, read_status
+    """`fleet status`, and `oobleck-hpc report` on a fleet's run dir."""
+    from oobleck_hpc.fleet.status import format_status, plot_status, read_status
+    from oobleck_hpc.sim.report import check_plot_target
 
+    plot = getattr(args, "plot", None)
+    if plot:
+        check_plot_target(plot)
     rep = read_status(args.run_dir)
+    if plot:
+        plot_status(rep, plot)
+        rep["plot"] = str(plot)
     if args.json:
         json.dump(rep, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         print(format_status(rep))
+        if plot:
+            print(f"\nplot: {plot}")
     return 0
 
 

@@ -363,6 +363,12 @@ def plot(rep: dict[str, Any], rows: list[dict], path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from oobleck_hpc.fleet.status import is_fleet_run
+
+    if is_fleet_run(args.run_dir):  # (a fleet's run dir: its jobs, nodes and WAF over time)
+        from oobleck_hpc.fleet.cli import status
+
+        return status(args)
     if args.plot:
         check_plot_target(args.plot)
     rep = build(args.run_dir, args.run)
