@@ -68,17 +68,20 @@ def write_fleet(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Each job's failure-free fp64 run in one process: (losses, final parameters)."""
+    return reference_runs(tmp_path_factory.mktemp("refs"), STEPS)
+
+
+def reference_runs(tmp: Path, steps_by_job: dict[str, int]) -> dict[str, tuple]:
     import torch
 
     from oobleck_hpc.engine import reference_run
 
-    tmp = tmp_path_factory.mktemp("refs")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the machine's cores are busy with the fleet's workers too)
     try:
         return {name: reference_run(job_from_dict(job_dict(tmp, nodes=3, gpus=1, steps=steps)),
                                     steps)
-                for name, steps in STEPS.items()}
+                for name, steps in steps_by_job.items()}
     finally:
         torch.set_num_threads(threads)
 
@@ -192,19 +195,7 @@ FALL_STEPS = {"main": 40, "frail": 12}
 
 @pytest.fixture(scope="module")
 def fall_references(tmp_path_factory):
-    import torch
-
-    from oobleck_hpc.engine import reference_run
-
-    tmp = tmp_path_factory.mktemp("fall-refs")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {name: reference_run(job_from_dict(job_dict(tmp, nodes=2, gpus=1, steps=steps)),
-                                    steps)
-                for name, steps in FALL_STEPS.items()}
-    finally:
-        torch.set_num_threads(threads)
+    return reference_runs(tmp_path_factory.mktemp("fall-refs"), FALL_STEPS)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 120)
