@@ -345,7 +345,7 @@ class FleetRun:
                 request_drain(job.run_dir, [a.node], by="fleet")
         elif isinstance(a, Grow):
             try:
-                names = grow(job.run_dir, a.count, tag=f"fleet-{i}")
+                names = grow(job.run_dir, a.count, tag=f"fleet-{i}", alive=job.alive)
             except (OSError, RuntimeError, TimeoutError) as e:
                 self.log.emit("fleet_move_failed", job=a.job, reason=f"grow: {e}")
                 return

@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from oobleck_hpc.records import runs
 from oobleck_hpc.config import JobConfig
@@ -227,12 +227,15 @@ class LocalRun:
 GROW_DIR = "grow"
 
 
-def grow(run_dir: str | Path, count: int, timeout: float = 30.0, tag: str = "") -> list[str]:
+def grow(run_dir: str | Path, count: int, timeout: float = 30.0, tag: str = "",
+         alive: Callable[[], bool] | None = None) -> list[str]:
     """Ask the launcher of the local job running in `run_dir` for `count` more nodes (from
     another process: module docstring); returns their names once their agents started.
     `tag` names the request, which makes asking again idempotent (the fleet manager, restarted
     from its records, repeats a grow it may have made): a request of that tag already
-    answered is answered again, one still pending is waited for."""
+    answered is answered again, one still pending is waited for. `alive`: whether the
+    launcher still runs (a caller that knows its pid): once it does not, no answer will
+    come (RuntimeError at once rather than TimeoutError after `timeout`)."""
     run_dir = Path(run_dir)
     if count < 1:
         raise ValueError(f"--nodes {count}: grow by at least one node")
@@ -243,9 +246,12 @@ def grow(run_dir: str | Path, count: int, timeout: float = 30.0, tag: str = "") 
     request = request_grow(run_dir, count, tag)
     done = request.with_suffix(".done")
     try:
-        wait_until(done.exists, timeout, f"the launcher of the job in {run_dir} to answer (is "
-                   "it still running?)", every_s=0.05)
-    except TimeoutError:
+        wait_until(lambda: done.exists() or (alive is not None and not alive()), timeout,
+                   f"the launcher of the job in {run_dir} to answer (is it still running?)",
+                   every_s=0.05)
+        if not done.exists():
+            raise RuntimeError(f"the launcher of the job in {run_dir} ended before it answered")
+    except (TimeoutError, RuntimeError):
         request.unlink(missing_ok=True)  # a launcher that comes back must not act on it
         raise
     answer = json.loads(done.read_text())

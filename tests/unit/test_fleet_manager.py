@@ -196,3 +196,27 @@ def test_report_on_a_fleet_run_dir_tells_and_plots_it(tmp_path, capsys):
     assert "drain node2 of light for heavy" in out and "a new manager (pid 1) took over" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+
+def test_a_tagged_grow_is_answered_once_and_a_gone_launcher_is_not_waited_for(tmp_path):
+    """The manager's grow (launch/local.grow): asked again under its tag (a manager taking
+    over repeats it), the launcher's answer is read again, not a second grow; a launcher that
+    no longer runs fails the grow at once instead of after its 30 s timeout."""
+    import time
+
+    import pytest
+
+    from oobleck_hpc.files import write_json
+    from oobleck_hpc.launch.local import GROW_DIR, grow, request_grow
+
+    (tmp_path / "agents.json").write_text("{}")
+    request = request_grow(tmp_path, 1, tag="fleet-7")
+    write_json(request.with_suffix(".done"), {"nodes": ["node5"]})  # (the launcher's answer)
+    request.unlink()
+    assert grow(tmp_path, 1, tag="fleet-7") == ["node5"]
+    assert grow(tmp_path, 1, tag="fleet-7") == ["node5"]
+    assert not list((tmp_path / GROW_DIR).glob("*.request"))  # (never asked twice)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="ended before it answered"):
+        grow(tmp_path, 1, tag="fleet-8", alive=lambda: False)
+    assert time.monotonic() - t0 < 5 and not list((tmp_path / GROW_DIR).glob("*.request"))
