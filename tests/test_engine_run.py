@@ -50,8 +50,15 @@ def test_run_trains_the_example_across_local_nodes(tmp_path: Path) -> None:
     assert "pipeline 0:" in r.stdout and "done: 6 steps of gpt-tiny" in r.stdout, r.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 7))
-    assert all(row["samples"] == batch and row["generation"] == 0 for row in rows)
-    assert len({row["plan"] for row in rows}) == 1
+    assert all(row["samples"] == batch for row in rows)
+    # One plan, no node lost or added. (A retry round on the same 5 nodes may come first: on a
+    # loaded 2-core machine, seen once in CI, step 1 of 10 workers waited past the example's
+    # 5 s collective timeout while the others started; every peer answered the probe, and the
+    # job went on with a new generation of the same nodes and plan, nothing evicted.)
+    assert len({row["plan"] for row in rows}) == 1 and len({row["generation"] for row in rows}) == 1
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert all(not e["lost"] and not e["joined"] for e in events if e["kind"] == "recovered")
+    assert {e["nodes"] for e in events if e["kind"] == "plan_chosen"} == {5}
     assert all(math.isfinite(row["loss"]) and row["seconds"] > 0 for row in rows)
     assert min(row["loss"] for row in rows[3:]) < rows[0]["loss"]  # lr 1e-3 on real text: it learns
     assert len({(row["run"], row["attempt"]) for row in rows}) == 1
