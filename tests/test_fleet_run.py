@@ -33,7 +33,8 @@ import pytest
 import yaml
 
 from oobleck_hpc.config import job_from_dict
-from oobleck_hpc.operate.chaos import check_steps, kill_fleet, max_rel_diff
+from oobleck_hpc.operate.chaos import check_steps, max_rel_diff
+from oobleck_hpc.operate.cleanup import kill_fleet
 from oobleck_hpc.records.events import read_events, read_jsonl
 
 from test_recovery import TOL, job_dict

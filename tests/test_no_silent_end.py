@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oobleck_hpc.operate.chaos import AGENT_KILL_GRACE_S, kill_leftovers
+from oobleck_hpc.operate.chaos import AGENT_KILL_GRACE_S
+from oobleck_hpc.operate.cleanup import kill_leftovers
 from oobleck_hpc.records.events import read_events, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

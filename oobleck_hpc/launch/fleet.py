@@ -167,7 +167,7 @@ class FleetJobRun:
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM (the launcher forwards it and checkpoints), then SIGKILL what is left."""
-        from oobleck_hpc.operate.chaos import kill_agents, kill_leftovers
+        from oobleck_hpc.operate.cleanup import kill_agents, kill_leftovers
 
         if self.proc is not None:
             if self.proc.poll() is None:

@@ -42,10 +42,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -58,6 +56,7 @@ from oobleck_hpc.operate.chaos_oracle import (AFTER_STEP_PHASES, RECOVERY_PHASES
                                       STEP_PHASES, expected_outcomes)
 from oobleck_hpc.config import FaultConfig, JobConfig
 from oobleck_hpc.records import events as ev
+from oobleck_hpc.operate.cleanup import kill_leftovers
 
 PHASES: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["phase"])
 KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(FaultConfig)["kind"])
@@ -178,69 +177,6 @@ def trial_job(base: JobConfig, faults: Sequence[FaultConfig], trial_dir: Path, s
     d["fault_tolerance"]["straggler"] = "none"
     d["faults"] = [asdict(x) for x in faults]
     return json.loads(json.dumps(d))  # tuples -> lists, for yaml.safe_dump
-
-
-def kill_leftovers(launcher: subprocess.Popen, run_dir: Path) -> None:
-    """SIGKILL the launcher's session and every oobleck_hpc process in the process groups of
-    the agents named in RUN_DIR/agents.json (agents run in their own sessions). Processes are
-    matched by process group and command line, so a recycled pid is never hit."""
-    if launcher.poll() is None:
-        try:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    launcher.wait()
-    kill_agents(run_dir)
-
-
-def agent_groups(run_dir: Path) -> set[int]:
-    """The process groups of the agents named in RUN_DIR/agents.json (none if it is not
-    there)."""
-    try:
-        return set(json.loads((run_dir / "agents.json").read_text()).values())
-    except (FileNotFoundError, ValueError):
-        return set()
-
-
-def kill_agents(run_dir: Path) -> None:
-    """SIGKILL every oobleck_hpc process in the process groups of the agents named in
-    RUN_DIR/agents.json (matched by process group and command line: `kill_leftovers`)."""
-    kill_groups(agent_groups(run_dir))
-
-
-def kill_fleet(managers: Sequence[subprocess.Popen], run_dir: Path) -> None:
-    """SIGKILL whatever a fleet run left (`fleet run`, launch/fleet.py): its managers'
-    sessions, each job launcher's session (pids from the fleet's `fleet_job_started` events)
-    and the process groups of every job's agents (RUN_DIR/<job>/agents.json)."""
-    from oobleck_hpc.records.events import read_events
-
-    groups = {m.pid for m in managers}
-    events = run_dir / "events.jsonl"
-    groups |= {e["pid"] for e in (read_events(events) if events.exists() else [])
-               if e.get("kind") == ev.FLEET_JOB_STARTED}
-    for job in run_dir.glob("*/agents.json"):
-        groups |= agent_groups(job.parent)
-    kill_groups(groups)
-    for m in managers:
-        m.wait()
-
-
-def kill_groups(groups: set[int]) -> None:
-    """SIGKILL every oobleck_hpc process in these process groups (matched by process group
-    and command line, so that a recycled pid is never hit)."""
-    if not groups:
-        return
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pgid = int(stat.read_text().rsplit(")", 1)[1].split()[2])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended meanwhile
-        if pgid in groups and b"oobleck_hpc" in cmdline:
-            try:
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def check_steps(rows: Sequence[dict[str, Any]], steps: int) -> bool:

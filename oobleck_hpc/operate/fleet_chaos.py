@@ -17,7 +17,7 @@ its metrics hold every step once per attempt (chaos.check_steps) and its final p
 those of its own failure-free fp64 run (engine.reference_run, once per distinct job) within
 --tol. Outcomes: exact, wrong_state (exit 0 but a job's steps or parameters are off), dead_end
 (exit != 0), hung (past --trial-timeout: every process of the trial is killed, by pid:
-chaos.kill_fleet). Each trial records the faults drawn and fired, the moves (drains, grows),
+cleanup.kill_fleet). Each trial records the faults drawn and fired, the moves (drains, grows),
 the requeues inside the fleet, the manager's kill time and its take-over, and every job's
 recovery times. Exit code: 0 when every trial was exact, else 1.
 """
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_hpc.config import FaultConfig
-from oobleck_hpc.operate.chaos import (KINDS, check_steps, draw_trial, kill_fleet, max_rel_diff,
-                                       trial_job)
+from oobleck_hpc.operate.chaos import KINDS, check_steps, draw_trial, max_rel_diff, trial_job
+from oobleck_hpc.operate.cleanup import kill_fleet
 from oobleck_hpc.records import events as ev
 
 RESUME_PAUSE_S = 3.0
