@@ -114,8 +114,12 @@ def check_equal_to_reference(code: int, rows: list[dict], run_dir: Path, referen
     events = read_events(run_dir / "events.jsonl")
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert recovered, f"no recovery happened (events: {run_dir / 'events.jsonl'})"
-    detected = [(e["source"], e["node"], e["how"]) for e in events if e["kind"] == "failure_detected"]
-    assert set(recovered[-1]["lost"]) == lost, f"failures detected: {detected}"
+    detected = [(e["source"], e["node"], e["how"], e.get("attempt"))
+                for e in events if e["kind"] == "failure_detected"]
+    probed = [(e["source"], e["silent"], e["timeout_s"], e["answered_s"])
+              for e in events if e["kind"] == "stall_probed"]
+    assert set(recovered[-1]["lost"]) == lost, \
+        f"failures detected (source, node, how, attempt): {detected}; stall probes: {probed}"
     if last_on_new_plan:
         assert rows[-1]["generation"] >= 1
     return events

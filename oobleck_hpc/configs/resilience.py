@@ -50,7 +50,8 @@ STALL_PROBE_S = 0.35
 agent never answers; a live one answered within 0.4-2.6 ms on this 2-core machine, quiet or
 under a CPU hog (the stall_probed event's answered_s, control/stall_probe.py), so an agent
 descheduled for 200 ms is still not suspected. Hang -> removed ~= STALL_FLOOR_S + this + a
-round: ~0.8 s."""
+round: ~0.8 s. The floor of the deadline: on a machine that has left agents unscheduled lately
+(late heartbeats), the probe waits longer (control/stall_probe.py)."""
 
 
 @dataclass

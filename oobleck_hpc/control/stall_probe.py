@@ -24,10 +24,18 @@ nodes hung at once are found by their leases.
 
 The deadline is the one figure a healthy node's place depends on: a false suspicion costs a
 healthy node. It is short next to the lease but long next to a live agent's answer, which the
-`stall_probed` event records per node (`answered_s`). A node pinged and not yet answered or
-timed out is not pinged again (every worker of every survivor may report the same stall). As
-the probe after an error, nothing is done while a round is open (it explains the stall, and it
-waits at most lease_s for a hung member) or for an older generation.
+`stall_probed` event records per node (`answered_s`): `timeout_s` (STALL_PROBE_S), or
+LATE_FACTOR times the longest an agent went unscheduled in the last half minute when that is
+more (topology.py, `Lateness`: heartbeats that came late, this agent's late ticks), at most
+half the lease. On a quiet or busy machine agents answer in milliseconds and the deadline stays
+`timeout_s`; on the 2-core CI machine, while several processes imported torch, probes of three
+different agents each found one healthy peer silent past 0.35 s and suspected it. And when the
+judgement itself runs late (this agent was descheduled past the deadline: its peers likely
+too, with their answers still unsent), the silence proves nothing yet: it is judged again a
+deadline later. A node pinged and not yet answered or timed out is not pinged again (every
+worker of every survivor may report the same stall). As the probe after an error, nothing is
+done while a round is open (it explains the stall, and it waits at most lease_s for a hung
+member) or for an older generation.
 """
 
 from __future__ import annotations
@@ -39,6 +47,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from oobleck_hpc.control.plane import ControlPlane
 
+LATE_FACTOR = 2.0
+"""A probe waits at least this many times the longest lateness seen lately (module docstring)."""
+JUDGED_LATE_S = 0.05
+"""A judgement that runs this much past its deadline was itself descheduled (module
+docstring): it waits one more deadline before it suspects anyone."""
 WITNESSES = 2
 """Members not named by a stall that its probe pings too: one answer shows that this agent is
 heard and hears (module docstring)."""
@@ -74,20 +87,35 @@ class StallProbes:
                 self._pinged[node] = (now, None)
                 cp._link(node).put({"type": "ping"})
             if nodes:
-                cp._loop.after(self.timeout_s, functools.partial(
-                    self._judge, nodes, witnesses, now, core.decided.gen, why))
+                deadline = self.deadline(now)
+                cp._loop.after(deadline, functools.partial(
+                    self._judge, nodes, witnesses, now, now + deadline, core.decided.gen, why))
+
+    def deadline(self, now: float) -> float:
+        """How long a probe started now waits for answers (module docstring)."""
+        cp = self.plane
+        late = LATE_FACTOR * cp.monitor.lateness.recent(now)
+        return max(self.timeout_s, min(late, cp.lease_s / 2))
 
     def heard(self, src: str, msg: dict[str, Any]) -> None:
         """A message from `src` (called with the plane's lock held): a PONG answers its ping."""
         if msg.get("type") == "pong" and self._pinged.get(src, (0.0, 0.0))[1] is None:
             self._pinged[src] = (self._pinged[src][0], time.monotonic())
 
-    def _judge(self, nodes: list[str], witnesses: list[str], started: float, gen: int,
-               why: str) -> None:
-        """`timeout_s` after `nodes` and `witnesses` were pinged: suspect the one node not
-        heard from since, if another was (module docstring)."""
+    def _judge(self, nodes: list[str], witnesses: list[str], started: float, due: float,
+               gen: int, why: str) -> None:
+        """At `due`, a deadline after `nodes` and `witnesses` were pinged: suspect the one node
+        not heard from since, if another was (module docstring)."""
         cp = self.plane
         with cp._lock:
+            now = time.monotonic()
+            if now - due > JUDGED_LATE_S and cp._loop is not None:  # this agent was not running
+                cp.monitor.lateness.note(now, now - due)
+                again = self.deadline(now)
+                if now + again - started <= cp.lease_s:  # (past that, the leases decide)
+                    cp._loop.after(again, functools.partial(
+                        self._judge, nodes, witnesses, started, now + again, gen, why))
+                    return
             answered = {n: self._pinged.pop(n, (started, None))[1] for n in nodes + witnesses}
             core = cp.core
             if core.fenced or core.decided.gen != gen or core.proposal is not None:
@@ -97,11 +125,12 @@ class StallProbes:
             silent = [n for n in nodes if n not in heard and n not in core.suspects]
             unconfirmed = not heard or len(silent) > 1
             cp.events.emit("stall_probed", why=why, nodes=nodes, silent=silent,
-                           witnesses=witnesses, unconfirmed=unconfirmed, timeout_s=self.timeout_s,
+                           witnesses=witnesses, unconfirmed=unconfirmed,
+                           timeout_s=round(due - started, 4),
                            answered_s={n: round(t - started, 4) for n, t in answered.items()
                                        if t is not None})
             if unconfirmed:
                 return
             for node in silent:
                 cp._run(functools.partial(core.suspect, node, f"stall_probe_unanswered (within "
-                                          f"{self.timeout_s} s)"))
+                                          f"{due - started:.2f} s)"))

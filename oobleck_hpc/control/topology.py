@@ -32,12 +32,24 @@ Suspicion (`Detector`)
 - An edge starts with a fresh lease when it appears (a new generation's topology, a joiner):
   a subject is expected to be heard from within lease_s of the moment one starts watching it,
   or within startup_s of the start for generation 0.
+
+How late this machine runs (`Lateness`)
+---------------------------------------
+The monitor also measures how long agents go unscheduled: a subject heartbeats at most
+1.5 x heartbeat_s apart (every heartbeat_s, on ticks heartbeat_s / 2 apart), and this agent's
+own ticker runs every heartbeat_s / 2; what a gap exceeds that by is lateness (the sender's, the
+network's or this agent's own). The largest of the last LATE_WINDOW_S is what a short deadline
+must allow for (the stall probe's, control/stall_probe.py): on a quiet or merely busy machine
+it is milliseconds, but a 2-core CI machine starting torch in several processes at once left
+healthy agents unscheduled for over 0.35 s, and a fixed deadline suspected three of them. Failure detectors that adapt to the heartbeats' observed arrivals, such as
+the phi accrual detector (Hayashibara et al., SRDS 2004), rest on the same evidence.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,6 +57,8 @@ from oobleck_hpc.errors import EXIT_REQUEUE
 
 MONITORS = 4
 """K: rings in the monitoring topology (subjects and observers per agent, at most)."""
+LATE_WINDOW_S = 30.0
+"""How long an agent remembers the lateness it measured (module docstring: `Lateness`)."""
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -137,6 +151,11 @@ class Detector:
     def heard(self, node: str, now: float) -> None:
         self.last_heard[node] = now
 
+    def watched_since(self, node: str) -> float:
+        """When this agent's edge to subject `node` began (it heartbeats this agent since);
+        infinity for a node that is not a subject."""
+        return self._since[node][0] if node in self._since else float("inf")
+
     def expired(self, now: float, skip: set[str]) -> list[tuple[str, str, bool]]:
         """(subject, how, alone) for each subject silent for more than lease_s since its edge
         began, not reported in the last lease_s (`skip`: already suspected or gone); `alone`:
@@ -180,6 +199,27 @@ class Detector:
             else bool(self._reports.get(subject))
 
 
+class Lateness:
+    """The largest lateness noted in the last `window_s` (module docstring), in O(1) amortized:
+    a deque of (time, lateness) whose lateness decreases from its front (a sliding maximum)."""
+
+    def __init__(self, window_s: float = LATE_WINDOW_S):
+        self.window_s = window_s
+        self._seen: deque[tuple[float, float]] = deque()
+
+    def note(self, now: float, late: float) -> None:
+        if late <= 0.0:
+            return
+        while self._seen and self._seen[-1][1] <= late:
+            self._seen.pop()
+        self._seen.append((now, late))
+
+    def recent(self, now: float) -> float:
+        while self._seen and self._seen[0][0] < now - self.window_s:
+            self._seen.popleft()
+        return self._seen[0][1] if self._seen else 0.0
+
+
 class Monitor:
     """Failure detection around one agent's `MembershipCore`, pure: what plane.py runs on
     every tick and every message (and the control plane's simulator, testing/netsim.py, too).
@@ -200,6 +240,8 @@ class Monitor:
         self.agreement_timeout_s = agreement_timeout_s or 2 * lease_s
         self._seen: tuple[Any, float] = (None, 0.0)  # the open round's proposal, since when
         self.detector = Detector(core.me, lease_s, k)
+        self.lateness = Lateness()
+        """How late heartbeats and this agent's ticks ran lately (module docstring)."""
         self.emit = emit or (lambda kind, **fields: None)
         self.t0 = self._last_tick = self._last_hb = 0.0
 
@@ -214,6 +256,7 @@ class Monitor:
         gap, self._last_tick = now - self._last_tick, now
         if core.fenced:
             return []
+        self.lateness.note(now, gap - self.heartbeat_s / 2)
         if gap > self.lease_s:
             core.fence(f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
                        "(stopped or starved): its peers have excluded it")
@@ -237,6 +280,9 @@ class Monitor:
         return targets
 
     def message(self, src: str, msg: dict[str, Any], now: float) -> bool:
+        last = self.detector.last_heard.get(src)
+        if last is not None and self.detector.watched_since(src) <= last:
+            self.lateness.note(now, now - last - 1.5 * self.heartbeat_s)  # (a subject's gap)
         self.detector.heard(src, now)
         if msg.get("type") != "report":
             return False

@@ -130,3 +130,47 @@ def test_a_new_edge_gets_a_fresh_lease_and_a_silent_subject_is_reported_again():
     (got,) = [x for x in d.expired(22.1, skip=set()) if x[0] == joiner]
     assert got[1:] == ("never_connected", False)
     assert d.report(joiner, me, gone={me})  # outside the rings: this member's report suffices
+
+
+def test_lateness_is_the_largest_of_the_window_and_forgets_what_is_older():
+    """A sliding maximum (topology.py, `Lateness`), against the maximum over the window by hand."""
+    import random
+
+    from oobleck_hpc.control.topology import Lateness
+
+    rng = random.Random(7)
+    gauge, seen = Lateness(window_s=5.0), []
+    for i in range(2000):
+        now, late = i * 0.05, rng.choice([0.0, -0.1, rng.random()])
+        gauge.note(now, late)
+        seen.append((now, late))
+        expect = max([x for t, x in seen if t >= now - 5.0 and x > 0], default=0.0)
+        assert gauge.recent(now) == expect
+    assert len(gauge._seen) < 100  # decreasing from the front: bounded by the window
+
+
+def test_the_monitor_measures_late_heartbeats_of_its_subjects_and_its_own_late_ticks():
+    """A subject's gap beyond 1.5 heartbeats and a tick late beyond half a heartbeat are
+    lateness; a message from a node that does not heartbeat this agent says nothing."""
+    from oobleck_hpc.control.membership import MembershipCore
+    from oobleck_hpc.control.topology import Monitor
+
+    view = names(8)
+    core = MembershipCore("n0", view, 1234, lambda: 1235)
+    mon = Monitor(core, heartbeat_s=0.5, lease_s=3.0, startup_s=10.0)
+    mon.start(0.0)
+    mon.tick(0.25)
+    subject = mon.detector.subjects[0]
+    stranger = next(n for n in view[1:] if n not in mon.detector.subjects)
+    for t in (0.5, 1.0, 1.5):
+        mon.message(subject, {"type": "heartbeat", "gen": 0}, t)
+        mon.message(stranger, {"type": "heartbeat", "gen": 0}, t)
+    mon.tick(0.5)
+    assert mon.lateness.recent(1.5) == 0.0
+    mon.tick(1.35)  # the ticker ran 0.6 s late
+    assert mon.lateness.recent(1.35) == pytest.approx(0.6)
+    mon.lateness = type(mon.lateness)()
+    mon.message(stranger, {"type": "heartbeat", "gen": 0}, 2.5)  # silent 1 s: not its duty
+    assert mon.lateness.recent(2.5) == 0.0
+    mon.message(subject, {"type": "heartbeat", "gen": 0}, 2.6)  # 1.1 s apart: 0.35 s late
+    assert mon.lateness.recent(2.6) == pytest.approx(0.35)
