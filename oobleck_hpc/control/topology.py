@@ -41,8 +41,9 @@ own ticker runs every heartbeat_s / 2; what a gap exceeds that by is lateness (t
 network's or this agent's own). The largest of the last LATE_WINDOW_S is what a short deadline
 must allow for (the stall probe's, control/stall_probe.py): on a quiet or merely busy machine
 it is milliseconds, but a 2-core CI machine starting torch in several processes at once left
-healthy agents unscheduled for over 0.35 s, and a fixed deadline suspected three of them. Failure detectors that adapt to the heartbeats' observed arrivals, such as
-the phi accrual detector (Hayashibara et al., SRDS 2004), rest on the same evidence.
+healthy agents unscheduled for over 0.35 s, and a fixed deadline suspected three of them.
+Failure detectors that adapt to the heartbeats' observed arrivals, such as the phi accrual
+detector (Hayashibara et al., SRDS 2004), rest on the same evidence.
 """
 
 from __future__ import annotations
