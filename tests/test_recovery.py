@@ -420,8 +420,14 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
     out, back = recovered
     assert out["step"] == 3 and back["step"] > 4, recovered
-    # It rejoined at a step boundary: the step in flight committed, none failed (membership.py, 7b).
-    assert not [e for e in events if e["kind"] == "step_failed" and e["step"] != 3], events
+    # It rejoined at a step boundary (membership.py, 7b): the step whose vote completed
+    # committed, and only the next one, begun by some ranks and kept by none, is redone
+    # (rounds.py, `admit`). A rank in that step may see it fail (a peer that heard of the round
+    # first tore its groups down: seen once in CI) before its own notice arrives; the round
+    # explains the error (plane.py, `probe`). No other step failed.
+    failed = [e for e in events if e["kind"] == "step_failed" and e["step"] != 3]
+    assert all(e["step"] == back["step"] and e["generation"] < back["generation"]
+               for e in failed), (failed, recovered)
     rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}
     assert rejoined == {"node2/0", "node2/1"}, rejoined
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
@@ -509,7 +515,10 @@ def test_a_slowed_node_gets_fewer_microbatches_and_the_run_stays_exact(tmp_path)
 def test_hang_node(tmp_path, reference):
     """A node stopped (SIGSTOP) in a step's forward pass is found in band (recovery/stall.py:
     its peers' waits stall, their agents' pings go unanswered) and removed well before its
-    3 s lease would expire, with nobody else lost; the run ends exact."""
+    3 s lease would expire, with nobody else lost; the run ends exact. The probe's deadline
+    is 0.35 s on a machine that runs its agents on time and longer on one that has left them
+    unscheduled lately (control/stall_probe.py, `deadline`: 0.92 s once in CI, after the
+    start's imports); the removal is bounded by the deadline the probe used."""
     code, rows, run_dir = run_job(tmp_path, faults=[
         {"node": 2, "step": 3, "phase": "forward", "kind": "hang"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
@@ -517,8 +526,11 @@ def test_hang_node(tmp_path, reference):
     removed = min(e["t"] for e in events if e["kind"] == "agreement_reached"
                   and "node2" in e["lost"])
     how = {e["how"] for e in events if e["kind"] == "failure_detected"}
-    print(f"\n[figures] hang -> node removed after {removed - fault:.3f} s ({how})")
-    assert removed - fault < 1.5, (removed - fault, how)
+    probe_s = min(e["timeout_s"] for e in events if e["kind"] == "stall_probed"
+                  and "node2" in e["silent"] and not e["unconfirmed"])
+    print(f"\n[figures] hang -> node removed after {removed - fault:.3f} s, the probe's "
+          f"deadline {probe_s:.2f} s ({how})")
+    assert removed - fault < min(probe_s + 1.15, 3.0), (removed - fault, probe_s, how)
     assert all("stall_probe_unanswered" in h for h in how), how
 
 
