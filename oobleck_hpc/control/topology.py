@@ -19,8 +19,11 @@ Suspicion (`Detector`)
 - A lease that expires (or a subject never heard from since the edge began) makes the observer
   REPORT the subject to the subject's other observers -- K messages per report.
 - An observer suspects the subject once more than half of the subject's observers that are
-  still members (not suspected, not left) have reported it in this generation, its own report
-  included. So one slow or partitioned observer cannot evict a healthy node, and a hung node,
+  still members (not suspected, not left) have reported it in this generation, itself counted
+  among them (its own report, or, while its own lease holds, a vote against). So one slow or
+  partitioned observer cannot evict a healthy node, also not one with only two observers (the
+  other observer once did not count itself and suspected on the first one's report alone: a
+  healthy agent of a 5-node test, unscheduled for 3 s, was evicted so), and a hung node,
   whose K observers all stop hearing it at the same moment, is suspected at lease_s as before.
   When observers themselves fail (a switch taking 32 nodes with it), the ones left decide.
 - A subject silent to an observer for two leases is suspected by that observer alone: the
@@ -195,7 +198,9 @@ class Detector:
         return [s for s in self._reports if s not in gone and self._enough(s, gone)]
 
     def _enough(self, subject: str, gone: set[str]) -> bool:
-        live = self.observers(subject, gone)
+        # This agent's own say counts whenever it observes the subject: while its own lease
+        # holds it is a vote for the subject (`gone` may name this agent: the monitor's does).
+        live = self.observers(subject, gone - {self.me})
         return 2 * len(self._reports.get(subject, set()) & set(live)) > len(live) if live \
             else bool(self._reports.get(subject))
 

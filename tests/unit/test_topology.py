@@ -89,6 +89,24 @@ def test_one_slow_observer_cannot_evict_and_reports_of_non_observers_do_not_coun
     assert d.reporters(subject) == {observers[1]}
 
 
+def test_an_observer_counts_itself_so_the_other_of_two_observers_cannot_evict_alone():
+    """A subject with two observers (node3 of 5 nodes): one observer's report does not make the
+    other suspect it while the other's own lease holds -- both must report. (Seen in CI before
+    the fix: the monitor passed itself as gone, so node2 evicted a healthy node3 on node1's
+    report alone.) With three, two reports suffice whoever makes them."""
+    rings = Rings(tuple(f"node{i}" for i in range(5)))
+    assert set(rings.observers("node3")) == {"node1", "node2"}
+    d = Detector("node2", lease_s=1.0)
+    d.watch(1, rings.view, now=0.0)
+    assert not d.report("node3", "node1", gone={"node2"})
+    assert d.report("node3", "node2", gone={"node2"})  # its own lease expired too
+    three = Detector("node0", lease_s=1.0)
+    three.watch(1, rings.view, now=0.0)
+    assert set(rings.observers("node4")) == {"node0", "node1", "node2"}
+    assert not three.report("node4", "node1", gone={"node0"})
+    assert three.report("node4", "node2", gone={"node0"})
+
+
 def test_observers_that_fail_lower_the_bar_and_a_new_generation_forgets_reports():
     rings, subject, observers = hung()
     d = Detector(observers[0], lease_s=1.0)
