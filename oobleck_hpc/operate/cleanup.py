@@ -47,11 +47,9 @@ def kill_fleet(managers: Sequence[subprocess.Popen], run_dir: Path) -> None:
     """SIGKILL whatever a fleet run left (`fleet run`, launch/fleet.py): its managers'
     sessions, each job launcher's session (pids from the fleet's `fleet_job_started` events)
     and the process groups of every job's agents (RUN_DIR/<job>/agents.json)."""
-    from oobleck_hpc.records.events import read_events
-
     groups = {m.pid for m in managers}
     events = run_dir / "events.jsonl"
-    groups |= {e["pid"] for e in (read_events(events) if events.exists() else [])
+    groups |= {e["pid"] for e in (ev.read_events(events) if events.exists() else [])
                if e.get("kind") == ev.FLEET_JOB_STARTED}
     for job in run_dir.glob("*/agents.json"):
         groups |= agent_groups(job.parent)
