@@ -805,62 +805,6 @@ time.sleep(120)
 
 
 @pytest.mark.timeout(60)
-def test_a_generation_waits_the_long_timeout_until_its_first_commit():
-    """engine/groups.py: a generation's first step runs under the regroup's long timeout (ranks
-    of a fresh start reach their first collective seconds apart on a loaded machine), and once
-    it committed a step (`Comm.warmed`) every group has the short one. Two gloo ranks, a
-    subgroup, the peer 2.5 s late: before warmed() the wait succeeds (collective timeout 1 s,
-    long timeout 30 s); after it, the same lateness fails in about 1 s."""
-    import datetime
-    import subprocess
-    import sys
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from oobleck_hpc.engine import Comm
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
-    peer = subprocess.Popen([sys.executable, "-c", f"""
-import datetime, time, torch, torch.distributed as dist
-from oobleck_hpc.engine import Comm
-store = dist.TCPStore("127.0.0.1", {store.port}, is_master=False,
-                      timeout=datetime.timedelta(seconds=30))
-comm = Comm.init(store, 1, 2, 0, "gloo", timeout_s=1.0, init_timeout_s=30.0)
-group = comm.new_group([0, 1])
-for _ in range(2):
-    time.sleep(2.5)
-    try:
-        dist.all_reduce(torch.ones(1), group=group)
-    except RuntimeError:
-        pass
-    comm.warmed()
-time.sleep(30)
-"""])
-    comm = None
-    try:
-        comm = Comm.init(store, 0, 2, 0, "gloo", timeout_s=1.0, init_timeout_s=30.0)
-        group = comm.new_group([0, 1])
-        assert comm.wait_s == 30.0
-        t0 = time.monotonic()
-        comm.wait(dist.all_reduce(torch.ones(1), group=group, async_op=True), None, None)
-        assert 2.0 < time.monotonic() - t0 < 20.0
-        comm.warmed()
-        assert comm.wait_s == 1.0
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError):
-            comm.wait(dist.all_reduce(torch.ones(1), group=group, async_op=True), None, None)
-        assert time.monotonic() - t0 < 2.0
-    finally:
-        if comm is not None:
-            comm.abandon()
-        peer.kill()
-        peer.wait()
-
-
-@pytest.mark.timeout(60)
 def test_a_store_op_on_a_frozen_host_fails_once_a_round_opens():
     """A hung node hosting the generation's store: a survivor's store.add() waits for its reply
     up to the store's timeout (300 s in a job; torch's TCPStore for ever). When the agents open

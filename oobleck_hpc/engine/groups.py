@@ -16,17 +16,6 @@ of the old groups is left in torch.distributed; the same processes can `init` a 
 with a different world size and rank. The collective timeout is short (the job's
 `fault_tolerance.collective_timeout_s`): it bounds how long a hung peer can stall anything.
 
-The first step of a generation is the exception: it runs under the regroup's long timeout
-(`init_timeout_s`), and every group gets the short one once the generation commits its first
-step (`warmed`, from the elastic driver). The ranks of a fresh start reach their first
-collective seconds apart (each allocates its model, optimizer and buffers at once on a loaded
-machine): on the 2-core CI machine, in 16 of 30 chaos trials (seed 2830), step 1 of
-generation 0 timed out at 5 s, every peer answered the probe, and a retry round on the same
-nodes cost 0.5-5 s. A hung peer in a first step is still found by the control plane (stall
-probe, lease), whose round aborts the wait at once; only the backstop is longer. torch applies
-`ProcessGroup.set_timeout` to gloo groups as to NCCL ones (measured: a gloo group made with
-1 s and set to 10 s waits 3 s for a late peer; made with 10 s and set to 1 s, fails at 1 s).
-
 Which groups a plan needs: the sets of ranks that hold the same layers (`plan.layer_owners`).
 A layer's holders are all replicas of its stage in every pipeline (in-node GPUs of a multi-GPU
 stage included), so ONE all-reduce over that set sums both the in-node data-parallel shares and
@@ -36,9 +25,9 @@ Point-to-point traffic uses the default group. Every rank creates every group, i
 
 NCCL (GPUs). Communicators are created eagerly, bound to the rank's device (`device_id` of
 `init_process_group` and `new_group`), while the regroup's long timeout (`init_timeout_s`)
-applies, and the generation's first step too; every group's collective timeout is then set to
-the short one (`set_timeout`, in `warmed`). So the first collective after a regroup never pays
-for communicator creation against the collective timeout. Async error handling is CleanUpOnly (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, unless the
+applies; every group's collective timeout is then set to the short one (`set_timeout`). So the
+first collective after a regroup never pays for communicator creation against the collective
+timeout. Async error handling is CleanUpOnly (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, unless the
 environment chose): a timed-out collective aborts its communicator and fails its work, it never
 takes the process down -- a survivor must outlive the groups of a generation it gave up.
 After a failure `abandon()` ABORTS every communicator of the generation (`ProcessGroup.abort()`)
@@ -163,8 +152,6 @@ class Comm:
     the agreements of a start that may wait on one rank's disk (`all_reduce_max`)."""
     groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
     """Every group of this generation: the world first, then the plan's subgroups."""
-    warm: bool = False
-    """The generation committed a step: the short timeout applies (module docstring)."""
     _aborted: bool = field(default=False, repr=False)
 
     @property
@@ -195,26 +182,18 @@ class Comm:
         comm.groups.append(dist.group.WORLD)
         return comm
 
-    @property
-    def wait_s(self) -> float:
-        """How long a wait in this generation lasts at most: the long timeout until it is warm."""
-        return self.timeout_s if self.warm else max(self.timeout_s, self.setup_timeout_s)
-
     def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
-        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.wait_s),
-                               backend=self.backend, device_id=self.device)
+        group = dist.new_group(ranks, timeout=self.timeout, backend=self.backend,
+                               device_id=self.device)
         self.groups.append(group)
         return group
 
-    def warmed(self) -> None:
-        """The generation committed its first step: from now on the short collective timeout
-        applies to every group (module docstring). Idempotent."""
-        if self.warm:
-            return
-        self.warm = True
-        for g in self.groups:
-            if g not in (None, dist.GroupMember.NON_GROUP_MEMBER):
-                g.set_timeout(self.timeout)
+    def ready(self) -> None:
+        """Every group is built: from now on the short collective timeout applies to all."""
+        if self.nccl:
+            for g in self.groups:
+                if g not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+                    g.set_timeout(self.timeout)
 
     def destroy(self) -> None:
         """Tear down the default group and every subgroup created under it."""
@@ -261,12 +240,12 @@ class Comm:
 
     def wait(self, work: dist.Work, waiter: Waiter, abort: Callable[[], bool] | None,
              sync: bool = False, timeout_s: float | None = None) -> None:
-        """Wait for `work`, bounded by `timeout_s` (default: `wait_s`), giving up
+        """Wait for `work`, bounded by `timeout_s` (default: the collective timeout), giving up
         as soon as `abort()` turns true (raising `Aborted`). NCCL: a stream dependency, the CPU
         runs on -- unless `sync` (the result is read on the CPU next): then `is_completed()` is
         polled here. gloo: on the waiter's thread while this one polls `abort()` (module
         docstring)."""
-        timeout_s = self.wait_s if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self.nccl:
             if not sync:
                 work.wait()
@@ -349,6 +328,7 @@ class PlanGroups:
                 group = comm.new_group(list(ranks))
                 if comm.rank in ranks:
                     out.groups[ranks] = group
+        comm.ready()
         return out
 
     def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:

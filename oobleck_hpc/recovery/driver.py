@@ -316,8 +316,6 @@ class ElasticDriver:
         recovery under way ends (the `recovered` event, rank 0)."""
         s = self.state
         s.retries = 0
-        if s.comm is not None:
-            s.comm.warmed()  # (once per generation) the short collective timeout from now on
         s.client.training()  # (once) nodes may join from now on: there is a state to take
         if s.base is not None:  # first commit on a new plan: it becomes the base
             s.base.close()
