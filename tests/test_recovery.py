@@ -428,8 +428,9 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     # (rounds.py, `admit`). A rank in that step may see it fail (a peer that heard of the round
     # first tore its groups down: seen once in CI) before its own notice arrives; the round
     # explains the error (plane.py, `probe`). No other step failed.
+    retries = start_retries(events)  # (a loaded machine's start: helpers.py)
     failed = [e for e in events if e["kind"] == "step_failed" and e["step"] != 3
-              and e not in start_retries(events)]
+              and e not in retries]
     assert all(e["step"] == back["step"] and e["generation"] < back["generation"]
                for e in failed), (failed, recovered)
     rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}

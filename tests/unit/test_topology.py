@@ -91,9 +91,10 @@ def test_one_slow_observer_cannot_evict_and_reports_of_non_observers_do_not_coun
 
 def test_an_observer_counts_itself_so_the_other_of_two_observers_cannot_evict_alone():
     """A subject with two observers (node3 of 5 nodes): one observer's report does not make the
-    other suspect it while the other's own lease holds -- both must report. (Seen in CI before
-    the fix: the monitor passed itself as gone, so node2 evicted a healthy node3 on node1's
-    report alone.) With three, two reports suffice whoever makes them."""
+    other suspect it while the other's own lease holds -- both must report. (Seen before the
+    fix in tests/test_recovery.py::test_kill_during_reconfiguration: the monitor passed itself
+    as gone, so node2 evicted a healthy node3 on node1's report alone.) With three, two
+    reports suffice whoever makes them."""
     rings = Rings(tuple(f"node{i}" for i in range(5)))
     assert set(rings.observers("node3")) == {"node1", "node2"}
     d = Detector("node2", lease_s=1.0)
