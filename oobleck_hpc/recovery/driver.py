@@ -3,7 +3,7 @@
     driver = ElasticDriver(job, model, profile, dataset, device, client, events, faults,
                            secret=run_secret(run_dir))
     plan, comm = driver.start()          # generation 0: plan, store, groups
-    driver.build_engine(state, layers)   # fresh, or from a checkpoint
+    driver.build_engine(state, layers)   # fresh, or from a checkpoint; then all ranks are ready
     while driver.state.engine.state.step < steps:
         result = driver.step()           # a committed step (recovers in place on failures)
     driver.finish(write_final_state)     # every rank reached the end (recovers likewise)
@@ -210,7 +210,23 @@ class ElasticDriver:
         s.engine = Engine(s.job, s.model, s.plan, s.comm, s.groups, s.dataset, s.device,
                           state=state, layer_states=layer_states, on_phase=partial(on_phase, s),
                           abort=self.round_opened)
+        self._start_together()
         return s.engine
+
+    def _start_together(self) -> None:
+        """Every rank of the start says it is ready to train before any runs step 1 (an
+        exchange `start-<gen>`, like the commit vote). The ranks finish building (imports, model,
+        restore) seconds apart on a loaded machine, and the first collective would wait for the
+        last past the collective timeout: seen in CI, step 1's gradient_sync timed out 15 s
+        after the groups were up, every peer alive, and a retry round followed. The wait is
+        the control plane's, which a round ends at once (a collective of a group made with a
+        longer timeout would also bound a dead peer's wait: 71276ee): a node lost meanwhile
+        fails the first step, which recovers as any step does."""
+        s = self.state
+        try:
+            s.client.exchange(f"start-{s.gen}", [], timeout=s.store_timeout_s, gen=s.gen)
+        except (Superseded, TimeoutError):
+            pass  # step 1 sees the round (RoundOpened) or fails, and recovers
 
     # ------------------------------------------------------------------ steps
 
