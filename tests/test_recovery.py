@@ -221,19 +221,18 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
                     return True
             return False
 
-        def recovered(gen: int):
-            return lambda evs: any(e["kind"] == "recovered" and e["generation"] == gen
-                                   for e in evs)
+        def recovered(node: str):  # (by the node lost: a retry round may precede, helpers.py)
+            return lambda evs: any(e["kind"] == "recovered" and node in e["lost"] for e in evs)
 
         metrics = run_dir / "metrics.jsonl"
         if not seen(lambda evs: len({e["source"] for e in evs if e["kind"] == "join_request"})
                     == 5 and metrics.exists() and metrics.read_text().count("\n") >= 2):
             return  # every member heard the spare, and training is under way
         kill_node(run_dir, "node2")
-        if not seen(recovered(1)):
+        if not seen(recovered("node2")):
             return
         kill_node(run_dir, "node3")
-        if seen(recovered(2)):
+        if seen(recovered("node3")):
             out = subprocess.run([sys.executable, "-m", "oobleck_hpc", "grow", str(run_dir),
                                   "--nodes", "1"], capture_output=True, text=True, timeout=60)
             said.append(out.stdout + out.stderr)
@@ -253,10 +252,14 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
     reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=LONG_STEPS)),
                               LONG_STEPS)
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
-    agreed = {e["gen"]: (e["lost"], e["joined"]) for e in events if e["kind"] == "agreement_reached"}
-    assert agreed == {1: (["node2"], ["node5"]), 2: (["node3"], []), 3: ([], ["node6"])}, agreed
-    # node6 joined at a step boundary: no step of generation 2 failed (membership.py, 7b)
-    assert not [e for e in events if e["kind"] == "step_failed" and e["generation"] == 2]
+    retried = {e["generation"] for e in start_retries(events) if e["kind"] == "recovered"}
+    agreed = {e["gen"]: (e["lost"], e["joined"]) for e in events
+              if e["kind"] == "agreement_reached" and e["gen"] not in retried}
+    r = len(retried)  # generations 1..r: a loaded machine's start (helpers.py)
+    assert agreed == {r + 1: (["node2"], ["node5"]), r + 2: (["node3"], []),
+                      r + 3: ([], ["node6"])}, agreed
+    # node6 joined at a step boundary: no step of generation r + 2 failed (membership.py, 7b)
+    assert not [e for e in events if e["kind"] == "step_failed" and e["generation"] == r + 2]
     assert not [e for e in events if e["kind"] == "fallback"]
     assert any(e["kind"] == "nodes_added" and e["nodes"] == ["node6"] for e in events)
     assert {e["source"] for e in events if e["kind"] == "peer_added"} == {
@@ -268,7 +271,7 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
                    and e["source"].startswith(f"{node}/")) > 0, f"{node} received no layers"
     (finished,) = [e for e in events if e["kind"] == "run_finished"]
     assert finished["nodes"] == 5
-    assert rows[-1]["generation"] == 3
+    assert rows[-1]["generation"] == r + 3
 
 
 @pytest.mark.timeout(150)
@@ -400,6 +403,13 @@ while 8 processes train on 2 cores: 9-20 s, i.e. 100-200 of this job's ~0.1 s st
 slowed node0 4x with the `slow` fault instead, to leave the new processes CPU time; under a
 CI run's load that fault's stops stretched steps to 2-10 s, collectives timed out, and 40 steps
 outlasted the test's timeout.)"""
+CRASH_LEASE_S = 10.0
+"""The crash tests' lease: a crashed or stopped worker is found by its agent and the stall probe,
+never by a lease, and a 3 s lease evicted a healthy node at the start of one (node4 of 5 silent
+to both its observers for 3.03 s while ten workers built their engines, the test run alone on
+the 2-core machine; its cause is not found: three starts of the demo job, instrumented, showed
+heartbeat gaps of at most 1.4 s). With a longer lease such a start costs nothing
+(test_a_spare_swapped_in...: the same)."""
 
 
 @pytest.mark.timeout(240)
@@ -413,13 +423,14 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
 
     reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
                               CRASH_STEPS)
-    code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, faults=[
+    code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, lease_s=CRASH_LEASE_S, faults=[
         {"node": 2, "step": 3, "phase": "backward", "kind": "crash"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
     kinds = [e["kind"] for e in events]
     assert "worker_failed" not in kinds and "node_failed" not in kinds, kinds
     (crash,) = [e for e in events if e["kind"] == "worker_restarting"]
-    recovered = [e for e in events if e["kind"] == "recovered"]
+    retries = start_retries(events)  # (a loaded machine's start: helpers.py)
+    recovered = [e for e in events if e["kind"] == "recovered" and e not in retries]
     assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
     out, back = recovered
     assert out["step"] == 3 and back["step"] > 4, recovered
@@ -428,7 +439,6 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     # (rounds.py, `admit`). A rank in that step may see it fail (a peer that heard of the round
     # first tore its groups down: seen once in CI) before its own notice arrives; the round
     # explains the error (plane.py, `probe`). No other step failed.
-    retries = start_retries(events)  # (a loaded machine's start: helpers.py)
     failed = [e for e in events if e["kind"] == "step_failed" and e["step"] != 3
               and e not in retries]
     assert all(e["step"] == back["step"] and e["generation"] < back["generation"]
@@ -470,12 +480,14 @@ def test_a_stopped_worker_is_killed_when_a_peer_waits_on_it_and_its_node_rejoins
 
     reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
                               CRASH_STEPS)
-    code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, during=act)
+    code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, lease_s=CRASH_LEASE_S,
+                                  during=act)
     assert stopped, "the run ended before step 5"
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
     (found,) = [e for e in events if e["kind"] == "worker_stopped"]
     assert (found["source"], found["local_rank"]) == ("node2", 1), found
-    recovered = [e for e in events if e["kind"] == "recovered"]
+    retries = start_retries(events)  # (a loaded machine's start: helpers.py)
+    recovered = [e for e in events if e["kind"] == "recovered" and e not in retries]
     assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
     print(f"\n[figures] stopped worker -> killed {found['t'] - stopped[0]:.3f} s, first step "
