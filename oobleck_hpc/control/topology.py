@@ -26,6 +26,14 @@ Suspicion (`Detector`)
   healthy agent of a 5-node test, unscheduled for 3 s, was evicted so), and a hung node,
   whose K observers all stop hearing it at the same moment, is suspected at lease_s as before.
   When observers themselves fail (a switch taking 32 nodes with it), the ones left decide.
+- An observer's own pause does not count against its subjects: after a tick more than two
+  heartbeats late (this agent was not scheduled), each lease is extended by the pause. A
+  subject's heartbeats sent meanwhile may still sit unread in its sockets when the tick runs,
+  or the subject paused too (a machine-wide stall). Seen twice in tests on a 2-core machine
+  as ten workers began their first step: both observers of a healthy node reported it silent
+  for 3.05 s within 30 ms of each other while every worker ran seconds late, and it answered
+  its exclusion at once. A hung subject is found that much later (the stall probe, in band,
+  is unaffected); an observer paused over lease_s fences itself instead.
 - A subject silent to an observer for two leases is suspected by that observer alone: the
   observers that would confirm it are out of reach (a partition: the reports do not cross it
   either), and a single observer that long out of touch is itself cut off from the subject.
@@ -63,6 +71,9 @@ MONITORS = 4
 """K: rings in the monitoring topology (subjects and observers per agent, at most)."""
 LATE_WINDOW_S = 30.0
 """How long an agent remembers the lateness it measured (module docstring: `Lateness`)."""
+PAUSE_TICKS = 4
+"""A tick this many ticks apart (2 heartbeats) means this agent itself paused: its leases are
+extended by the pause (module docstring: `Detector`, an observer's own pause)."""
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -129,6 +140,8 @@ class Detector:
     """When each peer was last heard from (any message), by the control plane's clock."""
     _reported: dict[str, float] = field(init=False, default_factory=dict)
     _reports: dict[str, set[str]] = field(init=False, default_factory=dict)
+    _excused: dict[str, float] = field(init=False, default_factory=dict)
+    """subject -> a lease's start moved later by this agent's own pauses (`paused`)."""
 
     def __post_init__(self) -> None:
         self.rings = Rings((), self.k)
@@ -147,6 +160,7 @@ class Detector:
         # A new generation ends the start's grace: a subject never heard from is due from now.
         self._since = {n: (self._since[n][0], min(self._since[n][1], now + grace_s))
                        if n in self._since else (now, now + grace_s) for n in dict.fromkeys(want)}
+        self._excused = {n: t for n, t in self._excused.items() if n in self._since}
 
     @property
     def subjects(self) -> tuple[str, ...]:
@@ -160,6 +174,18 @@ class Detector:
         infinity for a node that is not a subject."""
         return self._since[node][0] if node in self._since else float("inf")
 
+    def paused(self, seconds: float) -> None:
+        """This agent itself ran `seconds` late (it was not scheduled): no lease runs for that
+        time. A subject's heartbeats sent meanwhile may wait unread in this agent's sockets,
+        or the subject paused too (a machine-wide stall), and a lease judged on the clock alone
+        would expire at this agent's first tick after it. (`last_heard` keeps the true times:
+        the stall probe asks whether a node was heard since.)"""
+        for node, (since, due) in self._since.items():
+            heard = self.last_heard.get(node)
+            last = max(due if heard is None else max(heard, since),
+                       self._excused.get(node, -1e18))
+            self._excused[node] = last + seconds
+
     def expired(self, now: float, skip: set[str]) -> list[tuple[str, str, bool]]:
         """(subject, how, alone) for each subject silent for more than lease_s since its edge
         began, not reported in the last lease_s (`skip`: already suspected or gone); `alone`:
@@ -169,7 +195,8 @@ class Detector:
             if node in skip or now - self._reported.get(node, -1e18) <= self.lease_s:
                 continue
             heard = self.last_heard.get(node)
-            last = due if heard is None else max(heard, since)
+            last = max(due if heard is None else max(heard, since),
+                       self._excused.get(node, -1e18))
             if now - last > self.lease_s:
                 self._reported[node] = now
                 out.append((node, "never_connected" if heard is None else
@@ -267,6 +294,8 @@ class Monitor:
             core.fence(f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
                        "(stopped or starved): its peers have excluded it")
             return []
+        if gap > PAUSE_TICKS * self.heartbeat_s / 2:  # (not a busy machine's jitter)
+            self.detector.paused(gap - self.heartbeat_s / 2)
         if core.proposal is not self._seen[0]:
             self._seen = (core.proposal, now)
         elif core.proposal is not None and now - self._seen[1] > self.agreement_timeout_s:

@@ -193,3 +193,38 @@ def test_the_monitor_measures_late_heartbeats_of_its_subjects_and_its_own_late_t
     assert mon.lateness.recent(2.5) == 0.0
     mon.message(subject, {"type": "heartbeat", "gen": 0}, 2.6)  # 1.1 s apart: 0.35 s late
     assert mon.lateness.recent(2.6) == pytest.approx(0.35)
+
+
+def test_an_observers_own_pause_extends_its_leases_and_the_stall_probe_keeps_true_times():
+    """A tick over two heartbeats late (this agent was not scheduled) moves every lease's start
+    on by the pause: at the first tick after a 2.5 s pause, a subject heard 3.05 s ago is not
+    reported (two observers did so together in a test, evicting a healthy node); one silent
+    for a lease past the pause still is. A late tick within jitter moves nothing, and
+    `last_heard` keeps the true time."""
+    from oobleck_hpc.control.membership import MembershipCore
+    from oobleck_hpc.control.topology import Monitor
+
+    def monitor(ticks) -> tuple[Monitor, list[str]]:
+        """Subjects heard at 0.5 s, then the ticks at `ticks`; what the monitor reported."""
+        mon = Monitor(MembershipCore("n0", names(5), 1234, lambda: 1235), heartbeat_s=0.5,
+                      lease_s=3.0, startup_s=0.0)
+        reported: list[str] = []
+        mon.report = lambda subject, observer, how: reported.append(subject)  # type: ignore
+        mon.start(0.0)
+        mon.tick(0.25)
+        for s in mon.detector.subjects:
+            mon.message(s, {"type": "heartbeat", "gen": 0}, 0.5)
+        for t in ticks:
+            mon.tick(t)
+        return mon, reported
+
+    steady = [0.5 + 0.25 * i for i in range(12)]  # 0.5 ... 3.25
+    mon, reported = monitor(steady + [3.55])  # 0.3 s apart: jitter; the leases end at 3.5
+    assert sorted(reported) == sorted(mon.detector.subjects)
+    mon, reported = monitor([0.75, 1.0, 3.55])  # paused 2.55 s: heard 3.05 s ago, 0.75 s awake
+    assert reported == []
+    assert all(mon.detector.last_heard[s] == 0.5 for s in mon.detector.subjects)
+    mon, reported = monitor([0.75, 1.0, 3.55] + [3.55 + 0.25 * i for i in range(1, 10)])
+    assert reported == []  # 0.5 + 2.3 s excused + 3.0 s lease = 5.8 s
+    mon.tick(5.85)
+    assert sorted(reported) == sorted(mon.detector.subjects)
