@@ -407,8 +407,8 @@ CRASH_LEASE_S = 10.0
 """The crash tests' lease: a crashed or stopped worker is found by its agent and the stall probe,
 never by a lease, and a 3 s lease evicted a healthy node at the start of one (node4 of 5 silent
 to both its observers for 3.03 s while ten workers built their engines, the test run alone on
-the 2-core machine; its cause is not found: three starts of the demo job, instrumented, showed
-heartbeat gaps of at most 1.4 s). With a longer lease such a start costs nothing
+the 2-core machine; control/topology.py, `Detector.paused`, now excuses an observer's own
+pause, the likely cause). With a longer lease such a start costs nothing
 (test_a_spare_swapped_in...: the same)."""
 
 

@@ -180,23 +180,26 @@ class Detector:
         or the subject paused too (a machine-wide stall), and a lease judged on the clock alone
         would expire at this agent's first tick after it. (`last_heard` keeps the true times:
         the stall probe asks whether a node was heard since.)"""
-        for node, (since, due) in self._since.items():
-            heard = self.last_heard.get(node)
-            last = max(due if heard is None else max(heard, since),
-                       self._excused.get(node, -1e18))
-            self._excused[node] = last + seconds
+        for node in self._since:
+            self._excused[node] = self._lease_start(node) + seconds
+
+    def _lease_start(self, node: str) -> float:
+        """When subject `node`'s current lease began: its last message (or when one was due,
+        never heard from), no earlier than its edge, moved on by this agent's own pauses."""
+        since, due = self._since[node]
+        heard = self.last_heard.get(node)
+        return max(due if heard is None else max(heard, since), self._excused.get(node, -1e18))
 
     def expired(self, now: float, skip: set[str]) -> list[tuple[str, str, bool]]:
         """(subject, how, alone) for each subject silent for more than lease_s since its edge
         began, not reported in the last lease_s (`skip`: already suspected or gone); `alone`:
         silent for two leases, to be suspected without the other observers."""
         out = []
-        for node, (since, due) in self._since.items():
+        for node in self._since:
             if node in skip or now - self._reported.get(node, -1e18) <= self.lease_s:
                 continue
             heard = self.last_heard.get(node)
-            last = max(due if heard is None else max(heard, since),
-                       self._excused.get(node, -1e18))
+            last = self._lease_start(node)
             if now - last > self.lease_s:
                 self._reported[node] = now
                 out.append((node, "never_connected" if heard is None else
