@@ -709,6 +709,14 @@ def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
         print(f"\n[figures] stalled peer suspected after {found:.3f} s (deadline "
               f"{probed['timeout_s']} s after the freezes); a live peer answered in "
               f"{probed['answered_s']['b']} s")
+        # The job trains from now on: the lateness seen before is the start's, forgotten once
+        # (topology.py, `Lateness`); what is seen while it trains is kept.
+        assert a.stalls.deadline(time.monotonic()) > 0.35
+        a.open_joins()
+        assert a.stalls.deadline(time.monotonic()) == 0.35
+        a.monitor.lateness.note(time.monotonic(), 0.5)
+        a.open_joins()
+        assert a.stalls.deadline(time.monotonic()) == pytest.approx(1.0)
     finally:
         for cp in cps.values():
             cp.close()

@@ -163,6 +163,7 @@ class ControlPlane:
         self._join_how: str | None = None
         self._join_asked = 0.0
         self._flush_due = False  # a held re-broadcast of the core is to be sent (HOLD_S)
+        self._trains = False  # a worker of this node committed a step (`open_joins`)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -253,8 +254,13 @@ class ControlPlane:
                 how, to=[n for n in self.roster.names if n != self.me]))
 
     def open_joins(self) -> None:
-        """The job trains: add joiners from now on (membership.py, step 7)."""
-        self._run(self.core.open_joins)
+        """The job trains: add joiners from now on (membership.py, step 7). The first time,
+        forget how late this machine ran until then (topology.py, `Lateness`: the start)."""
+        with self._lock:
+            if not self._trains:
+                self._trains = True
+                self.monitor.lateness.forget()
+            self._run(self.core.open_joins)
 
     def check(self, node: str, why: str, gen: int | None = None) -> None:
         """A worker named `node` as the peer whose connection broke. Suspect it if its agent

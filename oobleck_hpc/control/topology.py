@@ -53,6 +53,12 @@ network's or this agent's own). The largest of the last LATE_WINDOW_S is what a 
 must allow for (the stall probe's, control/stall_probe.py): on a quiet or merely busy machine
 it is milliseconds, but a 2-core CI machine starting torch in several processes at once left
 healthy agents unscheduled for over 0.35 s, and a fixed deadline suspected three of them.
+What the start cost is forgotten once this node trains (plane.py, `open_joins`): its imports
+and model builds are over, every rank of the start having built its engine before step 1
+(recovery/driver.py, `_start_together`), and a start's lateness of 0.36-0.75 s kept a hang at
+step 5 waiting a 0.7-1.5 s deadline (`bench/recovery.py --modes hang`). A node that starts
+while the job trains (grown, a worker restarted) makes its peers late while they train: that
+is noted and kept.
 Failure detectors that adapt to the heartbeats' observed arrivals, such as the phi accrual
 detector (Hayashibara et al., SRDS 2004), rest on the same evidence.
 """
@@ -249,6 +255,9 @@ class Lateness:
         while self._seen and self._seen[-1][1] <= late:
             self._seen.pop()
         self._seen.append((now, late))
+
+    def forget(self) -> None:
+        self._seen.clear()
 
     def recent(self, now: float) -> float:
         while self._seen and self._seen[0][0] < now - self.window_s:
