@@ -66,3 +66,9 @@ def start_retries(events: list[dict]) -> list[dict]:
     last = max(e["generation"] for e in retried)
     return retried + [e for e in events if e["kind"] == "step_failed" and e["step"] == 1
                       and e["generation"] < last]
+
+
+def past_start_retries(events: list[dict]) -> list[dict]:
+    """`events` without those of a start's retry rounds (`start_retries`)."""
+    retries = start_retries(events)
+    return [e for e in events if e not in retries]

@@ -30,7 +30,7 @@ import yaml
 
 from oobleck_hpc.config import job_from_dict
 from oobleck_hpc.records.events import read_events
-from helpers import start_retries
+from helpers import past_start_retries, start_retries
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
@@ -382,9 +382,8 @@ def test_a_drained_node_leaves_at_a_step_boundary_with_nothing_replayed(tmp_path
     code, rows, run_dir = run_job(tmp_path, faults=[
         {"node": 3, "step": 2, "phase": "forward", "kind": "drain"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, {"node3"})
-    retries = start_retries(events)  # (a loaded machine's start: helpers.py)
-    failed = [e for e in events if e["kind"] in ("step_failed", "rolled_forward")
-              and e not in retries]
+    failed = [e for e in past_start_retries(events)  # (a loaded machine's start: helpers.py)
+              if e["kind"] in ("step_failed", "rolled_forward")]
     assert not failed, failed
     agreed = [e for e in events if e["kind"] == "drain_agreed"]
     assert len({(e["step"], tuple(e["nodes"])) for e in agreed}) == 1, agreed  # every teller
@@ -429,8 +428,8 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     kinds = [e["kind"] for e in events]
     assert "worker_failed" not in kinds and "node_failed" not in kinds, kinds
     (crash,) = [e for e in events if e["kind"] == "worker_restarting"]
-    retries = start_retries(events)  # (a loaded machine's start: helpers.py)
-    recovered = [e for e in events if e["kind"] == "recovered" and e not in retries]
+    past = past_start_retries(events)  # (a loaded machine's start: helpers.py)
+    recovered = [e for e in past if e["kind"] == "recovered"]
     assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
     out, back = recovered
     assert out["step"] == 3 and back["step"] > 4, recovered
@@ -439,8 +438,7 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     # (rounds.py, `admit`). A rank in that step may see it fail (a peer that heard of the round
     # first tore its groups down: seen once in CI) before its own notice arrives; the round
     # explains the error (plane.py, `probe`). No other step failed.
-    failed = [e for e in events if e["kind"] == "step_failed" and e["step"] != 3
-              and e not in retries]
+    failed = [e for e in past if e["kind"] == "step_failed" and e["step"] != 3]
     assert all(e["step"] == back["step"] and e["generation"] < back["generation"]
                for e in failed), (failed, recovered)
     rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}
@@ -486,8 +484,7 @@ def test_a_stopped_worker_is_killed_when_a_peer_waits_on_it_and_its_node_rejoins
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
     (found,) = [e for e in events if e["kind"] == "worker_stopped"]
     assert (found["source"], found["local_rank"]) == ("node2", 1), found
-    retries = start_retries(events)  # (a loaded machine's start: helpers.py)
-    recovered = [e for e in events if e["kind"] == "recovered" and e not in retries]
+    recovered = [e for e in past_start_retries(events) if e["kind"] == "recovered"]
     assert [(e["lost"], e["joined"]) for e in recovered] == [(["node2"], []), ([], ["node2"])]
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
     print(f"\n[figures] stopped worker -> killed {found['t'] - stopped[0]:.3f} s, first step "
@@ -525,9 +522,8 @@ def test_a_slowed_node_gets_fewer_microbatches_and_the_run_stays_exact(tmp_path)
              and e["action"] == "rebalance"]
     assert acted and acted[0]["node"] == "node1" and 10 <= acted[0]["step"] <= 8 + 5, acted
     assert len({r["plan"] for r in rows}) >= 2, rows  # the split changed mid-run
-    retries = start_retries(events)  # (a loaded machine's start: helpers.py)
-    assert not [e for e in events if e["kind"] in ("step_failed", "recovered")
-                and e not in retries]
+    assert not [e for e in past_start_retries(events)  # (a loaded start: helpers.py)
+                if e["kind"] in ("step_failed", "recovered")]
 
 
 @pytest.mark.timeout(150)
