@@ -116,6 +116,12 @@ def start(job_path: Path, run_dir: Path, metrics: Path, log: Path) -> subprocess
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def gone(run_dir: Path) -> list[dict]:
+    """The events that tell how a node left a run (or the run ended)."""
+    kinds = ("failure_detected", "recovered", "fenced", "agent_finished", "run_ended")
+    return [e for e in read_events(run_dir / "events.jsonl") if e["kind"] in kinds]
+
+
 def wait_steps(metrics: Path, n: int, proc: subprocess.Popen, timeout: float) -> list[dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -198,8 +204,11 @@ def oobleck_once(work: Path, nodes: int, kill_at: int, steps: int, mode: str) ->
         elif fault == "crash":
             t_kill = crash_worker(run_dir, "node1")
         else:
-            t_kill = kill_node(run_dir, "node1", signal.SIGSTOP if fault == "hang"
-                               else signal.SIGKILL)
+            try:
+                t_kill = kill_node(run_dir, "node1", signal.SIGSTOP if fault == "hang"
+                                   else signal.SIGKILL)
+            except ProcessLookupError:  # (seen once, not reproduced: say what the run did)
+                raise RuntimeError(f"node1 ended before the fault: {gone(run_dir)}") from None
         rows = wait_steps(metrics, kill_at + 2, proc, 120)
         proc.wait(timeout=300)
     finally:
