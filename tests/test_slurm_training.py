@@ -296,7 +296,8 @@ def check_replacement(run_dir: Path, events: list[dict], figures: dict) -> str:
     (submitted,) = [e for e in events if e["kind"] == "replacement_submitted"]
     assert submitted["nodes"] == 1, submitted
     agreed = {e["gen"]: (e["lost"], e["joined"]) for e in events if e["kind"] == "agreement_reached"}
-    assert agreed == {1: (["n3"], []), 2: ([], ["n4"])}, agreed
+    changes = [v for _, v in sorted(agreed.items()) if v != ([], [])]  # (a start's retry: none)
+    assert changes == [(["n3"], []), ([], ["n4"])], agreed
     assert figures["last_plan_nodes"] == 3, figures
     job_id = submitted["job_id"]
     states = wait_until(lambda: (s := sacct_states(job_id)) and s[-1][1] not in (
