@@ -27,15 +27,15 @@ healthy node. It is short next to the lease but long next to a live agent's answ
 `stall_probed` event records per node (`answered_s`): `timeout_s` (STALL_PROBE_S), or
 LATE_FACTOR times the longest an agent went unscheduled in the last half minute when that is
 more (topology.py, `Lateness`: heartbeats that came late, this agent's late ticks; the start's
-are forgotten once the job trains), at most half the lease. On a quiet or busy machine agents answer in milliseconds and the deadline stays
-`timeout_s`; on the 2-core CI machine, while several processes imported torch, probes of three
-different agents each found one healthy peer silent past 0.35 s and suspected it. And when the
-judgement itself runs late (this agent was descheduled past the deadline: its peers likely
-too, with their answers still unsent), the silence proves nothing yet: it is judged again a
-deadline later. A node pinged and not yet answered or timed out is not pinged again (every
-worker of every survivor may report the same stall). As the probe after an error, nothing is
-done while a round is open (it explains the stall, and it waits at most lease_s for a hung
-member) or for an older generation.
+are forgotten once the job trains), at most half the lease. On a quiet or busy machine agents
+answer in milliseconds and the deadline stays `timeout_s`; on the 2-core CI machine, while
+several processes imported torch, probes of three different agents each found one healthy peer
+silent past 0.35 s and suspected it. And when the judgement itself runs late (this agent was
+descheduled past the deadline: its peers likely too, with their answers still unsent), the
+silence proves nothing yet: it is judged again a deadline later. A node pinged and not yet
+answered or timed out is not pinged again (every worker of every survivor may report the same
+stall). As the probe after an error, nothing is done while a round is open (it explains the
+stall, and it waits at most lease_s for a hung member) or for an older generation.
 """
 
 from __future__ import annotations

@@ -257,6 +257,7 @@ class Lateness:
         self._seen.append((now, late))
 
     def forget(self) -> None:
+        """Drop all lateness noted so far (the start's: module docstring)."""
         self._seen.clear()
 
     def recent(self, now: float) -> float:
