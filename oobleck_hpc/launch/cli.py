@@ -45,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
     p.add_argument("--max-requeues", type=int, default=3, metavar="N",
                    help="start the job again at most N times when it exits 75 (default 3)")
+    p.add_argument("--on-nodes", default=None, metavar="N1,N2,...",
+                   help="inside a Slurm allocation: run the job's agents as steps on these of "
+                        "its nodes (what `fleet submit` runs for each job); sets --nodes, any "
+                        "cluster.launch, never requeued (exit 75 is its caller's to act on)")
     p.set_defaults(func=_run)
 
 
@@ -58,12 +62,16 @@ def _run(args: argparse.Namespace) -> int:
     overrides = {}
     if args.steps is not None:
         overrides["train.steps"] = args.steps
-    if args.nodes is not None:
-        overrides["cluster.nodes"] = args.nodes
+    on_nodes = [n for n in (args.on_nodes or "").split(",") if n] or None
+    if args.on_nodes is not None and not on_nodes:
+        raise ConfigError("<command line>", "--on-nodes", f"value {args.on_nodes!r} names no "
+                          "node", "give the allocation's nodes, comma-separated")
+    if args.nodes is not None or on_nodes:
+        overrides["cluster.nodes"] = len(on_nodes) if on_nodes else args.nodes
     if args.run_dir is not None:
         overrides["run_dir"] = args.run_dir
     job = load_job(args.job, overrides)
-    if job.cluster.launch != "local":
+    if job.cluster.launch != "local" and not on_nodes:
         raise ConfigError(job.source, "cluster.launch", f"value {job.cluster.launch!r} is not "
                           "run on this machine", "use `oobleck-hpc submit` for Slurm jobs, or "
                           "set cluster.launch: local")
@@ -81,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
                          cwd=os.getcwd(), checkpoint_dir=job.checkpoint.dir)
         code = EXIT_UNRECOVERABLE
         try:
-            code = _launch_with_requeue(args, job, overrides, run_dir)
+            code = _launch_with_requeue(args, job, overrides, run_dir, on_nodes)
         finally:
             end_run(run_dir, code, args.metrics)
         return code
@@ -159,7 +167,8 @@ _EXIT_REASONS = {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input: not requeued",
                  EXIT_REQUEUE: "requeues exhausted; resume from the latest checkpoint"}
 
 
-def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir) -> int:
+def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir,
+                         on_nodes: list[str] | None) -> int:
     import json
     import os
     import tempfile
@@ -179,7 +188,8 @@ def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir
     events = EventLog(run_dir / "events.jsonl", source="launcher")
     events.emit("run_started", job=job.name, model=job.model.name, steps=job.train.steps,
                 nodes=job.cluster.nodes, gpus_per_node=job.cluster.gpus_per_node,
-                launch="local", pid=os.getpid())
+                launch="local" if on_nodes is None else "slurm-steps", pid=os.getpid(),
+                on_nodes=on_nodes or [])
     console = Console(run_dir / "events.jsonl")
 
     def launch(attempt) -> int:
@@ -194,12 +204,14 @@ def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir
             with open(fd, "w") as f:
                 yaml.safe_dump(json.loads(json.dumps(this.to_dict())), f, sort_keys=False)
             job_path = Path(name)
-        return launch_local(this, job_path, metrics=metrics, run_dir=run_dir, console=console)
+        return launch_local(this, job_path, metrics=metrics, run_dir=run_dir, console=console,
+                            on_nodes=on_nodes)
 
     from oobleck_hpc.launch.slurm import min_nodes
 
     code, _ = run_with_requeue(launch, nodes=job.cluster.nodes, run_dir=run_dir,
-                               max_requeues=args.max_requeues, min_nodes=min_nodes(job),
+                               max_requeues=0 if on_nodes else args.max_requeues,
+                               min_nodes=min_nodes(job),
                                events=events)
     console.poll()
     return code

@@ -101,6 +101,9 @@ class LocalRun:
     extra_env: dict[str, str] = field(default_factory=dict)
     console: Console | None = None
     """Where the story goes (None: nowhere; the agents' stdout goes to their logs then)."""
+    on_nodes: list[str] | None = None
+    """Nodes of the Slurm allocation this runs in, the agents one step each (a job of a Slurm
+    fleet: launch/slurm_steps.py); None: local process groups."""
     agents: Any = None
     _signalled: float = 0.0
     _ignored: set[tuple] = field(default_factory=set)
@@ -128,18 +131,19 @@ class LocalRun:
 
         def forward(signum, _frame):
             self._signalled = self._signalled or time.monotonic()
-            for p in self.agents.procs.values():
-                if p.poll() is None:
-                    try:
-                        p.send_signal(signum)
-                    except ProcessLookupError:
-                        pass
+            self.agents.forward(signum)
 
-        self.agents = LocalAgents.start(self.run_dir, self.node_names(),
-                                        self.job.cluster.gpus_per_node, job=self.job_path,
-                                        env=env, console=self.console is not None,
-                                        spares=self.job.cluster.spares,
-                                        group_access=self.job.group_access)
+        if self.on_nodes is not None:
+            from oobleck_hpc.launch.slurm_steps import SlurmSteps
+
+            self.agents = SlurmSteps.start(self.run_dir, self.on_nodes, self.job, self.job_path,
+                                           env)
+        else:
+            self.agents = LocalAgents.start(self.run_dir, self.node_names(),
+                                            self.job.cluster.gpus_per_node, job=self.job_path,
+                                            env=env, console=self.console is not None,
+                                            spares=self.job.cluster.spares,
+                                            group_access=self.job.group_access)
         self._write_agents()
         for s in old:
             signal.signal(s, forward)
@@ -166,7 +170,7 @@ class LocalRun:
         events = Tail(self.run_dir / "events.jsonl")
         over_at: float | None = None  # when the job is over at the latest (module docstring)
         while True:
-            codes = {m: p.poll() for m, p in procs.items()}
+            codes = self.agents.poll()
             running = [m for m, c in codes.items() if c is None]
             if not running or all(process_state(procs[m].pid) in ("T", "t") for m in running):
                 break  # nobody left who could train (a stopped node never finishes alone)
@@ -179,8 +183,7 @@ class LocalRun:
                 self.console.poll()
             self._serve_grow()
             time.sleep(0.05)
-        return job_exit_code({m: p.poll() for m, p in procs.items()}, self.run_dir, run,
-                             self.metrics)
+        return job_exit_code(self.agents.poll(), self.run_dir, run, self.metrics)
 
     def _serve_grow(self) -> None:
         """Answer the grow requests in RUN_DIR/grow/ (module docstring)."""
@@ -192,8 +195,8 @@ class LocalRun:
         for request in sorted(folder.glob("*.request")):
             answer: dict[str, Any]
             try:
-                count = int(json.loads(runs.read_own(request))["nodes"])
-                names = self.agents.add(count)
+                asked = json.loads(runs.read_own(request))
+                names = self.agents.add(int(asked["nodes"]), asked.get("on"))
                 answer = {"nodes": names}
                 self._write_agents()
                 log = EventLog(self.run_dir / "events.jsonl", source="launcher")
@@ -228,14 +231,15 @@ GROW_DIR = "grow"
 
 
 def grow(run_dir: str | Path, count: int, timeout: float = 30.0, tag: str = "",
-         alive: Callable[[], bool] | None = None) -> list[str]:
+         alive: Callable[[], bool] | None = None, on: list[str] | None = None) -> list[str]:
     """Ask the launcher of the local job running in `run_dir` for `count` more nodes (from
     another process: module docstring); returns their names once their agents started.
     `tag` names the request, which makes asking again idempotent (the fleet manager, restarted
     from its records, repeats a grow it may have made): a request of that tag already
     answered is answered again, one still pending is waited for. `alive`: whether the
     launcher still runs (a caller that knows its pid): once it does not, no answer will
-    come (RuntimeError at once rather than TimeoutError after `timeout`)."""
+    come (RuntimeError at once rather than TimeoutError after `timeout`). `on`: the names of
+    the new nodes (a job on Slurm steps grows on the allocation's nodes named: slurm_steps.py)."""
     run_dir = Path(run_dir)
     if count < 1:
         raise ValueError(f"--nodes {count}: grow by at least one node")
@@ -243,7 +247,7 @@ def grow(run_dir: str | Path, count: int, timeout: float = 30.0, tag: str = "",
         raise FileNotFoundError(f"{run_dir / 'agents.json'} does not exist: is a local job "
                                 f"running with run dir {run_dir}? (`oobleck-hpc run` writes it "
                                 "at start)")
-    request = request_grow(run_dir, count, tag)
+    request = request_grow(run_dir, count, tag, on)
     done = request.with_suffix(".done")
     try:
         wait_until(lambda: done.exists() or (alive is not None and not alive()), timeout,
@@ -262,7 +266,8 @@ def grow(run_dir: str | Path, count: int, timeout: float = 30.0, tag: str = "",
     return list(answer["nodes"])
 
 
-def request_grow(run_dir: str | Path, count: int, tag: str = "") -> Path:
+def request_grow(run_dir: str | Path, count: int, tag: str = "",
+                 on: list[str] | None = None) -> Path:
     """Write a request for `count` more nodes that the running local job's launcher answers
     (`grow` waits for its answer; the `grow` fault does not); returns the request file. A
     `tag` already asked for (its request or its answer there) is not asked again."""
@@ -270,7 +275,7 @@ def request_grow(run_dir: str | Path, count: int, tag: str = "") -> Path:
     folder.mkdir(exist_ok=True)
     request = folder / f"{tag or f'{os.getpid()}-{time.time_ns()}'}.request"
     if not (tag and (request.exists() or request.with_suffix(".done").exists())):
-        write_json(request, {"nodes": count})
+        write_json(request, {"nodes": count, **({"on": list(on)} if on else {})})
     return request
 
 
@@ -312,8 +317,10 @@ def kill_node(run_dir: str | Path, node: str, sig: int = signal.SIGKILL) -> floa
 
 
 def launch_local(job: JobConfig, job_path: str | Path, metrics: str | Path | None = None,
-                 run_dir: str | Path | None = None, console: Console | None = None) -> int:
-    """Run the job on this machine; returns the exit code (see module docstring)."""
+                 run_dir: str | Path | None = None, console: Console | None = None,
+                 on_nodes: list[str] | None = None) -> int:
+    """Run the job on this machine (`on_nodes`: its agents on these nodes of the Slurm
+    allocation it runs in); returns the exit code (see module docstring)."""
     run = LocalRun(job, Path(job_path), Path(run_dir or job.resolved_run_dir),
-                   Path(metrics) if metrics else None, console=console)
+                   Path(metrics) if metrics else None, console=console, on_nodes=on_nodes)
     return run.run()

@@ -111,9 +111,9 @@ class LocalAgents:
             stderr=log if self.console else subprocess.STDOUT, env=self.env,
             start_new_session=True, umask=runs.umask(self.group_access))
 
-    def add(self, count: int) -> list[str]:
-        """Grow the running job: `count` new nodes (named after the last one), appended to the
-        roster file as spares, each with its agent. They ask to join once their workers are
+    def add(self, count: int, on: list[str] | None = None) -> list[str]:
+        """Grow the running job: `count` new nodes (named `on`, else after the last one),
+        appended to the roster file as spares, each with its agent. They ask to join once their workers are
         ready (`--boost-start`: the workers, which share the cores with the members', start at
         a higher priority) and are added by the members at a step boundary while the view is
         smaller than the job (membership.py, step 7); the members learn their addresses from
@@ -122,7 +122,10 @@ class LocalAgents:
             raise ValueError(f"count={count}: grow by at least one node")
         used = {int(n[4:]) for n in self.names if n.startswith("node") and n[4:].isdigit()}
         start = max(used, default=-1) + 1
-        new = [f"node{i}" for i in range(start, start + count)]
+        new = list(on) if on else [f"node{i}" for i in range(start, start + count)]
+        if len(new) != count or set(new) & set(self.names) or len(set(new)) != count:
+            raise ValueError(f"grow by {count} nodes named {new}: the names must be "
+                             f"{count} new ones (the job has {self.names})")
         for name, port in zip(new, free_ports(count)):
             self.roster = self.roster.with_node(NodeAddress(name, "127.0.0.1", port))
         with runs.private_files(self.group_access):
@@ -155,6 +158,16 @@ class LocalAgents:
 
     def poll(self) -> dict[str, int | None]:
         return {m: p.poll() for m, p in self.procs.items()}
+
+    def forward(self, signum: int) -> None:
+        """A stop signal the launcher got, to every agent still running (they forward it to
+        their workers)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:
+                    pass
 
     def wait(self, timeout: float, nodes: Sequence[str] | None = None) -> dict[str, int]:
         """Exit codes of `nodes` (default all); raises TimeoutError naming those still running."""

@@ -77,7 +77,7 @@ _Opt = float | None
 RUN_STARTED = _declare("run_started", "The launcher started the run (or a Slurm job's driver did).",
                        {"launch": str, "nodes": int},
                        {"job": str, "model": str, "steps": int, "gpus_per_node": int,
-                        "job_id": str, "pid": int})
+                        "job_id": str, "pid": int, "on_nodes": _Nodes})
 RUN_FINISHED = _declare("run_finished", "Training reached its last step (rank 0 of the plan).",
                         {"steps": int, "total": int, "model": str},
                         {"wall_s": float, "first_loss": _Opt, "last_loss": _Opt,
@@ -251,14 +251,14 @@ FLEET_NODES = _declare("fleet_nodes", "A job's node count changed (its plan): th
                        {"job": str, "nodes": int, "counts": _Counts, "waf": float})
 FLEET_JOB_STARTED = _declare("fleet_job_started", "The manager started a job of the fleet.",
                              {"job": str, "nodes": int, "run_dir": str, "pid": int},
-                             {"attempt": int})
+                             {"attempt": int, "on_nodes": _Nodes})
 FLEET_JOB_ENDED = _declare("fleet_job_ended", "A job of the fleet ended (its launcher's code).",
                            {"job": str, "code": int, "finished": bool, "nodes": int},
                            {"requeued": bool})
 FLEET_RESUMED = _declare("fleet_resumed", "A new manager took the fleet over from its records.",
                          {"pid": int, "since_s": float, "pending": list, "jobs": dict})
 FLEET_ENDED = _declare("fleet_ended", "Every job of the fleet ended.",
-                       {"codes": dict, "seconds": float})
+                       {"codes": dict, "seconds": float}, {"code": int})
 
 
 class EventLog:

@@ -113,6 +113,10 @@ class Story:
         # met (seconds; tens of them where many workers share a few cores).
         self.steps = e.get("steps", 0)
         nodes = plural(e.get("nodes", 0), "node")
+        if e.get("launch") == "slurm-steps":  # (a job of a Slurm fleet: launch/slurm_steps.py)
+            return (f"starting on {', '.join(e.get('on_nodes', []))} of this Slurm allocation, "
+                    "one step per node: each agent starts its workers; each imports torch, then "
+                    "they meet and plan (the plan is the next line)")
         if e.get("launch") == "slurm":
             where = f"{nodes} of Slurm job {e['job_id']}" if e.get("job_id") else nodes
             return (f"starting on {where}: one agent per node starts its workers; each imports "
