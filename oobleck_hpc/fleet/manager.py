@@ -32,7 +32,7 @@ job's counts, members, targets, pauses; the free nodes, the drains under way, th
 waiting), `restore()` takes it back, so a manager restarted from its records (launch/fleet.py)
 goes on from the same state with the events that came since.
 
-Local limits, designed within: a grown local node joins only while its job runs below the node
+Limits, designed within: a grown node (local, or on Slurm) joins only while its job runs below the node
 count it started with (control/membership.py), else it waits as a spare. So the decision never
 gives a running job more than it started with (its max_nodes is capped there): nodes freed by a
 job that ends go to jobs that lost nodes, or to a waiting job, else they stay idle. A running
@@ -198,15 +198,15 @@ class Manager:
 
     def _start(self, job: JobState, k: int) -> Start:
         job.state, job.started, job.count, job.target, job.growing = "running", k, k, None, 0
-        job.members = [f"node{i}" for i in range(k)]
+        job.members = [f"node{i}" for i in range(k)]  # (a local job's; a Slurm one's: run_started)
         self.free -= k
         return Start(job.name, k, job.attempts)
 
     def on_event(self, name: str, e: dict[str, Any]) -> list[Action]:
         """One event of job `name`'s events file."""
         job, kind = self.jobs[name], e.get("kind")
-        if kind == "membership_agreed":
-            job.members = list(e["nodes"])
+        if kind == "membership_agreed" or (kind == "run_started" and e.get("on_nodes")):
+            job.members = list(e["nodes"] if kind == "membership_agreed" else e["on_nodes"])
         elif kind == "plan_chosen" and e["nodes"] != job.count and job.running:
             job.growing = max(0, job.growing - max(0, int(e["nodes"]) - job.count))
             job.count = int(e["nodes"])
@@ -295,7 +295,7 @@ class Manager:
         after = dict(zip(self.jobs, decision.nodes))
         stops = [j.name for j in jobs if j.running and after[j.name] == 0]
         enact = not stops
-        why = reason + (f"; not enacted: it would stop {', '.join(stops)} (the local fleet "
+        why = reason + (f"; not enacted: it would stop {', '.join(stops)} (the fleet "
                         "stops no running job)" if stops else "")
         moves = [[n, before[n], after[n]] for n in after if before[n] != after[n]]
         self.emit("fleet_decision", trigger=name, reason=why, nodes_before=before,

@@ -31,7 +31,13 @@ The fleet is over when every job's launcher exited and none was started again; e
 when every job finished, else the first job's nonzero code (75: a job still waits).
 Ctrl-C / SIGTERM: forwarded to every job's launcher (which checkpoint and stop), then
 whatever is left after a grace period is killed, by pid.
-Not built: a Slurm fleet (`fleet submit`); stopping a job of a running fleet by hand.
+In a Slurm allocation (`fleet run --slurm`, what `oobleck-hpc fleet submit` runs in the batch
+script of the fleet's allocation) each job's launcher runs here, on the batch node, with
+`--on-nodes`: its agents are one-node steps on the nodes the manager gave it
+(launch/slurm_steps.py); which job holds which node is the manager's too, in its records
+(launch/fleet_pool.py). The batch node runs every job's launcher: losing it ends the fleet's
+jobs (each resumes from its checkpoint in a new fleet).
+Not built: stopping a job of a running fleet by hand; requeueing a Slurm fleet.
 """
 
 from __future__ import annotations
@@ -40,153 +46,22 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from oobleck_hpc.errors import ConfigError
+from oobleck_hpc.errors import ConfigError, OobleckError
 from oobleck_hpc.files import write_json
 from oobleck_hpc.fleet import cli as fleet_cli
 from oobleck_hpc.fleet.manager import Action, Drain, Grow, JobState, Manager, Start, Stop
-from oobleck_hpc.records.events import EventLog, read_events
-from oobleck_hpc.records.story import Tail
-
-POLL_S = 0.2
+from oobleck_hpc.launch.fleet_job import POLL_S, FleetJobRun, process_start
+from oobleck_hpc.launch.fleet_pool import SlurmPool
+from oobleck_hpc.records.events import EventLog
 STOP_GRACE_S = 30.0
 """Seconds the jobs get to stop after a forwarded signal before they are killed."""
 STATE = "manager.json"
 ACTIONS: dict[str, type] = {"start": Start, "drain": Drain, "grow": Grow, "stop": Stop}
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of a live process (/proc, clock ticks since boot: with the pid, its
-    identity); None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
-@dataclass
-class FleetJobRun:
-    """One job of the fleet on this machine: its launcher process and its events."""
-
-    name: str
-    job_file: Path
-    run_dir: Path
-    proc: subprocess.Popen | None = None
-    """The launcher, when this manager started it."""
-    pid: int | None = None
-    pid_start: int | None = None
-    """The launcher's pid and start time (process_start), whoever started it."""
-    attempt: int | None = None
-    """The attempt its launcher runs (0 first, k after its k-th requeue in the fleet); None
-    before it started."""
-    watching: bool = False
-    """Its launcher runs, or ran and its end was not handled yet."""
-    ended: dict[str, Any] | None = None
-    """The attempt's `run_ended` event, once read."""
-    tail: Tail | None = None
-    log: IO[bytes] | None = None
-
-    def start(self, nodes: int, attempt: int) -> int:
-        """Start its launcher; an attempt after a fallback continues the run (the launcher's
-        watchdog-restart path, OOBLECK_RESTART_COUNT: same records, from the checkpoint) with
-        the job file's injected `faults:` left out (they belong to the first run, as in the
-        launcher's own requeue: launch/cli.py)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        job_file = self.job_file
-        env = {k: v for k, v in os.environ.items()  # (its attempt is the fleet's to say)
-               if k not in ("OOBLECK_RUN_ID", "OOBLECK_REQUEUE_COUNT", "OOBLECK_ATTEMPT")}
-        env["OOBLECK_RESTART_COUNT"] = str(attempt)
-        if attempt > 0:
-            import yaml
-
-            from oobleck_hpc.config import load_job
-
-            job_file = self.run_dir.parent / f"{self.name}-attempt{attempt}.yaml"
-            this = load_job(self.job_file, {"faults": []}).to_dict()
-            job_file.write_text(yaml.safe_dump(json.loads(json.dumps(this)), sort_keys=False))
-            env["OOBLECK_ATTEMPT"] = f"fleet-{attempt}"
-        cmd = [sys.executable, "-m", "oobleck_hpc", "run", str(job_file), "--run-dir",
-               str(self.run_dir), "--nodes", str(nodes), "--max-requeues", "0"]
-        if self.log is None:
-            self.log = open(self.run_dir.parent / f"{self.name}.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.pid, self.pid_start = self.proc.pid, process_start(self.proc.pid)
-        self._watch(attempt)
-        return self.proc.pid
-
-    def _watch(self, attempt: int) -> None:
-        self.attempt, self.watching, self.ended = attempt, True, None
-        if self.tail is None:
-            self.tail = Tail(self.run_dir / "events.jsonl")
-
-    def adopt(self, saved: dict[str, Any]) -> None:
-        """Watch a launcher that a manager before this one started."""
-        self.pid, self.pid_start = saved["pid"], saved["pid_start"]
-        self._watch(saved["attempt"])
-        self.watching = saved["watching"]
-        assert self.tail is not None
-        self.tail.offset = int(saved["offset"])
-
-    def find(self, attempt: int) -> bool:
-        """Watch the launcher of `attempt` if one started (its `run_started` event names its
-        pid: a manager that died as it started it did not record it)."""
-        path = self.run_dir / "events.jsonl"
-        for e in read_events(path) if path.exists() else []:
-            if e.get("kind") == "run_started" and e.get("attempt") == attempt:
-                pid = e.get("pid")
-                self.proc, self.pid = None, pid
-                self.pid_start = process_start(pid) if pid is not None else None
-                self._watch(attempt)
-                return True
-        return False
-
-    def alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is None
-        return self.pid is not None and self.pid_start is not None \
-            and process_start(self.pid) == self.pid_start
-
-    def exit_code(self) -> int | None:
-        """Its launcher's exit code once it exited (None while it runs): its own, or, for a
-        launcher adopted from an earlier manager, the code of its `run_ended` event (1 if it
-        left none)."""
-        if self.proc is not None:
-            return self.proc.poll()
-        if self.alive() or (self.pid is None and self.ended is None):
-            return None  # (its pid unknown: its last word, `run_ended`)
-        return int(self.ended["code"]) if self.ended is not None else 1
-
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM (the launcher forwards it and checkpoints), then SIGKILL what is left."""
-        from oobleck_hpc.operate.cleanup import kill_agents, kill_leftovers
-
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-            kill_leftovers(self.proc, self.run_dir)
-        elif self.alive() and self.pid is not None:  # (adopted: not our child, by pid)
-            os.kill(self.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while self.alive() and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-            if self.alive():
-                os.killpg(self.pid, signal.SIGKILL)  # (its session: start_new_session)
-            kill_agents(self.run_dir)
-        if self.log is not None:
-            self.log.close()
 
 
 @dataclass
@@ -194,6 +69,9 @@ class FleetRun:
     path: Path
     run_dir: Path
     resume: bool = False
+    pool: SlurmPool | None = None
+    """A Slurm fleet's allocation (`fleet submit`): which job holds which node
+    (launch/fleet_pool.py); None: local nodes."""
     jobs: dict[str, FleetJobRun] = field(default_factory=dict)
     codes: dict[str, int] = field(default_factory=dict)
     seq: int = 0
@@ -211,6 +89,8 @@ class FleetRun:
         fleet, entries = load_fleet(self.path)
         events = self.run_dir / "events.jsonl"
         saved = self._saved() if self.resume else None
+        if self.pool is not None and saved is not None:
+            self.pool.held = saved.get("pool") or {}
         if saved is None and events.exists():
             raise ConfigError("<command line>", "--run-dir", f"value {str(self.run_dir)!r} "
                               "holds a fleet run already", "give the fleet a new --run-dir, or "
@@ -243,9 +123,13 @@ class FleetRun:
                 signal.signal(s, h)
             for job in self.jobs.values():
                 job.stop(STOP_GRACE_S if self._stop else 5.0)
-            self.log.emit("fleet_ended", codes=self.codes,
+            self.log.emit("fleet_ended", codes=self.codes, code=self._code(),
                           seconds=round(time.monotonic() - t0, 3))
             self.log.close()
+        return self._code()
+
+    def _code(self) -> int:
+        """The fleet's exit code (module docstring)."""
         bad = [c for c in self.codes.values() if c != 0]
         if bad:
             return bad[0]
@@ -276,6 +160,7 @@ class FleetRun:
             "pid": os.getpid(), "pid_start": process_start(os.getpid()), "t": time.time(),
             "ended": ended, "manager": manager.snapshot(), "codes": self.codes,
             "seq": self.seq, "log_size": self._log_size(),
+            "pool": self.pool.held if self.pool is not None else None,
             "pending": [{"id": i, "action": type(a).__name__.lower(), **asdict(a)}
                         for i, a in self.pending],
             "unwritten": [[k, f] for k, f in self._unwritten],
@@ -334,9 +219,14 @@ class FleetRun:
         if isinstance(a, Start):
             if job.attempt == a.attempt or job.find(a.attempt):
                 return  # (done before the manager died)
-            pid = job.start(a.count, a.attempt)
+            try:
+                on = self._take(manager, a.job, a.count, f"start-{a.attempt}")
+            except TimeoutError as e:
+                raise OobleckError(f"fleet {self.run_dir}: cannot start {a.job}: {e}") from None
+            pid = job.start(a.count, a.attempt, on)
             self.log.emit("fleet_job_started", job=a.job, nodes=a.count,
-                          run_dir=str(job.run_dir), pid=pid, attempt=a.attempt)
+                          run_dir=str(job.run_dir), pid=pid, attempt=a.attempt,
+                          on_nodes=on or [])
         elif isinstance(a, Stop):
             if job.alive() and job.pid is not None:  # (it checkpoints and exits 75)
                 os.kill(job.pid, signal.SIGTERM)
@@ -345,11 +235,22 @@ class FleetRun:
                 request_drain(job.run_dir, [a.node], by="fleet")
         elif isinstance(a, Grow):
             try:
-                names = grow(job.run_dir, a.count, tag=f"fleet-{i}", alive=job.alive)
+                on = self._take(manager, a.job, a.count, f"fleet-{i}")
+                names = grow(job.run_dir, a.count, tag=f"fleet-{i}", alive=job.alive, on=on)
             except (OSError, RuntimeError, TimeoutError) as e:
                 self.log.emit("fleet_move_failed", job=a.job, reason=f"grow: {e}")
                 return
             self.log.emit("fleet_grow", job=a.job, nodes=names, from_job=a.from_job)
+
+    def _take(self, manager: Manager, job: str, count: int, tag: str) -> list[str] | None:
+        """A Slurm fleet's nodes for an action (launch/fleet_pool.py), in the records before
+        the job hears of them; None for local nodes (its launcher names them)."""
+        if self.pool is None:
+            return None
+        nodes = self.pool.take(job, count, tag, {n: j.run_dir for n, j in self.jobs.items()},
+                               lambda n: self.jobs[n].watching)
+        self._save(manager)
+        return nodes
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -397,12 +298,23 @@ def run(args: argparse.Namespace) -> int:
         fleet, _ = load_fleet(args.fleet)
         run_dir = Path("runs") / fleet.name
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return FleetRun(Path(args.fleet), run_dir, resume=args.resume).run()
+    pool = None
+    if args.slurm:
+        from oobleck_hpc.bootstrap.environment import detect
+
+        env = detect()
+        if env.source != "slurm":
+            raise ConfigError("<command line>", "--slurm", "is given outside a Slurm "
+                              "allocation (SLURM_JOB_ID is not set)", "run it in the batch "
+                              "script of an allocation, or submit the fleet: `oobleck-hpc "
+                              "fleet submit FLEET`")
+        pool = SlurmPool(env.job_id)
+    return FleetRun(Path(args.fleet), run_dir, resume=args.resume, pool=pool).run()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """`fleet plan` and `fleet status` (fleet/cli.py), `fleet run` (here: it starts jobs) and
-    `fleet chaos` (operate/fleet_chaos.py)."""
+    """`fleet plan` and `fleet status` (fleet/cli.py), `fleet run` (here: it starts jobs),
+    `fleet submit` (launch/cli_slurm.py) and `fleet chaos` (operate/fleet_chaos.py)."""
     fleet_sub = fleet_cli.register(sub)
     p = fleet_sub.add_parser("run", help="run every job of the fleet on this machine, and the "
                              "manager that moves nodes between them")
@@ -413,7 +325,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="take over the fleet in --run-dir whose manager died (its jobs train "
                         "on): from its records, DIR/manager.json")
+    p.add_argument("--slurm", action="store_true",
+                   help="in a Slurm allocation (what `fleet submit` runs in its batch script): "
+                        "each job's agents run as steps on nodes of the allocation")
     p.set_defaults(func=run)
+    from oobleck_hpc.launch import cli_slurm
     from oobleck_hpc.operate import fleet_chaos
 
+    cli_slurm.register_fleet(fleet_sub)
     fleet_chaos.register(fleet_sub)

@@ -220,3 +220,18 @@ def test_a_tagged_grow_is_answered_once_and_a_gone_launcher_is_not_waited_for(tm
     with pytest.raises(RuntimeError, match="ended before it answered"):
         grow(tmp_path, 1, tag="fleet-8", alive=lambda: False)
     assert time.monotonic() - t0 < 5 and not list((tmp_path / GROW_DIR).glob("*.request"))
+
+
+def test_a_slurm_jobs_nodes_are_the_ones_its_launcher_started_on():
+    """A job of a Slurm fleet runs on the allocation's nodes (its `run_started` names them):
+    those are the members a decision drains, not the local launcher's node0, node1, ..."""
+    m = fleet(lambda kind, **f: None)
+    m.start()
+    for name, nodes in (("heavy", ["n1", "n2", "n3"]), ("middle", ["n4", "n5"]),
+                        ("light", ["n6", "n7", "n8"])):
+        m.on_event(name, {"kind": "run_started", "launch": "slurm-steps", "nodes": len(nodes),
+                          "on_nodes": nodes})
+    m.on_event("heavy", plan(2))
+    assert m.on_event("heavy", recovered(["n2"])) == [Drain("light", "n8", "heavy")]
+    m.on_event("middle", {"kind": "run_started", "launch": "local", "nodes": 2, "on_nodes": []})
+    assert m.jobs["middle"].members == ["n4", "n5"]  # (a local launcher's names nothing)
