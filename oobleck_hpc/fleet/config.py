@@ -1,8 +1,10 @@
 """The fleet file (`fleet.yaml`) as typed dataclasses, loaded as strictly as a job file.
 
     pool:
-      nodes: 8                  # the nodes the fleet shares (local; a Slurm allocation later)
+      nodes: 8                  # the nodes the fleet shares (local, or one Slurm allocation)
     mtbf_hours: 3.0             # the pool's mean time between failures (optional)
+    slurm:                      # the allocation of `fleet submit` (optional; a job file's
+      time_min: 600             #   slurm keys: partition, account, time_min, setup, extra...)
     jobs:
       - job: gpt-tiny-local.yaml    # an ordinary job file, relative to this file's folder
         weight: 4                   # priority: the job's FLOP/s count this many times
@@ -23,6 +25,7 @@ from pathlib import Path
 
 
 from oobleck_hpc.config import JobConfig, load_job
+from oobleck_hpc.configs.cluster import SlurmConfig
 from oobleck_hpc.errors import ConfigError
 from oobleck_hpc.schema import Where, build, read_mapping, walk
 
@@ -87,6 +90,9 @@ class FleetConfig:
     name: str = "fleet"
     mtbf_hours: float = MTBF_HOURS
     """The pool's mean time between failures: the horizon over which a move must pay."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """The allocation `fleet submit` asks for (pool.nodes nodes); each job's own `slurm:`
+    keys still say how its steps run (mpi, agent_command)."""
     source: str = field(default="<python>", compare=False, repr=False)
     """The file this fleet was read from (for messages and relative job paths); not a key."""
 

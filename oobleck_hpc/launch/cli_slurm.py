@@ -30,6 +30,79 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def register_fleet(fleet_sub: argparse._SubParsersAction) -> None:
+    p = fleet_sub.add_parser("submit", help="submit the fleet to Slurm as one allocation: its "
+                             "manager and every job inside it",
+                             description="Submit the fleet as one Slurm allocation of pool.nodes "
+                             "nodes: its batch script runs the fleet's manager (`fleet run "
+                             "--slurm`), which starts each job on nodes of the allocation and "
+                             "moves nodes between them without a trip through the queue.")
+    p.add_argument("fleet", help="YAML fleet file")
+    p.add_argument("--run-dir", default=None,
+                   help="the fleet's run dir (default: runs/<fleet name>)")
+    p.add_argument("--wait", action="store_true",
+                   help="wait for the allocation to end, then print the fleet's status")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the sbatch parameters and the manager's command; submit nothing")
+    p.set_defaults(func=submit_fleet)
+
+
+def submit_fleet(args: argparse.Namespace) -> int:
+    """`fleet submit`: every job's inputs checked, as `submit` does, before anything is
+    allocated; exit code with --wait: 0 when every job finished, else the first job's code."""
+    import sys
+    import time
+    from pathlib import Path
+
+    from oobleck_hpc.errors import ConfigError
+    from oobleck_hpc.fleet.cli import status
+    from oobleck_hpc.fleet.config import load_fleet
+    from oobleck_hpc.launch import slurm
+    from oobleck_hpc.launch.cli import check_local_inputs
+    from oobleck_hpc.launch.slurm_driver import FleetDriver
+
+    fleet, entries = load_fleet(args.fleet)
+    for entry in entries:
+        check_local_inputs(entry.job)
+    run_dir = Path(args.run_dir or Path("runs") / fleet.name).absolute()
+    if (run_dir / "events.jsonl").exists():
+        raise ConfigError("<command line>", "--run-dir", f"value {str(run_dir)!r} holds a "
+                          "fleet run already", "give the fleet a new --run-dir")
+    if args.dry_run:
+        driver = FleetDriver(str(Path(args.fleet).absolute()), str(run_dir))
+        print(json.dumps({"sbatch": slurm.fleet_sbatch_parameters(fleet, run_dir),
+                          "manager": [driver.python, "-m", "oobleck_hpc", "fleet", "run",
+                                      driver.fleet_file, "--run-dir", driver.run_dir,
+                                      "--slurm"]}, indent=1))
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    submitted = slurm.submit_fleet(fleet, run_dir)
+    print(f"submitted fleet {fleet.name} as job {submitted.job_id}: {fleet.pool.nodes} nodes, "
+          f"{len(entries)} jobs; run dir {run_dir}; `oobleck-hpc fleet status {run_dir}`",
+          flush=True)
+    if not args.wait:
+        return 0
+    while not submitted.done():
+        time.sleep(1.0)
+    if (run_dir / "events.jsonl").exists():
+        status(argparse.Namespace(run_dir=str(run_dir), json=False, plot=None))
+    return fleet_exit_code(run_dir, file=sys.stderr)
+
+
+def fleet_exit_code(run_dir, file=None) -> int:
+    """A fleet's exit code, as its `fleet run` returned it (its `fleet_ended` event); 1 when
+    the fleet left none (its allocation ended first: see RUN_DIR/submitit)."""
+    from oobleck_hpc.records.events import read_events
+
+    path = run_dir / "events.jsonl"
+    ended = [e for e in read_events(path) if e.get("kind") == "fleet_ended"] \
+        if path.exists() else []
+    if not ended:
+        print(f"the fleet left no fleet_ended event; see {run_dir}/submitit", file=file)
+        return 1
+    return int(ended[-1]["code"])
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 

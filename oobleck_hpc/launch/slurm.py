@@ -62,10 +62,11 @@ from pathlib import Path
 import submitit
 
 from oobleck_hpc.bootstrap.environment import current_job_nodes
-from oobleck_hpc.config import JobConfig
+from oobleck_hpc.config import JobConfig, SlurmConfig
 from oobleck_hpc.errors import OobleckError
 from oobleck_hpc.files import write_json
-from oobleck_hpc.launch.slurm_driver import JoinDriver, LaunchResult, SlurmDriver
+from oobleck_hpc.fleet.config import FleetConfig
+from oobleck_hpc.launch.slurm_driver import FleetDriver, JoinDriver, LaunchResult, SlurmDriver
 from oobleck_hpc.launch.slurm_task import REPLACEMENTS_DIR, job_fields
 from oobleck_hpc.records import runs
 
@@ -212,19 +213,35 @@ def members(job: JobConfig) -> int:
 def sbatch_parameters(job: JobConfig) -> dict:
     """The submitit parameters of a job (also what `oobleck-hpc submit --dry-run` prints)."""
     s = job.slurm
+    return _parameters(s, job.name, job.cluster.nodes + job.cluster.spares, {
+        "requeue": True,
+        "signal": f"{s.signal.upper().removeprefix('SIG')}@{s.signal_delay_s}",
+        "comment": f"oobleck:{job.resolved_run_dir.absolute()}",  # `grow JOB_ID` finds it
+    }) | {"signal_delay_s": s.signal_delay_s}
+
+
+def fleet_sbatch_parameters(fleet: FleetConfig, run_dir: Path) -> dict:
+    """The submitit parameters of a fleet's allocation (`fleet submit`): pool.nodes nodes,
+    --no-kill (a dead node leaves the allocation, the jobs on the others train on), not
+    requeued, the pre-timeout signal to the batch script only (submitit's; the jobs are not
+    stopped early: each checkpoints as its own checkpoint section says)."""
+    s = fleet.slurm
+    return _parameters(s, fleet.name, fleet.pool.nodes, {
+        "signal": f"B:{s.signal.upper().removeprefix('SIG')}@{s.signal_delay_s}",
+        "comment": f"oobleck-fleet:{run_dir}"})
+
+
+def _parameters(s: SlurmConfig, name: str, nodes: int, own: dict) -> dict:
     params: dict = {
-        "job_name": job.name,
-        "nodes": job.cluster.nodes + job.cluster.spares,
+        "job_name": name,
+        "nodes": nodes,
         "time": s.time_min,
-        "signal_delay_s": s.signal_delay_s,
         "use_srun": False,
         "stderr_to_stdout": True,
         "additional_parameters": {
             "no-kill": True,
-            "requeue": True,
-            "signal": f"{s.signal.upper().removeprefix('SIG')}@{s.signal_delay_s}",
             "ntasks-per-node": 1,
-            "comment": f"oobleck:{job.resolved_run_dir.absolute()}",  # `grow JOB_ID` finds it
+            **own,
             **{k.replace("_", "-"): v for k, v in s.extra.items()},
         },
     }
@@ -258,6 +275,16 @@ def submit(job: JobConfig, *, python: str | None = None) -> submitit.Job:
                          mpi=job.slurm.mpi, python=python, min_nodes=fewest,
                          members=members(job), group_access=job.group_access)
     return executor.submit(driver)
+
+
+def submit_fleet(fleet: FleetConfig, run_dir: Path, *, python: str | None = None) -> submitit.Job:
+    """Submit a fleet as one allocation (`fleet submit`): its batch script runs the fleet's
+    manager, `fleet run FLEET --slurm` (`FleetDriver`); its files go to RUN_DIR/submitit."""
+    require_controller()
+    python = python or sys.executable
+    executor = _DriverExecutor(folder=run_dir / "submitit", python=shlex.quote(python))
+    executor.update_parameters(**fleet_sbatch_parameters(fleet, run_dir))
+    return executor.submit(FleetDriver(str(Path(fleet.source).absolute()), str(run_dir), python))
 
 
 def job_min_nodes(job: JobConfig) -> int:

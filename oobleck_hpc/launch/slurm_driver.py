@@ -193,6 +193,25 @@ class JoinDriver:
              f"--output={logs}/agent-join-{env.job_id}-%t.out", *self.agent, "--join"]).returncode
 
 
+@dataclass
+class FleetDriver:
+    """The callable of a Slurm fleet's batch script (`oobleck-hpc fleet submit`): the fleet's
+    manager, `oobleck-hpc fleet run FLEET --run-dir DIR --slurm` (launch/fleet.py), which
+    starts each job on nodes of this allocation. Returns its exit code 0 (every job finished),
+    or leaves with its code (submitit: no result; `fleet status DIR` tells the jobs)."""
+
+    fleet_file: str
+    run_dir: str
+    python: str = sys.executable
+
+    def __call__(self) -> int:
+        rc = subprocess.run([self.python, "-m", "oobleck_hpc", "fleet", "run", self.fleet_file,
+                             "--run-dir", self.run_dir, "--slurm"]).returncode
+        if rc != EXIT_OK:
+            raise SystemExit(rc)
+        return rc
+
+
 def _restarts(job_id: str) -> int:
     out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
                          timeout=60).stdout
