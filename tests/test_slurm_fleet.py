@@ -8,7 +8,9 @@ agent and worker die at once; its step ends, the node stays in the allocation): 
 in place on 1 node. Then the manager re-solves and 4 x heavy's gain pays for light's loss: it
 drains light's last node (drain_agreed there) and grows heavy by one (a free node of the
 allocation, its agent a new step with --join: launch/slurm_steps.py), without a trip through
-the queue -- sacct shows one job, the fleet's allocation, COMPLETED. Both jobs finish with every
+the queue -- sacct shows one job, the fleet's allocation, COMPLETED. The manager is SIGKILLed
+once both jobs started: they train on, and the batch script starts a new manager that takes
+over from the records (launch/slurm_driver.FleetDriver) and makes the move. Both jobs finish with every
 step once, their losses and final parameters equal to their own failure-free fp64 reference.
 
 One test, hard timeout; the allocation is cancelled by its job id at the end, whatever happened.
@@ -16,15 +18,19 @@ One test, hard timeout; the allocation is cancelled by its job id at the end, wh
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
+from oobleck_hpc.launch.fleet_job import process_start
 from oobleck_hpc.operate.chaos import check_steps, max_rel_diff
 from oobleck_hpc.records.events import read_events, read_jsonl
 
@@ -80,27 +86,44 @@ def write_fleet(tmp_path: Path) -> Path:
     return path
 
 
+def kill_manager(run_dir: Path, deadline: float) -> None:
+    """SIGKILL the fleet's manager (its pid and start time from its records) once both jobs
+    started: the batch script starts a new one, which takes over from the records."""
+    events = run_dir / "events.jsonl"
+    wait_until(lambda: events.exists() and len(kinds(read_events(events),
+                                                     "fleet_job_started")) == 2,
+               deadline - time.monotonic(), f"both jobs to start ({events})")
+    saved = json.loads((run_dir / "manager.json").read_text())
+    assert process_start(saved["pid"]) == saved["pid_start"], saved  # (never a recycled pid)
+    os.kill(saved["pid"], signal.SIGKILL)
+
+
 @pytest.mark.timeout(TIMEOUT_S + 120)
 def test_a_node_moves_between_jobs_inside_one_allocation(slurm_cluster, tmp_path, references):
     path = write_fleet(tmp_path)
     run_dir = tmp_path / "fleet-run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     where = f"(fleet: {run_dir}, its batch log under {run_dir / 'submitit'})"
-    submit = subprocess.Popen([sys.executable, "-m", "oobleck_hpc", "fleet", "submit", str(path),
-                               "--run-dir", str(run_dir), "--wait"], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = submit.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        submit.kill()
-        out, _ = submit.communicate()
-    finally:  # (the allocation, by its id: every step of every job in it ends)
-        ids = {p.name.split("_")[0] for p in (run_dir / "submitit").glob("*_submitted.pkl")}
-        for job_id in ids:
-            subprocess.run(["scancel", job_id], timeout=60)
+    deadline = time.monotonic() + TIMEOUT_S
+    with open(tmp_path / "submit.log", "w") as log:
+        submit = subprocess.Popen([sys.executable, "-m", "oobleck_hpc", "fleet", "submit",
+                                   str(path), "--run-dir", str(run_dir), "--wait"], cwd=tmp_path,
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            kill_manager(run_dir, deadline)
+            submit.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except (subprocess.TimeoutExpired, TimeoutError):
+            submit.kill()
+            submit.wait()
+        finally:  # (the allocation, by its id: every step of every job in it ends)
+            ids = {p.name.split("_")[0] for p in (run_dir / "submitit").glob("*_submitted.pkl")}
+            for job_id in ids:
+                subprocess.run(["scancel", job_id], timeout=60)
+    out = (tmp_path / "submit.log").read_text()
     assert submit.returncode == 0, f"fleet submit exited {submit.returncode}: {out} {where}"
 
     fleet = read_events(run_dir / "events.jsonl")
+    assert len(kinds(fleet, "fleet_resumed")) == 1, f"no manager took over {where}"
     started = kinds(fleet, "fleet_job_started")
     assert {e["job"]: len(e["on_nodes"]) for e in started} == {"heavy": 2, "light": 2}, started
     assert not set(started[0]["on_nodes"]) & set(started[1]["on_nodes"]), started

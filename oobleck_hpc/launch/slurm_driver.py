@@ -7,6 +7,7 @@ callables on the login node and runs them in the batch script.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -33,6 +34,8 @@ DISCOVERY_TIMEOUT_S = 300
 """How long the discovery step (srun, MPI) may take."""
 REQUEUE_TIMEOUT_S = 600
 """How long the driver waits for Slurm to take its `scontrol requeue` (Restarts grows)."""
+MANAGER_RESTARTS = 3
+"""How many times a Slurm fleet's batch script starts a new manager after one died."""
 
 
 @dataclass
@@ -197,19 +200,40 @@ class JoinDriver:
 class FleetDriver:
     """The callable of a Slurm fleet's batch script (`oobleck-hpc fleet submit`): the fleet's
     manager, `oobleck-hpc fleet run FLEET --run-dir DIR --slurm` (launch/fleet.py), which
-    starts each job on nodes of this allocation. Returns its exit code 0 (every job finished),
-    or leaves with its code (submitit: no result; `fleet status DIR` tells the jobs)."""
+    starts each job on nodes of this allocation. A manager that dies (killed, crashed) leaves
+    its records with the fleet not ended, and its jobs train on: a new one takes over from
+    them (`--resume`), at most MANAGER_RESTARTS times; only re-allocation pauses meanwhile.
+    Returns the last manager's exit code 0 (every job finished), or leaves with it (submitit:
+    no result; `fleet status DIR` tells the jobs)."""
 
     fleet_file: str
     run_dir: str
     python: str = sys.executable
 
     def __call__(self) -> int:
-        rc = subprocess.run([self.python, "-m", "oobleck_hpc", "fleet", "run", self.fleet_file,
-                             "--run-dir", self.run_dir, "--slurm"]).returncode
+        configure("INFO")
+        manager = [self.python, "-m", "oobleck_hpc", "fleet", "run", self.fleet_file,
+                   "--run-dir", self.run_dir, "--slurm"]
+        rc = subprocess.run(manager).returncode
+        for _ in range(MANAGER_RESTARTS):
+            if not _manager_died(Path(self.run_dir)):
+                break
+            logger.warning("the fleet's manager died (exit %s) before the fleet ended: a new "
+                           "one takes over from its records", rc)
+            rc = subprocess.run([*manager, "--resume"]).returncode
         if rc != EXIT_OK:
             raise SystemExit(rc)
         return rc
+
+
+def _manager_died(run_dir: Path) -> bool:
+    """The fleet's manager left records of a fleet that has not ended (launch/fleet.py)."""
+    from oobleck_hpc.launch.fleet import STATE
+
+    try:
+        return not json.loads((run_dir / STATE).read_text()).get("ended")
+    except (OSError, ValueError):
+        return False  # (it died before it wrote any: nothing runs to take over)
 
 
 def _restarts(job_id: str) -> int:
