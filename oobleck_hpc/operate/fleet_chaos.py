@@ -5,9 +5,12 @@ A trial runs the whole fleet on this machine (`oobleck-hpc fleet run`, launch/fl
 every job as `oobleck-hpc chaos` makes a trial of it (operate/chaos.trial_job: fp64, `--steps`
 + `--tail-steps` steps, final parameters saved, a checkpoint every --checkpoint-every steps, the
 launcher's short kill grace) and its own random fault set: nothing for about a third of the
-jobs, else 1..f faults of --kinds drawn as chaos.draw_trial draws them, on the node count the
-fleet's first decision gives the job. So every fault is one the job survives in place (a drain
-or a grow changes its count), and a move between jobs follows a loss whenever it pays. Once
+jobs, else faults of --kinds drawn as chaos.draw_trial draws them, on the node count the
+fleet's first decision gives the job: 1..f of them, which the job survives in place (a drain
+or a grow changes its count), or, with probability --beyond-share where the job has more than
+f + 1 nodes, f + 1 or more: beyond its guarantee, so it may fall back to its checkpoint, wait
+inside the fleet and be started again (a requeue in the fleet). A move between jobs follows a
+loss whenever it pays. Once
 per trial the manager is SIGKILLed at a random time in the first --manager-kill-s seconds and a
 new one takes over (`fleet run --resume`) after a random pause of up to 3 s: mid-move, mid-
 recovery, or while nothing happens.
@@ -73,13 +76,13 @@ class FleetTrial:
 
 
 def draw(seed: int, index: int, counts: dict[str, int], fs: dict[str, int], steps: int,
-         kinds: list[str], kill_window_s: float) -> FleetTrial:
+         kinds: list[str], kill_window_s: float, beyond_share: float = 0.0) -> FleetTrial:
     """Trial `index`'s faults and manager kill, from its own generator (module docstring)."""
     rng = random.Random(f"oobleck-fleet-chaos/{seed}/{index}")
     faults = {}
     for job, k in counts.items():
         none = k == 0 or rng.random() < 1 / 3
-        faults[job] = [] if none else draw_trial(rng, k, steps, fs[job], kinds, beyond_share=0.0)
+        faults[job] = [] if none else draw_trial(rng, k, steps, fs[job], kinds, beyond_share)
     return FleetTrial(index, faults, round(rng.uniform(1.0, kill_window_s), 2),
                       round(rng.uniform(0.0, RESUME_PAUSE_S), 2))
 
@@ -159,7 +162,7 @@ def run_trial(trial: FleetTrial, fleet_data: dict, jobs: dict, references: dict,
     return trial
 
 
-def summarize(trials: list[FleetTrial]) -> dict[str, Any]:
+def summarize(trials: list[FleetTrial], fs: dict[str, int]) -> dict[str, Any]:
     kills = [r for t in trials for rs in t.recovery_s.values() for r in rs]
     return {"trials": len(trials),
             **{k: sum(t.outcome == k for t in trials)
@@ -167,6 +170,7 @@ def summarize(trials: list[FleetTrial]) -> dict[str, Any]:
             "manager_killed": sum(t.killed for t in trials),
             "faults": sum(len(fs) for t in trials for fs in t.faults.values()),
             "faults_fired": sum(len(fs) for t in trials for fs in t.fired.values()),
+            "jobs_beyond_f": sum(len(x) > fs[j] for t in trials for j, x in t.faults.items()),
             "moves": sum(t.moves for t in trials),
             "requeues_in_fleet": sum(t.requeues for t in trials),
             "recoveries": len(kills),
@@ -188,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
     if not kinds or any(k not in KINDS for k in kinds):
         raise ConfigError("<command line>", "--kinds", f"value {args.kinds!r} names no fault kind "
                           "or unknown ones", f"use some of {','.join(KINDS)}")
+    if not 0.0 <= args.beyond_share <= 1.0:
+        raise ConfigError("<command line>", "--beyond-share", f"value {args.beyond_share} is "
+                          "not a share", "give a number from 0 (always within f) to 1")
     for fj in entries:
         if fj.job.cluster.launch != "local":
             raise ConfigError(str(fleet.job_path(fj.entry)), "cluster.launch",
@@ -216,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     campaign.mkdir(parents=True, exist_ok=True)
     trials = []
     for i in range(args.trials):
-        t = run_trial(draw(args.seed, i, counts, fs, args.steps, kinds, args.manager_kill_s),
+        t = run_trial(draw(args.seed, i, counts, fs, args.steps, kinds, args.manager_kill_s,
+                           args.beyond_share),
                       data, jobs, references, total, every, campaign, args.trial_timeout,
                       args.tol)
         trials.append(t)
@@ -227,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"trial {i}: {drawn}; manager killed at {t.kill_at_s} s "
                   f"{'(took over)' if t.killed else '(had ended)'} -> {t.outcome} "
                   f"({t.moves} moves, {t.requeues} requeues, {t.wall_s:.1f} s)", flush=True)
-    result = {"trials": [t.to_dict() for t in trials], "summary": summarize(trials),
+    result = {"trials": [t.to_dict() for t in trials], "summary": summarize(trials, fs),
               "first_allocation": counts}
     (campaign / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
@@ -252,6 +260,10 @@ def register(fleet_sub: argparse._SubParsersAction) -> None:
                    help="steps every job trains after those (default 100)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="checkpoint.every_steps of the jobs (default: steps // 3)")
+    p.add_argument("--beyond-share", type=float, default=0.25, metavar="P",
+                   help="share of the faulted jobs (with more than f + 1 nodes) that get more "
+                        "than f faults: they may fall back and be requeued in the fleet "
+                        "(default 0.25)")
     p.add_argument("--manager-kill-s", type=float, default=30.0, metavar="S",
                    help="the manager is killed at a random time in the first S seconds "
                         "(default 30)")
