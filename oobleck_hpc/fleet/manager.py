@@ -310,8 +310,9 @@ class Manager:
     def _enact(self, jobs: list[JobState], after: dict[str, int]) -> list[Action]:
         out: list[Action] = []
         takers = [j for j in jobs if j.running and after[j.name] > j.count]
-        for job in jobs:
-            job.target = after[job.name] if after[job.name] != job.count else None
+        for job in jobs:  # (a waiting job runs on nothing, whatever count it had)
+            now = job.count if job.running else 0
+            job.target = after[job.name] if after[job.name] != now else None
             if job.state == "waiting" and after[job.name] > 0:
                 takers.append(job)
         givers = [j for j in jobs if j.running and after[j.name] < j.count]

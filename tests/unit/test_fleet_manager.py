@@ -138,6 +138,17 @@ def test_a_job_that_falls_back_waits_and_starts_again_when_nodes_free_up():
     assert m.counts() == {"heavy": 2, "middle": 0, "light": 3} and m.free == 0
 
 
+def test_a_job_that_falls_back_on_all_its_nodes_starts_again_on_them():
+    """A fall back with no plan change before it (no quorum; faults beyond f in one step): the
+    job's count is still the one it ran on, and the decision gives it as many again. It must
+    start (its target counts from 0: it runs on nothing), not be taken for already there
+    (seen in fleet chaos seed 12, trial 0: the fleet ended with the job never started again)."""
+    m = fleet(lambda kind, **f: None, pool=6)
+    assert m.start() == [Start("heavy", 2), Start("middle", 2), Start("light", 2)]
+    assert m.on_exit("light", 75, False) == [Start("light", 2, attempt=1)]
+    assert m.counts() == {"heavy": 2, "middle": 2, "light": 2} and m.free == 0
+
+
 def test_a_job_below_its_min_nodes_after_a_loss_is_stopped_at_its_checkpoint():
     out: list[tuple[str, dict]] = []
     m = fleet(lambda kind, **f: out.append((kind, f)))
