@@ -3,7 +3,8 @@ act on a running job -- kill-node, drain, grow, watch -- are in operate/cli.py.)
 
 `launch: local` starts the job's nodes as local process groups (launch/local.py) and trains;
 rank 0 prints the plan, progress and a summary. `launch: slurm` jobs are submitted with
-`oobleck-hpc submit` instead. Nothing heavy is imported until the command runs.
+`oobleck-hpc submit` instead; `--on-nodes` runs any job's agents as steps on named nodes of the
+Slurm allocation the command runs in (what a Slurm fleet runs for each job: launch/fleet.py). Nothing heavy is imported until the command runs.
 
 The command is the job's main process for the watchdog (`oobleck-hpc watch RUN_DIR`; the
 contract: operate/liveness.py): it takes RUN_DIR/job.lock first (a second copy of the job

@@ -29,6 +29,9 @@ first node (later ones by a survivor), so the launcher is no single point of fai
   else they wait for the next loss. The answer names them; agents.json lists them. A request
   file the job's user does not own is not read (runs.read_own): a `request_ignored` event
   says why, and the file is removed.
+- `on_nodes` (`oobleck-hpc run JOB --on-nodes n1,n2` inside a Slurm allocation: a job of a
+  Slurm fleet) runs the same launcher with the agents as one-node Slurm steps on those nodes
+  instead of local process groups (launch/slurm_steps.py); a grow request then names its nodes.
 - The console: rank 0's progress (its stdout), and one line per event that matters -- the plan,
   a fault, the agreement, the recovery with its time, a checkpoint, a fallback, the end --
   told from RUN_DIR/events.jsonl as it grows (`Console`, oobleck_hpc/records/story.py).
