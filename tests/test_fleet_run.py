@@ -134,6 +134,21 @@ def kinds(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e.get("kind") == kind]
 
 
+def check_jobs(run_dir: Path, references: dict[str, tuple], steps: dict[str, int],
+               where: str) -> None:
+    """Every job of the fleet ran each step once per attempt, and its losses (of a step
+    replayed after a fallback: its last attempt's) and final parameters equal its own
+    failure-free fp64 reference's."""
+    for name, (losses, params) in references.items():
+        rows = read_jsonl(run_dir / name / "metrics.jsonl")
+        assert check_steps(rows, steps[name]), f"{name}: steps missing or twice {where}"
+        last = {r["step"]: r["loss"] for r in rows}
+        np.testing.assert_allclose([last[k] for k in range(1, steps[name] + 1)], losses,
+                                   rtol=TOL)
+        diff = max_rel_diff(run_dir / name / "final", params)
+        assert diff is not None and diff <= TOL, f"{name}: final parameters differ by {diff}"
+
+
 @pytest.mark.timeout(TIMEOUT_S + 120)
 def test_a_node_moves_from_the_lightest_job_to_the_heaviest_after_its_loss(tmp_path, references):
     code, run_dir = run_fleet(tmp_path)
@@ -169,14 +184,7 @@ def test_a_node_moves_from_the_lightest_job_to_the_heaviest_after_its_loss(tmp_p
     assert joined and joined[0]["node"] == grow[0]["nodes"][0], f"no node joined heavy {where}"
     assert [e for e in kinds(fleet, "fleet_nodes") if e["job"] == "heavy"][-2]["nodes"] == 3
 
-    for name, (losses, params) in references.items():
-        rows = read_jsonl(run_dir / name / "metrics.jsonl")
-        assert check_steps(rows, STEPS[name]), f"{name}: steps missing or twice {where}"
-        by_step = {r["step"]: r["loss"] for r in rows}
-        np.testing.assert_allclose([by_step[k] for k in range(1, STEPS[name] + 1)], losses,
-                                   rtol=TOL)
-        diff = max_rel_diff(run_dir / name / "final", params)
-        assert diff is not None and diff <= TOL, f"{name}: final parameters differ by {diff}"
+    check_jobs(run_dir, references, STEPS, where)
     ended = {e["job"]: e for e in kinds(fleet, "fleet_job_ended")}
     assert all(ended[n]["finished"] for n in STEPS), ended
 
@@ -248,13 +256,4 @@ def test_a_job_below_its_minimum_falls_back_and_is_requeued_when_nodes_free_up(
     frail = read_events(run_dir / "frail" / "events.jsonl")
     assert [e["job"] for e in kinds(events, "fleet_stop")] == ["frail"], events
     assert kinds(frail, "stopping") and kinds(frail, "restored"), f"no stop/resume {where}"
-    for name, (losses, params) in fall_references.items():
-        rows = read_jsonl(run_dir / name / "metrics.jsonl")
-        assert check_steps(rows, FALL_STEPS[name]), f"{name}: steps missing or twice {where}"
-        last = {}
-        for r in rows:  # (a step replayed after the fallback: its last attempt's loss)
-            last[r["step"]] = r["loss"]
-        np.testing.assert_allclose([last[k] for k in range(1, FALL_STEPS[name] + 1)], losses,
-                                   rtol=TOL)
-        diff = max_rel_diff(run_dir / name / "final", params)
-        assert diff is not None and diff <= TOL, f"{name}: final parameters differ by {diff}"
+    check_jobs(run_dir, fall_references, FALL_STEPS, where)

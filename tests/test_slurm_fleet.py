@@ -26,17 +26,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
 from oobleck_hpc.launch.fleet_job import process_start
-from oobleck_hpc.operate.chaos import check_steps, max_rel_diff
-from oobleck_hpc.records.events import read_events, read_jsonl
+from oobleck_hpc.records.events import read_events
 
 from helpers import wait_until
-from test_fleet_run import kinds
-from test_recovery import TOL, job_dict
+from test_fleet_run import check_jobs, kinds
+from test_recovery import job_dict
 from test_slurm_training import sacct_states
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -143,14 +141,7 @@ def test_a_node_moves_between_jobs_inside_one_allocation(slurm_cluster, tmp_path
         f"no node joined heavy {where}"
     assert [e["nodes"] for e in kinds(heavy, "plan_chosen")][-1] == 2, where
 
-    for name, (losses, params) in references.items():
-        rows = read_jsonl(run_dir / name / "metrics.jsonl")
-        assert check_steps(rows, STEPS[name]), f"{name}: steps missing or twice {where}"
-        by_step = {r["step"]: r["loss"] for r in rows}
-        np.testing.assert_allclose([by_step[k] for k in range(1, STEPS[name] + 1)], losses,
-                                   rtol=TOL)
-        diff = max_rel_diff(run_dir / name / "final", params)
-        assert diff is not None and diff <= TOL, f"{name}: final parameters differ by {diff}"
+    check_jobs(run_dir, references, STEPS, where)
     ended = kinds(fleet, "fleet_ended")
     assert ended and ended[0]["codes"] == {"heavy": 0, "light": 0}, ended
     (job_id,) = ids  # one allocation: nothing went through the queue again
