@@ -55,12 +55,11 @@ from oobleck_hpc.errors import ConfigError, OobleckError
 from oobleck_hpc.files import write_json
 from oobleck_hpc.fleet import cli as fleet_cli
 from oobleck_hpc.fleet.manager import Action, Drain, Grow, JobState, Manager, Start, Stop
-from oobleck_hpc.launch.fleet_job import POLL_S, FleetJobRun, process_start
+from oobleck_hpc.launch.fleet_job import POLL_S, STATE, FleetJobRun, process_start
 from oobleck_hpc.launch.fleet_pool import SlurmPool
 from oobleck_hpc.records.events import EventLog
 STOP_GRACE_S = 30.0
 """Seconds the jobs get to stop after a forwarded signal before they are killed."""
-STATE = "manager.json"
 ACTIONS: dict[str, type] = {"start": Start, "drain": Drain, "grow": Grow, "stop": Stop}
 
 

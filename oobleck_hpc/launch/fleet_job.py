@@ -21,6 +21,8 @@ from oobleck_hpc.records.events import read_events
 from oobleck_hpc.records.story import Tail
 
 POLL_S = 0.2
+STATE = "manager.json"
+"""The fleet manager's records in the fleet's run dir (launch/fleet.py)."""
 
 
 def process_start(pid: int) -> int | None:

@@ -228,7 +228,7 @@ class FleetDriver:
 
 def _manager_died(run_dir: Path) -> bool:
     """The fleet's manager left records of a fleet that has not ended (launch/fleet.py)."""
-    from oobleck_hpc.launch.fleet import STATE
+    from oobleck_hpc.launch.fleet_job import STATE
 
     try:
         return not json.loads((run_dir / STATE).read_text()).get("ended")
