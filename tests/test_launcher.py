@@ -51,10 +51,13 @@ def test_job_exit_code_is_the_runs_verdict(tmp_path, finished, codes, want):
 
 
 class _Agents:
-    """What LocalRun._wait reads: `procs`, node -> Popen."""
+    """What LocalRun._wait reads: `procs`, node -> Popen, and their exit codes (`poll`)."""
 
     def __init__(self, procs: dict[str, subprocess.Popen]):
         self.procs = procs
+
+    def poll(self) -> dict[str, int | None]:
+        return {m: p.poll() for m, p in self.procs.items()}
 
     def cleanup(self) -> None:
         for p in self.procs.values():
