@@ -170,7 +170,7 @@ def test_the_local_launcher_ignores_another_users_grow_request(tmp_path):
         def __init__(self):
             self.procs: dict = {}
 
-        def add(self, count: int) -> list[str]:
+        def add(self, count: int, on: list[str] | None = None) -> list[str]:
             self.procs["node5"] = SimpleNamespace(pid=1)
             return ["node5"]
 
