@@ -189,6 +189,11 @@ def test_the_local_launcher_ignores_another_users_grow_request(tmp_path):
     assert (events[0]["request"], events[0]["path"], events[0]["reason"]) == \
         ("grow", str(foreign), why)
     assert Story().feed(events[0]) == [f"grow request ignored: {foreign} {why}"]
+    # named nodes that are no names (a path) are refused before any agent starts
+    bad = request_grow(tmp_path, 1, tag="bad", on=["../x"])
+    run._serve_grow()
+    assert "'on' must list node names" in json.loads(bad.with_suffix(".done").read_text())["error"]
+    assert list(run.agents.procs) == ["node5"]
 
 
 def test_a_linked_grow_request_is_ignored_once_and_removed(tmp_path):

@@ -71,9 +71,7 @@ def submit_fleet(args: argparse.Namespace) -> int:
     if args.dry_run:
         driver = FleetDriver(str(Path(args.fleet).absolute()), str(run_dir))
         print(json.dumps({"sbatch": slurm.fleet_sbatch_parameters(fleet, run_dir),
-                          "manager": [driver.python, "-m", "oobleck_hpc", "fleet", "run",
-                                      driver.fleet_file, "--run-dir", driver.run_dir,
-                                      "--slurm"]}, indent=1))
+                          "manager": driver.manager()}, indent=1))
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     submitted = slurm.submit_fleet(fleet, run_dir)

@@ -199,7 +199,11 @@ class LocalRun:
             answer: dict[str, Any]
             try:
                 asked = json.loads(runs.read_own(request))
-                names = self.agents.add(int(asked["nodes"]), asked.get("on"))
+                on = asked.get("on")
+                if on is not None and not (isinstance(on, list) and all(
+                        isinstance(n, str) and n and "/" not in n for n in on)):
+                    raise ValueError(f"'on' must list node names, got {on!r}")
+                names = self.agents.add(int(asked["nodes"]), on)
                 answer = {"nodes": names}
                 self._write_agents()
                 log = EventLog(self.run_dir / "events.jsonl", source="launcher")

@@ -210,10 +210,14 @@ class FleetDriver:
     run_dir: str
     python: str = sys.executable
 
+    def manager(self) -> list[str]:
+        """The manager's command line (`fleet submit --dry-run` prints it)."""
+        return [self.python, "-m", "oobleck_hpc", "fleet", "run", self.fleet_file,
+                "--run-dir", self.run_dir, "--slurm"]
+
     def __call__(self) -> int:
         configure("INFO")
-        manager = [self.python, "-m", "oobleck_hpc", "fleet", "run", self.fleet_file,
-                   "--run-dir", self.run_dir, "--slurm"]
+        manager = self.manager()
         rc = subprocess.run(manager).returncode
         for _ in range(MANAGER_RESTARTS):
             if not _manager_died(Path(self.run_dir)):

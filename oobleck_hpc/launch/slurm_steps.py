@@ -35,7 +35,6 @@ from typing import Any
 from oobleck_hpc.files import write_json
 
 STEPS_FILE = "steps.json"
-DISCOVERY_TIMEOUT_S = 300
 
 
 @dataclass
@@ -56,6 +55,7 @@ class SlurmSteps:
                                                      wait_for_discovery)
         from oobleck_hpc.bootstrap.environment import detect
         from oobleck_hpc.launch.slurm import agent_argv
+        from oobleck_hpc.launch.slurm_driver import DISCOVERY_TIMEOUT_S
 
         slurm = detect()
         if slurm.source != "slurm":
