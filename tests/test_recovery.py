@@ -437,10 +437,16 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     # committed, and only the next one, begun by some ranks and kept by none, is redone
     # (rounds.py, `admit`). A rank in that step may see it fail (a peer that heard of the round
     # first tore its groups down: seen once in CI) before its own notice arrives; the round
-    # explains the error (plane.py, `probe`). No other step failed.
-    failed = [e for e in past if e["kind"] == "step_failed" and e["step"] != 3]
+    # explains the error (plane.py, `probe`). The crash's round failed step 3 everywhere, and
+    # step 2's commit vote at a rank that had not yet received its result (seen in CI: node4,
+    # while the others had begun step 3; `reconcile` commits it, as the vote completed). No
+    # other step failed.
+    failed = [e for e in past if e["kind"] == "step_failed"]
+    by_crash = [e for e in failed if e["generation"] < out["generation"]]
+    assert all(e["step"] == 3 or (e["step"] == 2 and e["phase"] == "vote")
+               for e in by_crash), (by_crash, out)
     assert all(e["step"] == back["step"] and e["generation"] < back["generation"]
-               for e in failed), (failed, recovered)
+               for e in failed if e not in by_crash), (failed, recovered)
     rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}
     assert rejoined == {"node2/0", "node2/1"}, rejoined
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
