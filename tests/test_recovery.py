@@ -258,8 +258,13 @@ def test_a_spare_swapped_in_then_a_loss_then_a_node_grown_back(tmp_path):
     r = len(retried)  # generations 1..r: a loaded machine's start (helpers.py)
     assert agreed == {r + 1: (["node2"], ["node5"]), r + 2: (["node3"], []),
                       r + 3: ([], ["node6"])}, agreed
-    # node6 joined at a step boundary: no step of generation r + 2 failed (membership.py, 7b)
-    assert not [e for e in events if e["kind"] == "step_failed" and e["generation"] == r + 2]
+    # node6 joined at a step boundary (membership.py, 7b): the step its round followed
+    # committed; only the next one may have failed at ranks that had begun it before they heard
+    # of the round (seen under load: node4 opened the round at its boundary, node0 and node5
+    # were in that step's backward), and it is the step the join starts from.
+    (join,) = [e for e in events if e["kind"] == "recovered" and e["joined"] == ["node6"]]
+    assert all(e["step"] == join["step"] for e in events
+               if e["kind"] == "step_failed" and e["generation"] == r + 2), join
     assert not [e for e in events if e["kind"] == "fallback"]
     assert any(e["kind"] == "nodes_added" and e["nodes"] == ["node6"] for e in events)
     assert {e["source"] for e in events if e["kind"] == "peer_added"} == {
