@@ -773,28 +773,3 @@ def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_
             cp._stop.set()
         for cp in cps:
             cp.close()
-
-
-REALTIME_CHECK = """
-import os, subprocess, sys
-from oobleck_hpc.control.workers import run_realtime
-ok = run_realtime()
-child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
-                       capture_output=True, text=True, check=True, timeout=30)
-print(ok, os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK, int(child.stdout))
-"""
-
-
-@pytest.mark.timeout(60)
-def test_an_agent_runs_at_real_time_priority_and_its_workers_do_not():
-    """control/workers.py, `run_realtime`: an agent that may (root here) runs SCHED_RR, so a
-    loaded machine does not keep it from answering a stall probe; what it starts -- its
-    workers -- runs at the ordinary policy, whatever the agent got. (One short process that
-    imports no torch, and its child.)"""
-    out = subprocess.run([sys.executable, "-c", REALTIME_CHECK], capture_output=True, text=True,
-                         check=True, timeout=50).stdout.split()
-    ok, policy, child = out[0] == "True", int(out[1]), int(out[2])
-    assert policy == (os.SCHED_RR if ok else os.SCHED_OTHER), out
-    assert child == os.SCHED_OTHER, out
-    if os.geteuid() == 0 and not ok:
-        pytest.skip("root here, but real-time priority was refused (a cgroup without a budget?)")
