@@ -80,8 +80,8 @@ from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.control.faults import DutyCycle
 from oobleck_hpc.control.membership import Decision
 from oobleck_hpc.control.workers import (START_NICE, Inbox, Worker, describe_exit, kill_workers,
-                                         process_state, run_realtime, set_priority, start_worker,
-                                         tell, worker_env)
+                                         process_state, set_priority, start_worker, tell,
+                                         worker_env)
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 RESTART_BOOST_AFTER_S = 1.0
@@ -126,7 +126,6 @@ class Agent:
     # ------------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
-        realtime = run_realtime()  # (first: the threads and workers started below inherit it)
         self.cp.bind()
         for lr in range(self.opts.workers):
             self._spawn_worker(lr)
@@ -134,8 +133,7 @@ class Agent:
             self._boosted = set_priority(START_NICE, self.workers)
         self.cp.start()
         self.events.emit("agent_started", pid=os.getpid(), workers=self.opts.workers,
-                         port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers],
-                         realtime=realtime)
+                         port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
         if self.cp.core.joined:  # a spare's workers wait until a round swaps it in
             self._tell_membership(self.cp.decided)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):

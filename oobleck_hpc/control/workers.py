@@ -111,34 +111,11 @@ def start_worker(opts: AgentOptions, lr: int, env: dict[str, str], inbox: Inbox)
     return w
 
 
-AGENT_RT_PRIORITY = 1
-"""The real-time priority (SCHED_RR, the lowest) an agent runs at where it may (`run_realtime`)."""
-
-
-def run_realtime() -> bool:
-    """Run this process -- an agent, before it starts any thread or worker -- at real-time
-    priority AGENT_RT_PRIORITY, as cluster membership daemons do (corosync runs SCHED_RR by
-    default for the same reason): an agent must answer a peer's ping within a stall probe's
-    deadline (STALL_PROBE_S, 0.35 s) whatever its node's workers, a neighbour's boosted start
-    (START_NICE) or another job do to the cores. Seen in CI: one healthy agent silent past
-    0.35 s while a grown node's workers imported torch at START_NICE on the 2-core machine; its
-    peers answered in 3 ms, and it was excluded. An agent needs little CPU (a ping, a relayed
-    vote, an event line), so its priority takes nothing from training that matters. Its
-    workers start at the ordinary policy (SCHED_RESET_ON_FORK). False where not allowed (not
-    root, no CAP_SYS_NICE, or a cgroup without a real-time budget): the agent runs as before."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK,
-                              os.sched_param(AGENT_RT_PRIORITY))
-        return True
-    except (OSError, AttributeError):  # (AttributeError: no such call on this platform)
-        return False
-
-
 def set_priority(nice: int, workers: list[Worker]) -> bool:
     """This node's CPU priority (START_NICE, then 0 again). With the kernel's autogroups -- a
     scheduling group per session, and the local launcher starts every agent in its own -- a
-    process's nice only ranks it within its group, so the node's group takes it (an agent that
-    runs at real-time priority, `run_realtime`, is not held back by it); else each thread of
+    process's nice only ranks it within its group, so the node's group takes it (the agent's
+    share rises with its workers': its heartbeats are never behind them); else each thread of
     each worker. False when not allowed (not root) or not possible."""
     try:
         with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
