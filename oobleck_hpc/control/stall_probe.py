@@ -24,10 +24,15 @@ nodes hung at once are found by their leases.
 
 The deadline is the one figure a healthy node's place depends on: a false suspicion costs a
 healthy node. It is short next to the lease but long next to a live agent's answer, which the
-`stall_probed` event records per node (`answered_s`): `timeout_s` (STALL_PROBE_S), or
-LATE_FACTOR times the longest an agent went unscheduled in the last half minute when that is
-more (topology.py, `Lateness`: heartbeats that came late, this agent's late ticks; the start's
-are forgotten once the job trains), at most half the lease. On a quiet or busy machine agents
+`stall_probed` event records per node (`answered_s`): `timeout_s` (STALL_PROBE_S), or the
+lease over LEASE_SHARE when that is more, or LATE_FACTOR times the longest an agent went
+unscheduled in the last half minute when that is more (topology.py, `Lateness`: heartbeats
+that came late, this agent's late ticks; the start's are forgotten once the job trains), at
+most half the lease. The lease is the user's word on how long a healthy node of their machine
+may go unheard, and the probe is its shortcut for one silent node, so it keeps to a share of
+it: in two CI runs a healthy node of a job with a 10 s lease (agents and workers alike) went
+unheard for 0.4-1 s while a grown node's workers imported torch at START_NICE, with no
+lateness before, and a 0.35 s deadline excluded it. On a quiet or busy machine agents
 answer in milliseconds and the deadline stays `timeout_s`; on the 2-core CI machine, while
 several processes imported torch, probes of three different agents each found one healthy peer
 silent past 0.35 s and suspected it. And when the judgement itself runs late (this agent was
@@ -47,6 +52,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from oobleck_hpc.control.plane import ControlPlane
 
+LEASE_SHARE = 8.0
+"""A probe waits at least the lease over this (module docstring): 0.375 s for the default 3 s
+lease, 1.25 s for a 10 s one."""
 LATE_FACTOR = 2.0
 """A probe waits at least this many times the longest lateness seen lately (module docstring)."""
 JUDGED_LATE_S = 0.05
@@ -95,7 +103,7 @@ class StallProbes:
         """How long a probe started now waits for answers (module docstring)."""
         cp = self.plane
         late = LATE_FACTOR * cp.monitor.lateness.recent(now)
-        return max(self.timeout_s, min(late, cp.lease_s / 2))
+        return max(self.timeout_s, cp.lease_s / LEASE_SHARE, min(late, cp.lease_s / 2))
 
     def heard(self, src: str, msg: dict[str, Any]) -> None:
         """A message from `src` (called with the plane's lock held): a PONG answers its ping."""
