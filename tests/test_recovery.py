@@ -542,9 +542,9 @@ def test_hang_node(tmp_path, reference):
     """A node stopped (SIGSTOP) in a step's forward pass is found in band (recovery/stall.py:
     its peers' waits stall, their agents' pings go unanswered) and removed well before its
     3 s lease would expire, with nobody else lost; the run ends exact. The probe's deadline
-    is 0.375 s (this lease's eighth) on a machine that runs its agents on time and longer on one that has left them
-    unscheduled lately (control/stall_probe.py, `deadline`: 0.92 s once in CI, after the
-    start's imports); the removal is bounded by the deadline the probe used."""
+    is 0.375 s (this lease's eighth) on a machine that runs its agents on time and longer on
+    one that has left them unscheduled lately (control/stall_probe.py, `deadline`: 0.92 s once
+    in CI, after the start's imports); the removal is bounded by the deadline the probe used."""
     code, rows, run_dir = run_job(tmp_path, faults=[
         {"node": 2, "step": 3, "phase": "forward", "kind": "hang"}])
     events = check_equal_to_reference(code, rows, run_dir, reference, {"node2"})
