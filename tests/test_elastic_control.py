@@ -635,6 +635,38 @@ def test_a_round_in_progress_answers_for_a_comm_error_instead_of_a_probe(tmp_pat
 
 
 @pytest.mark.timeout(60)
+def test_a_stall_probe_whose_answers_come_slowly_waits_longer_for_its_silent_node(tmp_path):
+    """Four control planes in this process (control/stall_probe.py). A worker of a stalls
+    waiting on c, and a pings c with witnesses b and d, then is descheduled for 0.45 s (its
+    lock held): b's and d's answers are read 0.45 s after the ping. c is frozen for 0.75 s, past
+    the deadline (0.625 s for this 5 s lease) but short of twice the slowest answer: c is not
+    suspected, and nothing happens. (CI: a prober descheduled while a kill woke every process
+    read its witnesses' answers at 0.315 s and lost a healthy node silent at 0.375 s.)"""
+    log = tmp_path / "events.jsonl"
+    cps = planes(log, "abcd", stall_probe_s=0.35)
+    a = cps["a"]
+    try:
+        assert a.stalls.deadline(time.monotonic()) == a.lease_s / LEASE_SHARE
+        with cps["c"]._lock:
+            time.sleep(0.15)  # (what c sent before arrives)
+            t = time.monotonic()
+            with a._lock:
+                a.stalls.probe(["c"], "worker a/0 reported stall", gen=0)
+                time.sleep(0.45)
+            time.sleep(max(0.0, t + 0.75 - time.monotonic()))
+        time.sleep(1.0)
+        events = read_events(log)
+        (probed,) = [e for e in events if e["kind"] == "stall_probed"]
+        assert probed["silent"] == [] and probed["timeout_s"] >= 0.9, probed
+        assert min(probed["answered_s"][w] for w in "bd") >= 0.45, probed
+        assert not [e for e in events if e["kind"] in ("failure_detected", "round_started")]
+        assert all(cp.core.decided.gen == 0 and cp.core.proposal is None for cp in cps.values())
+    finally:
+        for cp in cps.values():
+            cp.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
     """Four control planes in this process (control/stall_probe.py). A worker of a stalls
     waiting on b: b answers a's ping, and nothing happens -- no suspicion, no retry round (a

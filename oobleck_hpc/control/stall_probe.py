@@ -37,7 +37,12 @@ answer in milliseconds and the deadline stays the larger of the first two; on th
 machine, while several processes imported torch, probes of three different agents each found
 one healthy peer silent past 0.35 s and suspected it. And when the judgement itself runs late
 (this agent was descheduled past the deadline: its peers likely too, with their answers still
-unsent), the silence proves nothing yet: it is judged again a deadline later. A node pinged
+unsent), the silence proves nothing yet: it is judged again a deadline later. So too when an
+answer came slowly: then the pings, the answers or this agent ran slowly, and a silence counts
+only once it is SLOW_ANSWER_FACTOR times the slowest answer, at most half the lease (in a CI
+run, both witnesses' answers were read 0.315 s after the ping, together, while the kill of
+another node woke every process; the pinged node, silent at 0.375 s, was healthy and lost its
+place). A node pinged
 and not yet answered or timed out is not pinged again (every worker of every survivor may
 report the same stall). As the probe after an error, nothing is done while a round is open
 (it explains the stall, and it waits at most lease_s for a hung member) or for an older
@@ -61,6 +66,9 @@ LATE_FACTOR = 2.0
 JUDGED_LATE_S = 0.05
 """A judgement that runs this much past its deadline was itself descheduled (module
 docstring): it waits one more deadline before it suspects anyone."""
+SLOW_ANSWER_FACTOR = 2.0
+"""A node is suspected only once silent this many times as long as the slowest answer to the
+same probe took (module docstring)."""
 WITNESSES = 2
 """Members not named by a stall that its probe pings too: one answer shows that this agent is
 heard and hears (module docstring)."""
@@ -111,6 +119,19 @@ class StallProbes:
         if msg.get("type") == "pong" and self._pinged.get(src, (0.0, 0.0))[1] is None:
             self._pinged[src] = (self._pinged[src][0], time.monotonic())
 
+    def _later(self, pinged: list[str], started: float, due: float, now: float) -> float | None:
+        """When a judgement due at `due` and running `now` must be made again instead (module
+        docstring), or None: this agent ran late, or an answer came slowly."""
+        cp = self.plane
+        if now - due > JUDGED_LATE_S:  # this agent was not running
+            cp.monitor.lateness.note(now, now - due)
+            later = now + self.deadline(now)
+            return later if later - started <= cp.lease_s else None  # (past, the leases decide)
+        slowest = max((t - started for n in pinged
+                       if (t := self._pinged.get(n, (0.0, None))[1]) is not None), default=0.0)
+        later = started + min(SLOW_ANSWER_FACTOR * slowest, cp.lease_s / 2)
+        return later if later > now + 0.001 else None
+
     def _judge(self, nodes: list[str], witnesses: list[str], started: float, due: float,
                gen: int, why: str) -> None:
         """At `due`, a deadline after `nodes` and `witnesses` were pinged: suspect the one node
@@ -118,13 +139,11 @@ class StallProbes:
         cp = self.plane
         with cp._lock:
             now = time.monotonic()
-            if now - due > JUDGED_LATE_S and cp._loop is not None:  # this agent was not running
-                cp.monitor.lateness.note(now, now - due)
-                again = self.deadline(now)
-                if now + again - started <= cp.lease_s:  # (past that, the leases decide)
-                    cp._loop.after(again, functools.partial(
-                        self._judge, nodes, witnesses, started, now + again, gen, why))
-                    return
+            later = self._later(nodes + witnesses, started, due, now)
+            if later is not None and cp._loop is not None:
+                cp._loop.after(later - now, functools.partial(
+                    self._judge, nodes, witnesses, started, later, gen, why))
+                return
             answered = {n: self._pinged.pop(n, (started, None))[1] for n in nodes + witnesses}
             core = cp.core
             if core.fenced or core.decided.gen != gen or core.proposal is not None:
