@@ -114,15 +114,19 @@ Message flow
 
 7b. Joins at a step boundary (`joins_at_boundary`, the agents' setting): a round that would only
    add joiners -- nobody suspected or gone -- is held (`joins_held`) until a commit vote completes
-   at this member (`step_boundary`, from exchange.py: keys starting with BOUNDARY). The
-   coordinator completes the vote first: it sends the gathered values to every member and then
-   its PROPOSE, on the same links, so every member's workers hold the vote's result -- they
-   commit that step -- before they hear of the round. They then move to the grown generation
-   from the committed step with nothing failed and nothing replayed (recovery/rounds.py,
-   `admit`); the joiner takes that step's state. A job that commits no step for JOIN_HOLD_S
-   (plane.py: its start, a recovery, a long save) takes its joiners then, replaying the step
-   in flight. A loss's round takes the joiners at once, as before. Only when a round opens
-   changes, never what a proposal holds: the safety argument below is untouched.
+   at the coordinator (`step_boundary`, from exchange.py: keys starting with BOUNDARY), which
+   opens it then. The coordinator completes the vote first: it sends the gathered values to
+   every member and then its PROPOSE, on the same links, so every member's workers hold the
+   vote's result -- they commit that step -- before they hear of the round. They then move to
+   the grown generation from the committed step with nothing failed and nothing replayed
+   (recovery/rounds.py, `admit`); the joiner takes that step's state. Another member completes
+   the vote only when the coordinator's values reach it, after some members began the next
+   step (a round it opened there aborted that step): it keeps holding its joiners until the
+   coordinator's round adds them (their JOIN reaches the coordinator too). A job that commits
+   no step for JOIN_HOLD_S (plane.py: its start, a recovery, a long save) takes its joiners
+   then, at any member (`take_joiners`), replaying the step in flight. A loss's round takes
+   the joiners at once, as before. Only when a round opens changes, never what a proposal
+   holds: the safety argument below is untouched.
 
 8. Exchanges (`exchange`: the workers' all-gathers, e.g. the commit vote of every step): each
    member sends its value to the decided view's first node, the coordinator, which sends all
@@ -374,9 +378,16 @@ class MembershipCore(ExchangeSteps):
             self._update_round()
 
     def step_boundary(self) -> None:
-        """A step boundary (step 7b): a commit vote completed here -- its values are on their
-        way to every member ahead of anything this call sends -- or the joiners were held too
-        long. A round held for joiners opens now."""
+        """A step boundary (step 7b): a commit vote completed here. At the coordinator its
+        values are on their way to every member ahead of anything this call sends: a round
+        held for joiners opens now. Another member's boundary comes later, when others may
+        have begun the next step: it keeps holding them."""
+        if self.decided.nodes[0] == self.me:
+            self.take_joiners()
+
+    def take_joiners(self) -> None:
+        """Open a round held for joiners now: at the coordinator's step boundary, or at any
+        member once the joiners were held too long (step 7b)."""
         if not self.joins_held or self.fenced or self.proposal is not None:
             return
         self._boundary = True

@@ -457,7 +457,7 @@ class ControlPlane:
                 and now - self._join_asked >= self.lease_s):
             self.request_join(self._join_how)
         if self.core.joins_held and now - self._joins_held >= JOIN_HOLD_S:
-            self._run(self.core.step_boundary)  # no step commits: take the joiners now
+            self._run(self.core.take_joiners)  # no step commits: take the joiners now
         if self._probe is not None and now >= self._probe[1]:
             started, _, gen, why = self._probe
             self._probe = None

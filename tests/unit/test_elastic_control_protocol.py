@@ -139,8 +139,8 @@ class SimNet:
         elif kind == "flush":
             self.cores[a].flush()
             self.drain(a)
-        elif kind == "boundary":
-            self.cores[a].step_boundary()
+        elif kind == "boundary":  # (the held joiners taken, as at JOIN_HOLD_S: any member)
+            self.cores[a].take_joiners()
             self.drain(a)
         elif kind == "join":
             self.asked.add(a)
@@ -599,8 +599,10 @@ def test_a_round_that_only_adds_a_joiner_opens_at_the_next_commit_vote():
     """Step 7b: members that train hold a round that would only add a joiner until a commit
     vote completes; the coordinator sends the vote's values ahead of its PROPOSE on every link,
     so every member commits that step before it hears of the round (nothing is replayed). A
-    loss meanwhile takes the joiner at once; `step_boundary` opens a held round (what the
-    plane does after JOIN_HOLD_S without a commit)."""
+    loss meanwhile takes the joiner at once; `take_joiners` opens a held round (what the
+    plane does after JOIN_HOLD_S without a commit). Another member's boundary opens nothing:
+    it comes when the coordinator's values reach it, and others may have begun the next step
+    (CI: such a round aborted it)."""
     net = SimNet(3, seed=4, spares=1)
     for m in ("n0", "n1", "n2"):
         net.cores[m].joins_at_boundary = True
@@ -623,6 +625,8 @@ def test_a_round_that_only_adds_a_joiner_opens_at_the_next_commit_vote():
     deliver("n2", "n0"), deliver("n0", "n2")
     assert all(net.cores[m].decided.gen == 1 and net.cores[m].joins_held
                and net.cores[m].proposal is None for m in ("n0", "n2"))
+    net.cores["n2"].step_boundary()  # (not the coordinator: it keeps holding)
+    assert net.cores["n2"].joins_held and net.cores["n2"].proposal is None
     net.cores["n2"].exchange("commit-7", 1)
     net.drain("n2")
     net.cores["n0"].handle("n2", net.links[("n2", "n0")].popleft())
@@ -635,6 +639,51 @@ def test_a_round_that_only_adds_a_joiner_opens_at_the_next_commit_vote():
     for m in ("n0", "n2", "n3"):
         d = net.cores[m].decided
         assert (d.gen, d.nodes, d.lost, d.joined) == (2, ("n0", "n2", "n3"), (), ("n3",))
+        assert not net.cores[m].joins_held
+    net.check_safety()
+
+
+def test_a_joiner_held_by_a_member_waits_for_the_coordinators_boundary():
+    """Step 7b: the JOIN reached n2 but not yet the coordinator n0. A commit vote completes at
+    both: n2's boundary (when n0's values reach it, while n0 may begin the next step) opens no
+    round -- in a CI run such a round aborted the step in flight. Once the JOIN reaches n0,
+    n0's next boundary opens the round, after the vote's values on every link."""
+    net = SimNet(3, seed=5, spares=1)
+    for m in ("n0", "n1", "n2"):
+        net.cores[m].joins_at_boundary = True
+    net.crashed.add("n1")
+    net.quiesce()
+
+    def deliver(a: str, b: str) -> None:
+        while net.links[(a, b)]:
+            net.cores[b].handle(a, net.links[(a, b)].popleft())
+        net.drain(b)
+
+    def vote(key: str) -> None:
+        net.cores["n2"].exchange(key, 1)
+        net.drain("n2")
+        deliver("n2", "n0")
+        net.cores["n0"].exchange(key, 1)
+        net.drain("n0")
+
+    net.asked.add("n3")
+    net.cores["n3"].request_join()
+    net.drain("n3")
+    deliver("n3", "n2")
+    vote("commit-8")
+    assert not net.cores["n0"].joins_held and net.cores["n0"].proposal is None
+    deliver("n0", "n2")  # the values: n2's boundary
+    assert net.cores["n2"].joins_held and net.cores["n2"].proposal is None
+    deliver("n3", "n0")
+    assert net.cores["n0"].joins_held and net.cores["n0"].proposal is None
+    vote("commit-9")
+    assert net.cores["n0"].proposal == ("n0", "n2", "n3")
+    to_n2 = [msg["type"] for msg in net.links[("n0", "n2")]]
+    assert to_n2 == ["exchange_done", "propose"], to_n2
+    net.quiesce()
+    for m in ("n0", "n2", "n3"):
+        d = net.cores[m].decided
+        assert (d.gen, d.nodes, d.joined) == (2, ("n0", "n2", "n3"), ("n3",))
         assert not net.cores[m].joins_held
     net.check_safety()
 
