@@ -32,21 +32,20 @@ most half the lease. The lease is the user's word on how long a healthy node of 
 may go unheard, and the probe is its shortcut for one silent node, so it keeps to a share of
 it: in two CI runs a healthy node of a job with a 10 s lease (agents and workers alike) went
 unheard for 0.4-1 s while a grown node's workers imported torch at START_NICE, with no
-lateness before, and a 0.35 s deadline excluded it. On a quiet or busy machine agents
-answer in milliseconds and the deadline stays the larger of the first two; on the 2-core CI
-machine, while several processes imported torch, probes of three different agents each found
-one healthy peer silent past 0.35 s and suspected it. And when the judgement itself runs late
+lateness before, and a 0.35 s deadline excluded it. On a quiet or busy machine agents answer
+in milliseconds and the deadline stays the larger of the first two; on the 2-core CI machine,
+while several processes imported torch, probes of three different agents each found one
+healthy peer silent past 0.35 s and suspected it. And when the judgement itself runs late
 (this agent was descheduled past the deadline: its peers likely too, with their answers still
 unsent), the silence proves nothing yet: it is judged again a deadline later. So too when an
 answer came slowly: then the pings, the answers or this agent ran slowly, and a silence counts
 only once it is SLOW_ANSWER_FACTOR times the slowest answer, at most half the lease (in a CI
 run, both witnesses' answers were read 0.315 s after the ping, together, while the kill of
 another node woke every process; the pinged node, silent at 0.375 s, was healthy and lost its
-place). A node pinged
-and not yet answered or timed out is not pinged again (every worker of every survivor may
-report the same stall). As the probe after an error, nothing is done while a round is open
-(it explains the stall, and it waits at most lease_s for a hung member) or for an older
-generation.
+place). A node pinged and not yet answered or timed out is not pinged again (every worker of
+every survivor may report the same stall). As the probe after an error, nothing is done while
+a round is open (it explains the stall, and it waits at most lease_s for a hung member) or for
+an older generation.
 """
 
 from __future__ import annotations
