@@ -105,7 +105,10 @@ Message flow
    like a member, and the decision needs its proposal like any other. Absorbing a peer's
    proposal drops the joiners that the peer's proposal does not add: they wait for the next
    round, which opens as soon as this one decides. The quorum counts old members only. A joiner
-   that fails (suspected, BYE, FAILED) is suspected for good: it is never added. A node that
+   that fails (suspected, BYE, FAILED) is suspected for good: it is never added; one that no
+   round adds yet is only dropped -- that opens no round (a round then would also drop the
+   peers that left "finished" and fence this member for want of a quorum: a CI run's last
+   member, when the spare that the job's end stopped closed its link). A node that
    left a decided view is answered with FENCE when it asks to join again (a repaired node
    comes back under a new name, a new incarnation) -- unless it withdrew itself (4d). A spare
    watches nobody and opens no round
@@ -289,7 +292,8 @@ class MembershipCore(ExchangeSteps):
         self.joiners.pop(node, None)  # a joiner that failed never joins (its incarnation is over)
         self.suspects[node] = how
         self.notes.append(("suspect", {"node": node, "how": how, "gen": self.decided.gen}))
-        if not self._absorbing:  # (_absorb proposes once, with all it took over)
+        waiting = node not in self._in and node not in self._round_adds  # (nothing to undo)
+        if not self._absorbing and not waiting:  # (_absorb proposes once, with all it took over)
             self._update_round()
 
     def _member_gone(self, node: str, how: str) -> None:

@@ -549,6 +549,28 @@ def test_bye_finished_early_and_abort(how, expect):
                    for m in others)
 
 
+def test_a_waiting_joiner_lost_after_a_peer_finished_opens_no_round():
+    """The job ends: n0's BYE "finished" reaches n1, and the spare n2 that asked to join
+    stops (the job ended without it): n1 sees its link close. Dropping a joiner no round adds
+    opens no round -- one would also drop n0, which left, and fence n1 for want of a quorum
+    (exit 75: a requeue of a job that finished; seen in a CI run)."""
+    net = SimNet(2, seed=12, spares=1)
+    net.asked.add("n2")
+    net.cores["n2"].request_join()
+    net.drain("n2")
+    net.quiesce()
+    assert "n2" in net.cores["n1"].joiners and net.cores["n1"].decided.gen == 0
+    net.cores["n0"].leave("finished", 0)
+    net.drain("n0")
+    while net.links[("n0", "n1")]:
+        net.cores["n1"].handle("n0", net.links[("n0", "n1")].popleft())
+    assert net.cores["n1"].left == {"n0"}
+    net.cores["n1"].suspect("n2", "connection_lost")
+    core = net.cores["n1"]
+    assert not core.fenced and core.proposal is None and "n2" not in core.joiners
+    assert core.decided.gen == 0 and core.suspects == {"n2": "connection_lost"}
+
+
 def test_a_spare_waits_until_a_loss_and_the_losss_round_swaps_it_in():
     net = SimNet(4, seed=11, spares=1)
     spare = net.cores["n4"]
