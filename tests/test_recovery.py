@@ -558,6 +558,11 @@ def test_hang_node(tmp_path, reference):
           f"deadline {probe_s:.2f} s ({how})")
     assert removed - fault < min(probe_s + 1.15, 3.0), (removed - fault, probe_s, how)
     assert all("stall_probe_unanswered" in h for h in how), how
+    # Every agent's start lease (3 x lease_s: control/topology.py) ended once the start's ranks
+    # were built, before the fault at step 3: a hang from then on meets lease_s.
+    ended = {e["source"]: e["t"] for e in events if e["kind"] == "start_lease_ended"}
+    assert sorted(ended) == sorted(e["source"] for e in events if e["kind"] == "agent_started")
+    assert max(ended.values()) < fault, (ended, fault)
 
 
 @pytest.mark.timeout(30)

@@ -11,7 +11,8 @@ srun step per node). It
    wait() per worker);
 4. relays what workers report (in-band communication errors; stalls -- a wait inside a step far
    longer than usual, recovery/stall.py: the peers waited on are pinged with a short deadline,
-   control/stall_probe.py; "training": a step committed, so spares and grown nodes
+   control/stall_probe.py; "started": every rank of the start is built, so the start's longer
+   lease ends; "training": a step committed, so spares and grown nodes
    may join from now on) to the control plane, and what the control plane
    decides (a new generation: survivors, store address; an open round; fencing)
    to the workers;
@@ -223,6 +224,8 @@ class Agent:
                 # stepped out after a crash: the view lacks it).
                 self.cp.request_join("rejoin" if self._crashes else
                                      "grown" if self.opts.boost_start else "spare")
+        elif kind == "started":  # past the start: the leases are lease_s (topology.py)
+            self.cp.started()
         elif kind == "training":  # a step committed: nodes may join now (membership.py, 7)
             self._trains = self._trains_again = True
             if self._boosted:  # it trains: no more than the members' share from now on

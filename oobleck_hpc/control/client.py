@@ -205,6 +205,11 @@ class AgentClient:
         job's last step is done. `reason`: why, for codes other than 0 (e.g. the bad input)."""
         self._send({"type": "done", "code": code, "reason": reason})
 
+    def started(self) -> None:
+        """Say that every rank of this start built its engine (recovery/driver.py,
+        `_start_together`): the agents' start lease ends (control/topology.py)."""
+        self._send({"type": "started"})
+
     def training(self) -> None:
         """Say (once) that this worker committed a step: the job trains, and nodes that ask to
         join may be added from now on (a joiner takes the members' committed state)."""

@@ -42,6 +42,8 @@ What each timeout bounds
 - lease_s: longest silence of a subject before its observer reports it; bounds detection of
   hangs and partitions (crashes are seen at once through the dropped connection). Also bounds
   how long a round waits for an unresponsive member. Every edge starts with a fresh lease.
+  Until this node's workers are past their start (`started`, `open_joins`), the lease and the
+  fence's bound are START_LEASE_FACTOR x lease_s (topology.py: imports starve agents).
 - probe_s: after a worker reports a communication error without naming a peer, every peer not
   heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
   every peer answered, the agent opens a retry round (4b). Not while a round is open: the round
@@ -87,7 +89,7 @@ from oobleck_hpc.control.links import OUT_CAP, Link, reach
 from oobleck_hpc.control.loop import EventLoop
 from oobleck_hpc.control.membership import Decision, LeaveKind, MembershipCore, Quorum
 from oobleck_hpc.control.stall_probe import StallProbes
-from oobleck_hpc.control.topology import MONITORS, Monitor
+from oobleck_hpc.control.topology import MONITORS, START_LEASE_FACTOR, Monitor
 from oobleck_hpc.control.wire import NodeAddress, Roster, free_port
 from oobleck_hpc.polling import wait_until
 
@@ -150,7 +152,8 @@ class ControlPlane:
         self._unknown: dict[str, list[dict[str, Any]]] = {}
         """Messages to grown nodes whose HELLO has not arrived yet (a peer's PROPOSE added one)."""
         self.monitor = Monitor(self.core, heartbeat_s, lease_s, startup_s, monitors,
-                               self.agreement_timeout_s, emit=self.events.emit)
+                               self.agreement_timeout_s, emit=self.events.emit,
+                               start_lease_s=START_LEASE_FACTOR * lease_s)
         self.detector = self.monitor.detector
         self.rejected = 0
         """Frames rejected (connections closed for them): inbound.py, links.py, `_frame_rejected`."""
@@ -260,7 +263,16 @@ class ControlPlane:
             if not self._trains:
                 self._trains = True
                 self.monitor.lateness.forget()
+                self.started()
             self._run(self.core.open_joins)
+
+    def started(self) -> None:
+        """This node's workers are past their start (every rank of the start built its
+        engine): its leases and its own fence use lease_s from now on, not the start's
+        (topology.py, `Detector`)."""
+        with self._lock:
+            if self.monitor.started():
+                self.events.emit("start_lease_ended", lease_s=self.lease_s)
 
     def check(self, node: str, why: str, gen: int | None = None) -> None:
         """A worker named `node` as the peer whose connection broke. Suspect it if its agent

@@ -43,6 +43,13 @@ Suspicion (`Detector`)
 - An edge starts with a fresh lease when it appears (a new generation's topology, a joiner):
   a subject is expected to be heard from within lease_s of the moment one starts watching it,
   or within startup_s of the start for generation 0.
+- The start has a longer lease (`Monitor(start_lease_s=...)`; the agents' is START_LEASE_FACTOR
+  x lease_s), for the leases this agent holds and for its own fence alike, until this node's
+  workers are past their start (`Monitor.started`: every rank of the start built its engine,
+  recovery/driver.py `_start_together`, or one committed a step). While ten workers import torch
+  and build their models on a 2-core CI machine, healthy agents went unscheduled for 3.0 s and
+  4.5 s: two fenced themselves over lease_s = 3 and their peers excluded them before step 1.
+  A kill at the start is still found at once (its connections close); a hang there, later.
 
 How late this machine runs (`Lateness`)
 ---------------------------------------
@@ -77,6 +84,8 @@ MONITORS = 4
 """K: rings in the monitoring topology (subjects and observers per agent, at most)."""
 LATE_WINDOW_S = 30.0
 """How long an agent remembers the lateness it measured (module docstring: `Lateness`)."""
+START_LEASE_FACTOR = 3.0
+"""The start's lease over lease_s (module docstring: `Detector`, the start's lease)."""
 PAUSE_TICKS = 4
 """A tick this many ticks apart (2 heartbeats) means this agent itself paused: its leases are
 extended by the pause (module docstring: `Detector`, an observer's own pause)."""
@@ -280,12 +289,13 @@ class Monitor:
 
     def __init__(self, core: Any, heartbeat_s: float, lease_s: float, startup_s: float,
                  k: int = MONITORS, agreement_timeout_s: float | None = None,
-                 emit: Callable[..., object] | None = None):
+                 emit: Callable[..., object] | None = None, start_lease_s: float = 0.0):
         self.core, self.heartbeat_s, self.lease_s = core, heartbeat_s, lease_s
         self.startup_s = startup_s
         self.agreement_timeout_s = agreement_timeout_s or 2 * lease_s
         self._seen: tuple[Any, float] = (None, 0.0)  # the open round's proposal, since when
-        self.detector = Detector(core.me, lease_s, k)
+        self.detector = Detector(core.me, max(lease_s, start_lease_s), k)
+        """Its lease_s is the start's until `started()` (module docstring)."""
         self.lateness = Lateness()
         """How late heartbeats and this agent's ticks ran lately (module docstring)."""
         self.emit = emit or (lambda kind, **fields: None)
@@ -293,6 +303,12 @@ class Monitor:
 
     def start(self, now: float) -> None:
         self.t0 = self._last_tick = self._last_hb = now
+
+    def started(self) -> bool:
+        """This node's workers are past their start: lease_s from now on (module docstring).
+        True when the start's lease ended here."""
+        ended, self.detector.lease_s = self.detector.lease_s != self.lease_s, self.lease_s
+        return ended
 
     def gone(self) -> set[str]:
         return set(self.core.suspects) | self.core.left | {self.core.me}
@@ -303,8 +319,10 @@ class Monitor:
         if core.fenced:
             return []
         self.lateness.note(now, gap - self.heartbeat_s / 2)
-        if gap > self.lease_s:
-            core.fence(f"this agent was not scheduled for {gap:.1f} s > lease_s={self.lease_s} "
+        lease = self.detector.lease_s
+        if gap > lease:
+            what = "lease_s" if lease == self.lease_s else "the start's lease"
+            core.fence(f"this agent was not scheduled for {gap:.1f} s > {what}={lease} "
                        "(stopped or starved): its peers have excluded it")
             return []
         if gap > PAUSE_TICKS * self.heartbeat_s / 2:  # (not a busy machine's jitter)
@@ -367,7 +385,7 @@ class Monitor:
         core, view = self.core, self.core.decided.nodes
         extra = (core.round_joiners if core.joined else
                  view if core.proposal is not None else ())
-        grace = max(0.0, self.t0 + self.startup_s - self.lease_s - now) \
+        grace = max(0.0, self.t0 + self.startup_s - self.detector.lease_s - now) \
             if core.decided.gen == 0 else 0.0
         self.detector.watch(core.decided.gen, view if core.joined else (), now, extra, grace)
         for node in self.detector.recount(self.gone()):

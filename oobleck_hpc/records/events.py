@@ -168,6 +168,9 @@ CONTROL_LOOP_DIED = _declare("control_loop_died",
                              {"error": str})
 PEER_ADDED = _declare("peer_added", "A new peer's address became known.",
                       {"node": str, "addr": str})
+START_LEASE_ENDED = _declare("start_lease_ended",
+                              "The node's workers are past their start: its leases are lease_s "
+                              "from now on, not the start's longer one.", {"lease_s": float})
 SILENCE_REPORTED = _declare("silence_reported", "Observers reported a silent subject.",
                             {"node": str, "how": str, "observers": _Nodes})
 # The workers (training and recovery).

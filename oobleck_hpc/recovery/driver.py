@@ -221,12 +221,14 @@ class ElasticDriver:
         after the groups were up, every peer alive, and a retry round followed. The wait is
         the control plane's, which a round ends at once (a collective of a group made with a
         longer timeout would also bound a dead peer's wait: 71276ee): a node lost meanwhile
-        fails the first step, which recovers as any step does."""
+        fails the first step, which recovers as any step does. Once through, the agent's
+        longer start lease ends (control/topology.py)."""
         s = self.state
         try:
             s.client.exchange(f"start-{s.gen}", [], timeout=s.store_timeout_s, gen=s.gen)
         except (Superseded, TimeoutError):
-            pass  # step 1 sees the round (RoundOpened) or fails, and recovers
+            return  # step 1 sees the round (RoundOpened) or fails, and recovers
+        s.client.started()
 
     # ------------------------------------------------------------------ steps
 

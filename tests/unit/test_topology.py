@@ -228,3 +228,43 @@ def test_an_observers_own_pause_extends_its_leases_and_the_stall_probe_keeps_tru
     assert reported == []  # 0.5 + 2.3 s excused + 3.0 s lease = 5.8 s
     mon.tick(5.85)
     assert sorted(reported) == sorted(mon.detector.subjects)
+
+
+def test_the_start_has_a_longer_lease_for_the_subjects_and_for_the_own_fence():
+    """Until `started()` (every rank of the start built its engine), a subject's lease and this
+    agent's own fence are the start's (3 x lease_s for the agents): a healthy agent unscheduled
+    for 4.5 s while ten workers imported torch fenced itself over lease_s = 3 in CI, and its
+    peers excluded it before step 1. From `started()` on, lease_s again."""
+    from oobleck_hpc.control.membership import MembershipCore
+    from oobleck_hpc.control.topology import START_LEASE_FACTOR, Monitor
+
+    def monitor() -> tuple[Monitor, list[str]]:
+        core = MembershipCore("n0", names(5), 1234, lambda: 1235)
+        mon = Monitor(core, heartbeat_s=0.5, lease_s=3.0, startup_s=0.0,
+                      start_lease_s=START_LEASE_FACTOR * 3.0)
+        reported: list[str] = []
+        mon.report = lambda subject, observer, how: reported.append(subject)  # type: ignore
+        mon.start(0.0)
+        mon.tick(0.25)
+        for s in mon.detector.subjects:
+            mon.message(s, {"type": "heartbeat", "gen": 0}, 0.5)
+        return mon, reported
+
+    mon, reported = monitor()
+    for t in [0.5 + 0.25 * i for i in range(1, 35)]:  # silent subjects, until 9.0 s
+        mon.tick(t)
+    assert reported == [] and not mon.core.fenced
+    mon.tick(9.6)  # silent 9.1 s: over the start's lease
+    assert sorted(reported) == sorted(mon.detector.subjects)
+
+    mon, reported = monitor()
+    mon.tick(5.0)  # this agent unscheduled for 4.5 s during the start: no fence
+    assert not mon.core.fenced
+    mon.started()
+    for t in [5.0 + 0.25 * i for i in range(1, 13)]:  # the pause excused: due at 8.0 s
+        mon.tick(t)
+    assert reported == []
+    mon.tick(8.1)  # lease_s past the excused pause
+    assert sorted(reported) == sorted(mon.detector.subjects)
+    mon.tick(11.5)  # unscheduled 3.4 s once started: fenced
+    assert mon.core.fenced and "lease_s=3.0" in mon.core.fenced
