@@ -8,7 +8,8 @@ from collections import deque
 
 import pytest
 
-from oobleck_hpc.control.topology import MONITORS, Detector, Rings
+from oobleck_hpc.control.membership import MembershipCore
+from oobleck_hpc.control.topology import MONITORS, Detector, Monitor, Rings
 
 
 def names(n: int) -> tuple[str, ...]:
@@ -195,25 +196,29 @@ def test_the_monitor_measures_late_heartbeats_of_its_subjects_and_its_own_late_t
     assert mon.lateness.recent(2.6) == pytest.approx(0.35)
 
 
+def heard_monitor(start_lease_s: float = 0.0) -> tuple[Monitor, list[str]]:
+    """n0's Monitor of 5 nodes (heartbeat 0.5 s, lease 3 s), its subjects heard at 0.5 s; the
+    list of the subjects it reports from then on."""
+    mon = Monitor(MembershipCore("n0", names(5), 1234, lambda: 1235), heartbeat_s=0.5,
+                  lease_s=3.0, startup_s=0.0, start_lease_s=start_lease_s)
+    reported: list[str] = []
+    mon.report = lambda subject, observer, how: reported.append(subject)  # type: ignore
+    mon.start(0.0)
+    mon.tick(0.25)
+    for s in mon.detector.subjects:
+        mon.message(s, {"type": "heartbeat", "gen": 0}, 0.5)
+    return mon, reported
+
+
 def test_an_observers_own_pause_extends_its_leases_and_the_stall_probe_keeps_true_times():
     """A tick over two heartbeats late (this agent was not scheduled) moves every lease's start
     on by the pause: at the first tick after a 2.5 s pause, a subject heard 3.05 s ago is not
     reported (two observers did so together in a test, evicting a healthy node); one silent
     for a lease past the pause still is. A late tick within jitter moves nothing, and
     `last_heard` keeps the true time."""
-    from oobleck_hpc.control.membership import MembershipCore
-    from oobleck_hpc.control.topology import Monitor
-
     def monitor(ticks) -> tuple[Monitor, list[str]]:
         """Subjects heard at 0.5 s, then the ticks at `ticks`; what the monitor reported."""
-        mon = Monitor(MembershipCore("n0", names(5), 1234, lambda: 1235), heartbeat_s=0.5,
-                      lease_s=3.0, startup_s=0.0)
-        reported: list[str] = []
-        mon.report = lambda subject, observer, how: reported.append(subject)  # type: ignore
-        mon.start(0.0)
-        mon.tick(0.25)
-        for s in mon.detector.subjects:
-            mon.message(s, {"type": "heartbeat", "gen": 0}, 0.5)
+        mon, reported = heard_monitor()
         for t in ticks:
             mon.tick(t)
         return mon, reported
@@ -235,29 +240,16 @@ def test_the_start_has_a_longer_lease_for_the_subjects_and_for_the_own_fence():
     agent's own fence are the start's (3 x lease_s for the agents): a healthy agent unscheduled
     for 4.5 s while ten workers imported torch fenced itself over lease_s = 3 in CI, and its
     peers excluded it before step 1. From `started()` on, lease_s again."""
-    from oobleck_hpc.control.membership import MembershipCore
-    from oobleck_hpc.control.topology import START_LEASE_FACTOR, Monitor
+    from oobleck_hpc.control.topology import START_LEASE_FACTOR
 
-    def monitor() -> tuple[Monitor, list[str]]:
-        core = MembershipCore("n0", names(5), 1234, lambda: 1235)
-        mon = Monitor(core, heartbeat_s=0.5, lease_s=3.0, startup_s=0.0,
-                      start_lease_s=START_LEASE_FACTOR * 3.0)
-        reported: list[str] = []
-        mon.report = lambda subject, observer, how: reported.append(subject)  # type: ignore
-        mon.start(0.0)
-        mon.tick(0.25)
-        for s in mon.detector.subjects:
-            mon.message(s, {"type": "heartbeat", "gen": 0}, 0.5)
-        return mon, reported
-
-    mon, reported = monitor()
+    mon, reported = heard_monitor(START_LEASE_FACTOR * 3.0)
     for t in [0.5 + 0.25 * i for i in range(1, 35)]:  # silent subjects, until 9.0 s
         mon.tick(t)
     assert reported == [] and not mon.core.fenced
     mon.tick(9.6)  # silent 9.1 s: over the start's lease
     assert sorted(reported) == sorted(mon.detector.subjects)
 
-    mon, reported = monitor()
+    mon, reported = heard_monitor(START_LEASE_FACTOR * 3.0)
     mon.tick(5.0)  # this agent unscheduled for 4.5 s during the start: no fence
     assert not mon.core.fenced
     mon.started()
