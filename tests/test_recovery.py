@@ -815,12 +815,14 @@ def test_the_restore_agreement_gives_way_to_a_newer_round():
 import datetime, time, torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", {store.port}, is_master=False,
                       timeout=datetime.timedelta(seconds=30))
+store.set("arrived", "1")  # (as regroup's wait_arrivals: every rank reached the store)
 dist.init_process_group("gloo", store=dist.PrefixStore("oobleck/gen0/", store), rank=1,
                         world_size=2, timeout=datetime.timedelta(seconds=120))
 time.sleep(120)
 """])
     comm = None
     try:
+        store.wait(["arrived"])
         comm = Comm.init(store, 0, 2, 0, "gloo", timeout_s=2.0, init_timeout_s=120.0)
         assert comm.setup_timeout_s == 120.0
         t0 = time.monotonic()
@@ -833,6 +835,37 @@ time.sleep(120)
             comm.abandon()
         peer.kill()
         peer.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_gloo_world_whose_rank_never_connects_fails_at_the_short_timeout():
+    """Chaos seed 2837, trial 10: a rank that reached the regroup's store and then left (the
+    exit fault) held a survivor in gloo's full-mesh connect for the regroup's 25 s, long
+    after the round that dropped it. The world's connect is bounded by the collective timeout
+    (the ranks have all arrived by then); the world keeps the long one afterwards (a start's
+    agreement may wait on one rank's disk: `all_reduce_max`)."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from oobleck_hpc.engine import Comm
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        Comm.init(store, 0, 2, 0, "gloo", timeout_s=1.0, init_timeout_s=40.0)
+    assert time.monotonic() - t0 < 10.0
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    comm = Comm.init(dist.HashStore(), 0, 1, 1, "gloo", timeout_s=1.0, init_timeout_s=40.0)
+    try:  # (the backend's options: the only place torch shows a gloo group's timeout)
+        world = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert world.options._timeout == datetime.timedelta(seconds=40)
+    finally:
+        comm.destroy()
 
 
 @pytest.mark.timeout(60)

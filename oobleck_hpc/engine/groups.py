@@ -175,8 +175,16 @@ class Comm:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # CleanUpOnly
         prefixed = dist.PrefixStore(f"oobleck/gen{generation}/", store)
         t_init = datetime.timedelta(seconds=max(timeout_s, init_timeout_s or 0.0))
+        # gloo connects the world's full mesh inside init_process_group, bounded by the group's
+        # timeout, and nothing can interrupt it: with the long one, a rank that arrived and then
+        # died held its peers there 25 s after the round that dropped it (chaos seed 2837,
+        # trial 10). The ranks have all arrived (recovery/generation.py, `regroup`), so it gets
+        # the short one, as the subgroups' full meshes do; then the long one for the world.
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                                timeout=t_init, device_id=device if nccl else None)
+                                timeout=t_init if nccl else datetime.timedelta(seconds=timeout_s),
+                                device_id=device if nccl else None)
+        if not nccl and t_init.total_seconds() > timeout_s:
+            dist.group.WORLD.set_timeout(t_init)
         comm = cls(rank, world_size, generation, backend, timeout_s, device if nccl else None,
                    setup_timeout_s=t_init.total_seconds())
         comm.groups.append(dist.group.WORLD)
