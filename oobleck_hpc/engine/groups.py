@@ -167,7 +167,8 @@ class Comm:
              backend: str = "gloo", timeout_s: float = 5.0, device: torch.device | None = None,
              init_timeout_s: float | None = None) -> Comm:
         """The generation's world. `init_timeout_s` (default `timeout_s`) bounds the creation of
-        the communicators; `timeout_s` every collective afterwards (module docstring)."""
+        NCCL's communicators and a gloo world's waits after its connect; `timeout_s` that
+        connect and every collective of the plan's groups (module docstring)."""
         if dist.is_initialized():
             raise RuntimeError("a process group is still initialised: call Comm.destroy() first")
         nccl = backend == "nccl"
