@@ -25,11 +25,15 @@ from typing import Any, Callable
 from oobleck_hpc.control.inbound import Acceptor, Inbound
 from oobleck_hpc.control.links import Connector, Link
 
+IDLE_CLOSE_S = 10.0
+"""An outgoing link idle for this long to a node that is not an observer of this agent is
+closed (a round's messages to every member opened it)."""
+
 
 class EventLoop:
     """One agent's sockets and timers in one thread (module docstring)."""
 
-    def __init__(self, cp: Any, listener: socket.socket, idle_close_s: float):
+    def __init__(self, cp: Any, listener: socket.socket, idle_close_s: float = IDLE_CLOSE_S):
         """`cp`: the owning ControlPlane (its lock, clock, timeouts and callbacks)."""
         self.cp = cp
         self.sel = selectors.DefaultSelector()

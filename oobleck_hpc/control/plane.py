@@ -17,7 +17,7 @@ sockets, with stdlib only. Per agent:
   addressed to it before (a peer's round that adds it reached this agent first) is sent then.
 - one outgoing link per peer it sends to, opened on the first message (lazily), retried until
   `startup_s` has passed for a peer never reached. Links to nodes that are not this agent's
-  observers close after `IDLE_CLOSE_S` idle, or at once after use in a job larger than
+  observers close after `IDLE_CLOSE_S` idle (loop.py), or at once after use in a job larger than
   links.OUT_CAP, so that in steady state an agent holds links only along its monitoring edges
   (topology.py), and never more than links.OUT_CAP outgoing and inbound.IN_CAP accepted
   connections. A failed send is retried on a fresh connection (links.py) before it becomes a
@@ -97,9 +97,6 @@ UNKNOWN_KEPT = 64
 """Messages kept for one node whose address is not known yet: a node grown into the job that a
 peer's round adds before its own HELLO reaches this agent (the round's coordinator must still
 tell it: it is the only one that does)."""
-IDLE_CLOSE_S = 10.0
-"""An outgoing link idle for this long to a node that is not an observer of this agent is
-closed (a round's messages to every member opened it)."""
 HOLD_S = 0.01
 """How long a coordinator holds the first re-broadcast of its changed proposal in a round (then
 twice as long each time, at most lease_s / 2), so that suspicions arriving together or in a
@@ -166,7 +163,6 @@ class ControlPlane:
         self._join_how: str | None = None
         self._join_asked = 0.0
         self._flush_due = False  # a held re-broadcast of the core is to be sent (HOLD_S)
-        self._trains = False  # a worker of this node committed a step (`open_joins`)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -183,7 +179,7 @@ class ControlPlane:
                           f"{self.addr.port} ({e.strerror}); the roster gives this address: "
                           f"pick a free port on an interface of this host") from e
         sock.listen(4096)  # a round's messages from every member wait here (inbound.py: IN_CAP)
-        self._loop = EventLoop(self, sock, IDLE_CLOSE_S)
+        self._loop = EventLoop(self, sock)
         self._links = self._loop.connector.links
 
     def start(self) -> None:
@@ -257,22 +253,16 @@ class ControlPlane:
                 how, to=[n for n in self.roster.names if n != self.me]))
 
     def open_joins(self) -> None:
-        """The job trains: add joiners from now on (membership.py, step 7). The first time,
-        forget how late this machine ran until then (topology.py, `Lateness`: the start)."""
+        """The job trains: add joiners from now on (membership.py, step 7); the start is over
+        (topology.py, `Monitor.trains`)."""
         with self._lock:
-            if not self._trains:
-                self._trains = True
-                self.monitor.lateness.forget()
-                self.started()
+            self.monitor.trains()
             self._run(self.core.open_joins)
 
     def started(self) -> None:
-        """This node's workers are past their start (every rank of the start built its
-        engine): its leases and its own fence use lease_s from now on, not the start's
-        (topology.py, `Detector`)."""
+        """Every rank of the start built its engine (topology.py, `Monitor.started`)."""
         with self._lock:
-            if self.monitor.started():
-                self.events.emit("start_lease_ended", lease_s=self.lease_s)
+            self.monitor.started()
 
     def check(self, node: str, why: str, gen: int | None = None) -> None:
         """A worker named `node` as the peer whose connection broke. Suspect it if its agent

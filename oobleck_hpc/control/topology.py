@@ -299,16 +299,25 @@ class Monitor:
         self.lateness = Lateness()
         """How late heartbeats and this agent's ticks ran lately (module docstring)."""
         self.emit = emit or (lambda kind, **fields: None)
+        self._trains = False  # a worker of this node committed a step (`trains`)
         self.t0 = self._last_tick = self._last_hb = 0.0
 
     def start(self, now: float) -> None:
         self.t0 = self._last_tick = self._last_hb = now
 
-    def started(self) -> bool:
-        """This node's workers are past their start: lease_s from now on (module docstring).
-        True when the start's lease ended here."""
-        ended, self.detector.lease_s = self.detector.lease_s != self.lease_s, self.lease_s
-        return ended
+    def started(self) -> None:
+        """This node's workers are past their start: lease_s from now on (module docstring)."""
+        if self.detector.lease_s != self.lease_s:
+            self.detector.lease_s = self.lease_s
+            self.emit("start_lease_ended", lease_s=self.lease_s)
+
+    def trains(self) -> None:
+        """A step committed here: the start is over. The first time, forget how late this
+        machine ran until then (module docstring, `Lateness`: the start)."""
+        if not self._trains:
+            self._trains = True
+            self.lateness.forget()
+        self.started()
 
     def gone(self) -> set[str]:
         return set(self.core.suspects) | self.core.left | {self.core.me}
