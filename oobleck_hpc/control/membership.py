@@ -76,10 +76,10 @@ Message flow
 6. Fencing: any message from a member of my view whose view excludes me, and any FENCE from a
    member, makes me fenced: the agent stops its workers and exits. A message from a node that
    is not in my view is answered with FENCE (e.g. a SIGSTOPped node resumed after survivors
-   decided without it: its first heartbeat is answered with FENCE). An agent that was itself not
-   scheduled for longer than `lease_s` (SIGSTOP, swap storm) fences itself without waiting: its
-   peers have excluded it by then. An agent whose own proposal no longer contains a quorum is
-   fenced (the survivors cannot be told apart from a partitioned minority). A FENCE from a node
+   decided without it: its first heartbeat is answered with FENCE; its own pause alone does not
+   fence it, for its peers may have paused with it: topology.py). An agent whose own proposal
+   no longer contains a quorum is fenced (the survivors cannot be told apart from a
+   partitioned minority). A FENCE from a node
    that I excluded myself, and whose view excludes me, means we excluded each other (a partition,
    or two simultaneous false suspicions): I am fenced too, so that the job never splits in two.
    How a fenced node ends (`fence_code`, carried to the workers as `Fenced.exit_code`): 3 when

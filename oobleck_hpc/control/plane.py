@@ -36,14 +36,13 @@ round's joiners and the members watch each other directly while the round is ope
 
 What each timeout bounds
 ------------------------
-- heartbeat_s: how often an agent sends HEARTBEAT to its observers (and checks leases and its
-  own scheduling: a loop that was not scheduled for more than lease_s fences its node -- it
-  was stopped, its peers have excluded it by now, so it must not act on its old view).
+- heartbeat_s: how often an agent sends HEARTBEAT to its observers (and checks leases, and
+  its own scheduling: a pause of its own does not count against its subjects; topology.py).
 - lease_s: longest silence of a subject before its observer reports it; bounds detection of
   hangs and partitions (crashes are seen at once through the dropped connection). Also bounds
   how long a round waits for an unresponsive member. Every edge starts with a fresh lease.
-  Until this node's workers are past their start (`started`, `open_joins`), the lease and the
-  fence's bound are START_LEASE_FACTOR x lease_s (topology.py: imports starve agents).
+  Until this node's workers are past their start (`started`, `open_joins`), the lease is
+  START_LEASE_FACTOR x lease_s (topology.py: imports starve agents).
 - probe_s: after a worker reports a communication error without naming a peer, every peer not
   heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
   every peer answered, the agent opens a retry round (4b). Not while a round is open: the round

@@ -33,7 +33,7 @@ Suspicion (`Detector`)
   as ten workers began their first step: both observers of a healthy node reported it silent
   for 3.05 s within 30 ms of each other while every worker ran seconds late, and it answered
   its exclusion at once. A hung subject is found that much later (the stall probe, in band,
-  is unaffected); an observer paused over lease_s fences itself instead.
+  is unaffected). Nor does a pause fence the agent itself, however long (`Own pause`).
 - A subject silent to an observer for two leases is suspected by that observer alone: the
   observers that would confirm it are out of reach (a partition: the reports do not cross it
   either), and a single observer that long out of touch is itself cut off from the subject.
@@ -44,12 +44,24 @@ Suspicion (`Detector`)
   a subject is expected to be heard from within lease_s of the moment one starts watching it,
   or within startup_s of the start for generation 0.
 - The start has a longer lease (`Monitor(start_lease_s=...)`; the agents' is START_LEASE_FACTOR
-  x lease_s), for the leases this agent holds and for its own fence alike, until this node's
-  workers are past their start (`Monitor.started`: every rank of the start built its engine,
-  recovery/driver.py `_start_together`, or one committed a step). While ten workers import torch
-  and build their models on a 2-core CI machine, healthy agents went unscheduled for 3.0 s and
-  4.5 s: two fenced themselves over lease_s = 3 and their peers excluded them before step 1.
-  A kill at the start is still found at once (its connections close); a hang there, later.
+  x lease_s) for the leases this agent holds, until this node's workers are past their start
+  (`Monitor.started`: every rank of the start built its engine, recovery/driver.py
+  `_start_together`, or one committed a step). While ten workers import torch and build their
+  models on a 2-core CI machine, healthy agents went unscheduled for 3.0 s and 4.5 s, over
+  lease_s = 3, and were excluded before step 1. A kill at the start is still found at once
+  (its connections close); a hang there, later.
+
+Own pause
+---------
+An agent that was not scheduled for longer than its lease (SIGSTOP, a swap storm, a stalled
+machine) does not fence itself on that alone. If its peers ran meanwhile, they excluded it, and
+the first heartbeat it sends on resuming is answered with FENCE (membership.py, 6): it ends with
+exit 3 a round trip later, and its workers cannot commit a step with peers that left their
+group. If its peers were paused too -- every agent of one host at once, which runs all the
+nodes of a local job: 4.5 s with lease_s = 3 in a chaos trial on a 2-core machine -- each
+observer's lease excused its own pause and nobody excluded anybody; the self-fence this replaced
+fenced two healthy agents so, and the job fell back to its checkpoint. Safety never rested on
+it: only a quorum decides a node away (membership.py).
 
 How late this machine runs (`Lateness`)
 ---------------------------------------
@@ -279,11 +291,10 @@ class Monitor:
     """Failure detection around one agent's `MembershipCore`, pure: what plane.py runs on
     every tick and every message (and the control plane's simulator, testing/netsim.py, too).
 
-    `tick(now)` every heartbeat_s / 2: fences the node if it was not scheduled for more than
-    lease_s (stopped or starved: its peers have excluded it by now) or if a round kept the same
-    proposal for agreement_timeout_s without a decision (it cannot prove it is in the majority:
-    exit 75, requeue), sends the heartbeats that are due, reports the subjects whose lease
-    expired; returns whom it heartbeats. `message()` for every message received; True when it
+    `tick(now)` every heartbeat_s / 2: fences the node if a round kept the same proposal for
+    agreement_timeout_s without a decision (it cannot prove it is in the majority: exit 75,
+    requeue), excuses its own pause (`Own pause`, module docstring), sends the heartbeats that
+    are due, reports the subjects whose lease expired; returns whom it heartbeats. `message()` for every message received; True when it
     was a REPORT (consumed here). What it sends goes to the core's outbox; the suspicions it
     makes, to the core."""
 
@@ -328,12 +339,6 @@ class Monitor:
         if core.fenced:
             return []
         self.lateness.note(now, gap - self.heartbeat_s / 2)
-        lease = self.detector.lease_s
-        if gap > lease:
-            what = "lease_s" if lease == self.lease_s else "the start's lease"
-            core.fence(f"this agent was not scheduled for {gap:.1f} s > {what}={lease} "
-                       "(stopped or starved): its peers have excluded it")
-            return []
         if gap > PAUSE_TICKS * self.heartbeat_s / 2:  # (not a busy machine's jitter)
             self.detector.paused(gap - self.heartbeat_s / 2)
         if core.proposal is not self._seen[0]:

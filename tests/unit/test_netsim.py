@@ -49,3 +49,39 @@ def test_a_partition_leaves_the_majority_going_and_fences_the_minority():
         sim.run_until(sim.now + 1.0)
     assert not sim.unsafe
     assert all(sim.cores[m].fenced and sim.cores[m].fence_code == 75 for m in minority)
+
+
+def test_a_machine_wide_pause_over_the_lease_fences_nobody():
+    """Every agent of the machine unscheduled for 1.5 leases together (a 2-core machine under
+    load paused all agents for 4.5 s with lease_s = 3 in a chaos trial): each observer's lease
+    excuses its own pause, so nobody excluded anybody, and no agent may fence itself on its
+    pause alone -- two did, and the job fell back to its checkpoint."""
+    sim = Sim(8, seed=5)
+    sim.run_until(5.0)
+    gen = {m: c.decided.gen for m, c in sim.cores.items()}
+    for i, m in enumerate(sim.names):  # resumes within 0.2 s of each other
+        sim.stop(m, 1.5 * sim.lease_s + 0.025 * i)
+    sim.run_until(sim.now + 4 * sim.lease_s)
+    assert not [m for m, c in sim.cores.items() if c.fenced], \
+        {m: c.fenced for m, c in sim.cores.items()}
+    assert {m: c.decided.gen for m, c in sim.cores.items()} == gen
+    assert not sim.unsafe
+
+
+def test_an_agent_paused_alone_is_fenced_by_its_peers_answer_when_it_resumes():
+    """One agent unscheduled for 1.5 leases: its peers exclude it meanwhile, and the first
+    heartbeat it sends on resuming is answered with FENCE -- it ends with exit 3 (its peers
+    went on), at once and without a round of its own."""
+    sim = Sim(8, seed=5)
+    sim.run_until(5.0)
+    x = sim.names[3]
+    sim.stop(x, 1.5 * sim.lease_s)
+    resume = sim.now + 1.5 * sim.lease_s
+    others = tuple(m for m in sim.names if m != x)
+    sim.run_until(resume)
+    assert sim.agreed(others) is not None
+    sim.run_until(resume + sim.heartbeat_s)
+    core = sim.cores[x]
+    assert core.fenced and core.fence_code == 3, core.fenced
+    assert core.proposal is None and core.decided.nodes == sim.names
+    assert not sim.unsafe
