@@ -79,9 +79,9 @@ Message flow
    decided without it: its first heartbeat is answered with FENCE; its own pause alone does not
    fence it, for its peers may have paused with it: topology.py). An agent whose own proposal
    no longer contains a quorum is fenced (the survivors cannot be told apart from a
-   partitioned minority). A FENCE from a node
-   that I excluded myself, and whose view excludes me, means we excluded each other (a partition,
-   or two simultaneous false suspicions): I am fenced too, so that the job never splits in two.
+   partitioned minority). A FENCE from a node that I excluded myself, and whose view excludes
+   me, means we excluded each other (a partition, or two simultaneous false suspicions): I am
+   fenced too, so that the job never splits in two.
    How a fenced node ends (`fence_code`, carried to the workers as `Fenced.exit_code`): 3 when
    its peers excluded it (they go on without it); 75 when it cannot prove it is in the majority
    -- no quorum, an agreement timeout (plane.py), a mutual exclusion -- because then nobody

@@ -57,8 +57,9 @@ An agent that was not scheduled for longer than its lease (SIGSTOP, a swap storm
 machine) does not fence itself on that alone. If its peers ran meanwhile, they excluded it, and
 the first heartbeat it sends on resuming is answered with FENCE (membership.py, 6): it ends with
 exit 3 a round trip later, and its workers cannot commit a step with peers that left their
-group. If its peers were paused too -- every agent of one host at once, which runs all the
-nodes of a local job: 4.5 s with lease_s = 3 in a chaos trial on a 2-core machine -- each
+group. Nor does the pause count against a round it waits on (agreement_timeout_s, which fences
+for a requeue). If its peers were paused too -- every agent of one host at once, which runs all
+the nodes of a local job: 4.5 s with lease_s = 3 in a chaos trial on a 2-core machine -- each
 observer's lease excused its own pause and nobody excluded anybody; the self-fence this replaced
 fenced two healthy agents so, and the job fell back to its checkpoint. Safety never rested on
 it: only a quorum decides a node away (membership.py).
@@ -291,12 +292,13 @@ class Monitor:
     """Failure detection around one agent's `MembershipCore`, pure: what plane.py runs on
     every tick and every message (and the control plane's simulator, testing/netsim.py, too).
 
-    `tick(now)` every heartbeat_s / 2: fences the node if a round kept the same proposal for
-    agreement_timeout_s without a decision (it cannot prove it is in the majority: exit 75,
-    requeue), excuses its own pause (`Own pause`, module docstring), sends the heartbeats that
-    are due, reports the subjects whose lease expired; returns whom it heartbeats. `message()` for every message received; True when it
-    was a REPORT (consumed here). What it sends goes to the core's outbox; the suspicions it
-    makes, to the core."""
+    `tick(now)` every heartbeat_s / 2: excuses this agent's own pause (module docstring, `Own
+    pause`) from the leases it holds and from the open round's wait; fences the node if a round
+    kept the same proposal for agreement_timeout_s without a decision (it cannot prove it is in
+    the majority: exit 75, requeue); sends the heartbeats that are due, reports the subjects
+    whose lease expired; returns whom it heartbeats. `message()` for every message received;
+    True when it was a REPORT (consumed here). What it sends goes to the core's outbox; the
+    suspicions it makes, to the core."""
 
     def __init__(self, core: Any, heartbeat_s: float, lease_s: float, startup_s: float,
                  k: int = MONITORS, agreement_timeout_s: float | None = None,
@@ -340,7 +342,9 @@ class Monitor:
             return []
         self.lateness.note(now, gap - self.heartbeat_s / 2)
         if gap > PAUSE_TICKS * self.heartbeat_s / 2:  # (not a busy machine's jitter)
-            self.detector.paused(gap - self.heartbeat_s / 2)
+            pause = gap - self.heartbeat_s / 2
+            self.detector.paused(pause)
+            self._seen = (self._seen[0], self._seen[1] + pause)  # nor the round's agreement
         if core.proposal is not self._seen[0]:
             self._seen = (core.proposal, now)
         elif core.proposal is not None and now - self._seen[1] > self.agreement_timeout_s:

@@ -261,3 +261,29 @@ def test_the_start_has_a_longer_lease_for_the_subjects_and_no_pause_fences_the_a
     assert sorted(reported) == sorted(mon.detector.subjects)
     mon.tick(11.5)  # unscheduled 3.4 s, over lease_s, once started: not fenced
     assert not mon.core.fenced
+
+
+def test_a_round_without_agreement_fences_for_a_requeue_and_an_own_pause_is_excused():
+    """A round that keeps one proposal for agreement_timeout_s (2 x lease_s: 6 s) without a
+    decision fences this node with exit 75 (it cannot prove it is in the majority). This
+    agent's own pause does not count against that wait, as it does not against its leases."""
+    def run(ticks: list[float]) -> Monitor:
+        mon, _ = heard_monitor()
+        mon.core.suspect("n3", "test")  # a round opens; nobody answers it
+        assert mon.core.proposal is not None
+        for t in ticks:
+            for s in mon.detector.subjects:  # (the subjects heartbeat on)
+                mon.message(s, {"type": "heartbeat", "gen": 0}, t)
+            mon.tick(t)
+        return mon
+
+    steady = [0.75 + 0.25 * i for i in range(24)]  # to 6.5 s: the round's wait began at 0.75
+    mon = run(steady)
+    assert not mon.core.fenced
+    mon = run(steady + [6.8])
+    assert mon.core.fenced and "agreement" in mon.core.fenced and mon.core.fence_code == 75
+    paused = [0.75, 1.0, 5.5]  # unscheduled 4.5 s: 4.25 s excused, the wait ends at 11.0 s
+    mon = run(paused + [5.5 + 0.25 * i for i in range(1, 22)])  # to 10.75 s
+    assert not mon.core.fenced, mon.core.fenced
+    mon.tick(11.1)
+    assert mon.core.fenced and mon.core.fence_code == 75
