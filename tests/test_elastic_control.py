@@ -208,7 +208,7 @@ def test_crashes_worker_crash_report_and_hang(cluster_factory):
     """7 nodes x 2 workers: node3 dies (SIGKILL of its agent and workers) -> node5 and node6 die
     at once -> a worker of node4 crashes: node4 steps out and rejoins, twice, and the third
     crash takes it out -> a worker names node2 as failed while node2's agent lives -> node1 hangs (SIGSTOP), then
-    resumes and must fence itself."""
+    resumes and is fenced by its peers' answer."""
     c = cluster_factory(7, workers=2)
     c.wait_workers(c.names, 0, timeout=40)
 
@@ -269,7 +269,7 @@ def test_crashes_worker_crash_report_and_hang(cluster_factory):
     t = c.signal("node1", signal.SIGSTOP)
     f5 = latency(c, t, ["node1"], ["node0", "node2"])
     assert f5["gen"] == gen + 3 and LEASE_S - 0.5 < f5["detect_s"] < LEASE_S + 2.0
-    # ... and when it resumes, it fences itself rather than rejoining.
+    # ... and when it resumes, its peers' FENCE ends it rather than letting it rejoin.
     time.sleep(0.3)
     t = c.signal("node1", signal.SIGCONT)
     assert c.wait_exit("node1") == 3

@@ -57,7 +57,8 @@ What each timeout bounds
   backstop). Short, but far above a live agent's answer on a loaded machine (the
   `stall_probed` event records each answer's delay). `stalls` (control/stall_probe.py).
 - agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
-  proposal and no decision; an agent that hits it fences itself for a requeue (never hang).
+  proposal and no decision (its own pauses excused: topology.py); an agent that hits it
+  fences itself for a requeue (never hang).
 - startup_s: how long agents wait for each other's first connection at start.
 
 Detection sources, fastest first: a connection closed by the peer's kernel when its agent died
