@@ -556,6 +556,16 @@ class MembershipCore(ExchangeSteps):
     def round(self) -> int:
         return self.decided.gen + 1
 
+    def round_waits_on(self) -> list[str]:
+        """The nodes the open round waits on, as far as this node can tell: those of its
+        proposal with no proposal here yet for the round, if this node coordinates it (it
+        gathers them, step 2); else the coordinator, if it has sent none."""
+        if self.proposal is None or self.fenced:
+            return []
+        got = self._proposals.get(self.round, {})
+        waits = self.proposal if self.proposal[0] == self.me else self.proposal[:1]
+        return [n for n in waits if n != self.me and n not in got]
+
     @property
     def round_joiners(self) -> tuple[str, ...]:
         """The open round's joiners (none when no round is open)."""

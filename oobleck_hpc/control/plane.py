@@ -40,13 +40,14 @@ What each timeout bounds
   its own scheduling: a pause of its own does not count against its subjects; topology.py).
 - lease_s: longest silence of a subject before its observer reports it; bounds detection of
   hangs and partitions (crashes are seen at once through the dropped connection). Also bounds
-  how long a round waits for an unresponsive member. Every edge starts with a fresh lease.
+  how long a round waits for an unresponsive member (the stall probe's rules find a silent one
+  sooner). Every edge starts with a fresh lease.
   Until this node's workers are past their start (`started`, `open_joins`), the lease is
   START_LEASE_FACTOR x lease_s (topology.py: imports starve agents).
 - probe_s: after a worker reports a communication error without naming a peer, every peer not
   heard from within probe_s of a PING is suspected (faster than the lease for hung nodes); if
   every peer answered, the agent opens a retry round (4b). Not while a round is open: the round
-  explains the error, and the lease bounds its wait for a hung member.
+  explains the error, and the stall probe's rules bound its wait for a hung member.
 - stall_probe_s (configs/resilience.py, STALL_PROBE_S): after a worker reports a stall (a wait
   inside a step far longer than its usual step: recovery/stall.py), the nodes it waits on (every
   member when it does not know) are pinged, and those not heard from within stall_probe_s are
@@ -55,7 +56,8 @@ What each timeout bounds
   before its lease. If every one answered, nothing
   happens (no retry round: a slow node is a straggler, not a failure; the lease remains the
   backstop). Short, but far above a live agent's answer on a loaded machine (the
-  `stall_probed` event records each answer's delay). `stalls` (control/stall_probe.py).
+  `stall_probed` event records each answer's delay). The same for a round that waits on nodes
+  that sent nothing for it. `stalls` (control/stall_probe.py).
 - agreement_timeout_s (default 2 * lease_s): longest time an open round may go with an unchanged
   proposal and no decision (its own pauses excused: topology.py); an agent that hits it
   fences itself for a requeue (never hang).
@@ -460,11 +462,11 @@ class ControlPlane:
             self.request_join(self._join_how)
         if self.core.joins_held and now - self._joins_held >= JOIN_HOLD_S:
             self._run(self.core.take_joiners)  # no step commits: take the joiners now
+        self._run(lambda: self.stalls.round_wait(now, self._round_t.get(self.core.round)))
         if self._probe is not None and now >= self._probe[1]:
             started, _, gen, why = self._probe
             self._probe = None
-            probed = self.core.decided.nodes + self.core.round_joiners
-            silent = [n for n in probed if n != self.me
+            silent = [n for n in self.core.decided.nodes + self.core.round_joiners if n != self.me
                       and n not in self.core.suspects and n not in self.core.left
                       and self.detector.last_heard.get(n, 0.0) < started]
             for node in silent:

@@ -43,9 +43,18 @@ only once it is SLOW_ANSWER_FACTOR times the slowest answer, at most half the le
 run, both witnesses' answers were read 0.315 s after the ping, together, while the kill of
 another node woke every process; the pinged node, silent at 0.375 s, was healthy and lost its
 place). A node pinged and not yet answered or timed out is not pinged again (every worker of
-every survivor may report the same stall). As the probe after an error, nothing is done while
-a round is open (it explains the stall, and it waits at most lease_s for a hung member) or for
-an older generation.
+every survivor may report the same stall). As the probe after an error, nothing is done for a
+stall while a round is open (it explains the stall) or for an older generation.
+
+A round's wait is probed the same way (`round_wait`, from the plane's ticker): a round that has
+waited a deadline on members that sent nothing for it -- at its coordinator, the members of its
+proposal with no proposal of theirs; at another member, the coordinator -- pings them with the
+same witnesses and suspects the one silent node by the same rules, once per proposal. A hung
+node found by nobody else would otherwise hold the round for its lease (chaos seed 5173, trial
+6: a node exited while another hung at the same step; the round for the exit waited 2.6 s for
+the hung member's lease, as its workers' errors were explained by the round). A live member
+answers a round in milliseconds, so its silence for two deadlines is the same evidence as a
+stalled worker's.
 """
 
 from __future__ import annotations
@@ -81,6 +90,8 @@ class StallProbes:
         self.plane, self.timeout_s = plane, timeout_s
         self._pinged: dict[str, tuple[float, float | None]] = {}
         """Nodes pinged and not yet judged: node -> (pinged at, answered at)."""
+        self._round: tuple[int, tuple[str, ...]] | None = None
+        """The last round (generation, proposal) whose wait was probed."""
 
     def probe(self, suspects: list[str], why: str, gen: int) -> None:
         """A worker of this node stalled in generation `gen` waiting on `suspects` (empty: it
@@ -94,18 +105,36 @@ class StallProbes:
                 cp.events.emit("probe_skipped", why=why, failed_gen=gen, gen=core.decided.gen,
                                round_open=core.proposal is not None)
                 return
-            gone = core.suspects.keys() | core.left | self._pinged.keys()
-            live = [n for n in core.decided.nodes if n != cp.me and n not in gone]
-            nodes = [n for n in suspects or live if n in live]
-            witnesses = [n for n in live if n not in nodes][:WITNESSES]
-            now = time.monotonic()
-            for node in nodes + witnesses:
-                self._pinged[node] = (now, None)
-                cp._link(node).put({"type": "ping"})
-            if nodes:
-                deadline = self.deadline(now)
-                cp._loop.after(deadline, functools.partial(
-                    self._judge, nodes, witnesses, now, now + deadline, core.decided.gen, why))
+            self._ping(suspects, why, in_round=False)
+
+    def round_wait(self, now: float, opened: float | None) -> None:
+        """The ticker's look at the open round, opened at `opened` (the plane's lock held):
+        once it has waited a deadline on nodes that sent nothing for it, ping them (module
+        docstring, a round's wait); once per proposal."""
+        core = self.plane.core
+        if (core.proposal is None or opened is None or self._round == (core.round, core.proposal)
+                or now - opened < self.deadline(now) or self.plane._loop is None):
+            return
+        waits = core.round_waits_on()
+        if waits:
+            self._round = (core.round, core.proposal)
+            self._ping(waits, f"round {core.round} waits on {', '.join(waits)}", in_round=True)
+
+    def _ping(self, suspects: list[str], why: str, in_round: bool) -> None:
+        cp, core = self.plane, self.plane.core
+        gone = core.suspects.keys() | core.left | self._pinged.keys()
+        live = [n for n in core.decided.nodes + core.round_joiners if n != cp.me and n not in gone]
+        nodes = [n for n in suspects or live if n in live]
+        witnesses = [n for n in live if n not in nodes][:WITNESSES]
+        now = time.monotonic()
+        for node in nodes + witnesses:
+            self._pinged[node] = (now, None)
+            cp._link(node).put({"type": "ping"})
+        if nodes and cp._loop is not None:
+            deadline = self.deadline(now)
+            cp._loop.after(deadline, functools.partial(
+                self._judge, nodes, witnesses, now, now + deadline, core.decided.gen, why,
+                in_round))
 
     def deadline(self, now: float) -> float:
         """How long a probe started now waits for answers (module docstring)."""
@@ -132,22 +161,23 @@ class StallProbes:
         return later if later > now + 0.001 else None
 
     def _judge(self, nodes: list[str], witnesses: list[str], started: float, due: float,
-               gen: int, why: str) -> None:
+               gen: int, why: str, in_round: bool) -> None:
         """At `due`, a deadline after `nodes` and `witnesses` were pinged: suspect the one node
-        not heard from since, if another was (module docstring)."""
+        not heard from since, if another was (module docstring). `in_round`: pinged for an
+        open round's wait, which must still be open (else for a stall: none may be)."""
         cp = self.plane
         with cp._lock:
             now = time.monotonic()
             later = self._later(nodes + witnesses, started, due, now)
             if later is not None and cp._loop is not None:
                 cp._loop.after(later - now, functools.partial(
-                    self._judge, nodes, witnesses, started, later, gen, why))
+                    self._judge, nodes, witnesses, started, later, gen, why, in_round))
                 return
             answered = {n: self._pinged.pop(n, (started, None))[1] for n in nodes + witnesses}
             core = cp.core
-            if core.fenced or core.decided.gen != gen or core.proposal is not None:
+            if core.fenced or core.decided.gen != gen or (core.proposal is not None) != in_round:
                 return  # a round or a decision came first: it answers for the stall
-            heard = {n for n in core.decided.nodes if n != cp.me and (
+            heard = {n for n in core.decided.nodes + core.round_joiners if n != cp.me and (
                 answered.get(n) is not None or cp.detector.last_heard.get(n, 0.0) >= started)}
             silent = [n for n in nodes if n not in heard and n not in core.suspects]
             unconfirmed = not heard or len(silent) > 1
