@@ -116,11 +116,14 @@ class StallProbes:
                 or now - opened < self.deadline(now) or self.plane._loop is None):
             return
         waits = core.round_waits_on()
-        if waits:
+        if waits and self._ping(waits, f"round {core.round} waits on {', '.join(waits)}",
+                                in_round=True):
             self._round = (core.round, core.proposal)
-            self._ping(waits, f"round {core.round} waits on {', '.join(waits)}", in_round=True)
 
-    def _ping(self, suspects: list[str], why: str, in_round: bool) -> None:
+    def _ping(self, suspects: list[str], why: str, in_round: bool) -> bool:
+        """Ping `suspects` (all live nodes if empty) and witnesses; whether a node of
+        `suspects` was pinged (one pinged already and not yet judged is not: its judgement
+        comes first, and a round's wait is looked at again at the next tick)."""
         cp, core = self.plane, self.plane.core
         gone = core.suspects.keys() | core.left | self._pinged.keys()
         live = [n for n in core.decided.nodes + core.round_joiners if n != cp.me and n not in gone]
@@ -135,6 +138,7 @@ class StallProbes:
             cp._loop.after(deadline, functools.partial(
                 self._judge, nodes, witnesses, now, now + deadline, core.decided.gen, why,
                 in_round))
+        return bool(nodes)
 
     def deadline(self, now: float) -> float:
         """How long a probe started now waits for answers (module docstring)."""
