@@ -380,7 +380,7 @@ def test_small_seeded_campaign_of_kills(tmp_path, capsys):
                  "--steps", "4", "--tail-steps", "150", "--trial-timeout", "150",
                  "--out", str(out), "--json"])
     result = json.loads(capsys.readouterr().out)
-    assert result == json.loads((out / "result.json").read_text())
+    assert result == json.loads((out / "result.json").read_text()) and result["complete"]
     assert len(result["trials"]) == 3
     for t in result["trials"]:
         assert {x["kind"] for x in t["faults"]} == {"kill"}

@@ -55,6 +55,7 @@ from typing import Any, Sequence
 from oobleck_hpc.operate.chaos_oracle import (AFTER_STEP_PHASES, RECOVERY_PHASES, START_PHASES,
                                       STEP_PHASES, expected_outcomes)
 from oobleck_hpc.config import FaultConfig, JobConfig
+from oobleck_hpc.files import write_json
 from oobleck_hpc.records import events as ev
 from oobleck_hpc.operate.cleanup import kill_leftovers
 
@@ -342,6 +343,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def write_result(path: Path, trials: Sequence[Trial], done: bool) -> None:
+    """The campaign's result so far (its trials and their summary; `done`: every trial ran),
+    replaced whole: a reader never sees half of it."""
+    write_json(path, {"trials": [t.to_dict() for t in trials], "summary": summarize(trials),
+                      "complete": done})
+
+
 def run(args: argparse.Namespace) -> int:
     from oobleck_hpc.config import load_job
     from oobleck_hpc.engine import reference_run
@@ -382,14 +390,14 @@ def run(args: argparse.Namespace) -> int:
                       plan, templates, profile, total, every, args.trial_timeout, args.tol,
                       args.max_requeues, grace)
         trials.append(t)
+        # (after each trial: a long campaign stopped early keeps the verdicts of its trials)
+        write_result(campaign / "result.json", trials, done=i + 1 == len(sets))
         if not args.json:
             print(f"trial {i}: {', '.join(map(_describe, faults))} -> {t.outcome} "
                   f"(expected {' or '.join(t.expected)}, {t.wall_s:.1f} s)", flush=True)
     summary = summarize(trials)
-    result = {"trials": [t.to_dict() for t in trials], "summary": summary}
-    (campaign / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
-        print(json.dumps(result, indent=1))
+        print((campaign / "result.json").read_text(), end="")
     else:
         print(table(trials))
         print("summary: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
