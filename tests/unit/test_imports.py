@@ -76,13 +76,20 @@ def _import_nodes(tree: ast.AST, lazy: bool = True):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _imported_names(module: str, path: Path, modules: set[str] | frozenset = frozenset(),
-                    lazy: bool = True) -> list[tuple[str, int]]:
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    """The parsed module (once per session: the checks below read every module several times)."""
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _imported_names(module: str, path: Path, modules: frozenset[str] = frozenset(),
+                    lazy: bool = True) -> tuple[tuple[str, int], ...]:
     """(absolute dotted name, line) of everything `module` imports: `a.b` for `import a.b`;
     for `from a.b import c`, `a.b.c` when that is one of `modules`, else `a.b`."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
-    for node in _import_nodes(ast.parse(path.read_text(), str(path)), lazy):
+    for node in _import_nodes(_tree(path), lazy):
         if isinstance(node, ast.Import):
             out += [(alias.name, node.lineno) for alias in node.names]
             continue
@@ -94,7 +101,7 @@ def _imported_names(module: str, path: Path, modules: set[str] | frozenset = fro
         for alias in node.names:
             sub = f"{base}.{alias.name}"
             out.append((sub if sub in modules else base, node.lineno))
-    return out
+    return tuple(out)
 
 
 def _enclosing(name: str) -> list[str]:
@@ -111,7 +118,7 @@ def dependency_graph(package: Path = PACKAGE, lazy: bool = True) -> dict[str, di
     for module, path in modules.items():
         own = set(_enclosing(module)) | ({module} if path.name == "__init__.py" else set())
         deps: dict[str, int] = {}
-        for name, line in _imported_names(module, path, set(modules), lazy):
+        for name, line in _imported_names(module, path, frozenset(modules), lazy):
             target = name
             while target and target not in modules:
                 target = target.rpartition(".")[0]
@@ -221,7 +228,7 @@ def test_production_code_never_imports_the_testing_support():
 def test_no_function_of_the_elastic_layer_is_longer_than_60_lines():
     long = []
     for path in sorted([*(PACKAGE / "control").glob("*.py"), *(PACKAGE / "recovery").glob("*.py")]):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
@@ -236,7 +243,7 @@ def test_no_module_is_longer_than_400_lines():
     for path in _modules().values():
         name = path.relative_to(PACKAGE.parent).as_posix()
         text = path.read_text()
-        tree = ast.parse(text)
+        tree = _tree(path)
         doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) and \
             isinstance(getattr(tree.body[0], "value", None), ast.Constant) and \
             isinstance(tree.body[0].value.value, str) else None
