@@ -794,6 +794,34 @@ def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
             cp.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_stall_probe_suspects_a_lone_silent_witness_too(tmp_path):
+    """Four control planes in this process (control/stall_probe.py). A worker of a stalls
+    naming b (in a recovery's transfer it names the store's host), which answers; d, one of the
+    witnesses, is frozen (its lock held) and alone silent: the same evidence as a probe of every
+    member, so d is suspected at the deadline and generation 1 is a, b and c. (Chaos seed 5181,
+    trial 19: the hung witness was left to its lease, 3.5 s.)"""
+    log = tmp_path / "events.jsonl"
+    cps = planes(log, "abcd", stall_probe_s=0.35)
+    a = cps["a"]
+    try:
+        with cps["d"]._lock:
+            time.sleep(0.15)  # (what d sent before arrives)
+            t = time.monotonic()
+            a.stalls.probe(["b"], "worker a/0 reported stall", gen=0)
+            while not all(cps[m].core.decided.nodes == ("a", "b", "c") for m in "abc"):
+                assert time.monotonic() - t < 4.0, f"no generation without d: {read_events(log)}"
+                time.sleep(0.01)
+            decided = time.monotonic() - t
+        (probed,) = [e for e in read_events(log) if e["kind"] == "stall_probed"]
+        assert probed["nodes"] == ["b"] and probed["witnesses"] == ["c", "d"], probed
+        assert probed["silent"] == ["d"] and not probed["unconfirmed"], probed
+        assert decided < probed["timeout_s"] + 0.5 < a.lease_s, (decided, probed)
+    finally:
+        for cp in cps.values():
+            cp.close()
+
+
 @pytest.mark.timeout(120)
 def test_sockets_stay_bounded_when_a_round_reaches_more_peers_than_the_caps(tmp_path, monkeypatch):
     """40 control planes in this process with the socket caps lowered to a few (links.py:

@@ -16,9 +16,12 @@ A silence means something only if it is one node's while others answer: under a 
 prober may be the one descheduled, or several agents at once, and a node that suspected all it
 pinged would propose a view of itself alone and fence (chaos seed 2818, trial 3; in a CI run
 two healthy agents were silent for 0.35 s together and the job fell back). So a stall that
-names its suspects also pings up to WITNESSES other members, and a probe suspects its silent
-node only if it is the only one and some node answered or was heard from since the ping (a
-witness is never suspected by it). Otherwise it suspects nobody (`unconfirmed` in its event)
+names its suspects also pings up to WITNESSES other members, and a probe suspects a silent
+node only if it is the only one and some node answered or was heard from since the ping. A
+witness is judged alike: its lone silence is the evidence a probe of every member acts on (chaos
+seed 5181, trial 19: a node hung in a recovery's transfer, the stall named the store's host,
+which answered, and the hung witness was left to its lease, 3.5 s). Otherwise it suspects
+nobody (`unconfirmed` in its event)
 and leaves the silent nodes to their observers' leases, which need most observers to agree: two
 nodes hung at once are found by their leases.
 
@@ -183,7 +186,7 @@ class StallProbes:
                 return  # a round or a decision came first: it answers for the stall
             heard = {n for n in core.decided.nodes + core.round_joiners if n != cp.me and (
                 answered.get(n) is not None or cp.detector.last_heard.get(n, 0.0) >= started)}
-            silent = [n for n in nodes if n not in heard and n not in core.suspects]
+            silent = [n for n in nodes + witnesses if n not in heard and n not in core.suspects]
             unconfirmed = not heard or len(silent) > 1
             cp.events.emit("stall_probed", why=why, nodes=nodes, silent=silent,
                            witnesses=witnesses, unconfirmed=unconfirmed,
