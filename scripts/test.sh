@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: environment, lint and types, local Slurm cluster,
 # pytest. Usage: bash scripts/test.sh [--quick] [pytest args]
-# --quick: lint, types and tests/unit/ only (everything that starts no process; about a minute on 2 cores): no
-# cluster, no optional extra installed (its tests skip where it is absent).
+# --quick: lint, types and tests/unit/ only (everything that starts no process; about a minute
+# on 2 cores): no cluster, no optional extra installed (its tests skip where it is absent).
 # OOBLECK_SLURM_TESTS=0 skips the cluster (tests/test_slurm_*.py then skip themselves).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
