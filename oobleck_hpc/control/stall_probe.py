@@ -21,9 +21,8 @@ node only if it is the only one and some node answered or was heard from since t
 witness is judged alike: its lone silence is the evidence a probe of every member acts on (chaos
 seed 5181, trial 19: a node hung in a recovery's transfer, the stall named the store's host,
 which answered, and the hung witness was left to its lease, 3.5 s). Otherwise it suspects
-nobody (`unconfirmed` in its event)
-and leaves the silent nodes to their observers' leases, which need most observers to agree: two
-nodes hung at once are found by their leases.
+nobody (`unconfirmed` in its event) and leaves the silent nodes to their observers' leases,
+which need most observers to agree: two nodes hung at once are found by their leases.
 
 The deadline is the one figure a healthy node's place depends on: a false suspicion costs a
 healthy node. It is short next to the lease but long next to a live agent's answer, which the
