@@ -5,6 +5,7 @@ discovery record, the verdict over agents' exit codes, sbatch parameters and con
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,13 @@ import sys
 import pytest
 
 from oobleck_hpc.bootstrap import environment as envmod
-from oobleck_hpc.bootstrap.discovery import Discovery, NodeRecord, wait_for_discovery
+from oobleck_hpc.bootstrap.discovery import (
+    Discovery,
+    NodeRecord,
+    TooFewNodes,
+    run_discovery_step,
+    wait_for_discovery,
+)
 from oobleck_hpc.bootstrap.environment import (
     LocalEnvironment,
     NodeEnvironment,
@@ -99,6 +106,57 @@ def test_discovery_record_round_trip_and_roster_format(tmp_path):
     spared.write(tmp_path)
     assert Discovery.load(tmp_path) == spared and spared.digest != found.digest
     assert Roster.load(tmp_path / "roster.json").members0 == ("n1",)
+
+
+FAKE_SRUN = r"""#!/bin/bash
+# A stand-in for srun: the discovery step hangs on its first $HANGS calls and exits $DISCOVERY_RC
+# after, a trivial step (`true`) fails on the nodes named in $BAD.
+echo "$*" >> "$CALLS"
+case "$*" in
+  *discover*) n=$(grep -c discover "$CALLS")
+              if [ "$n" -le "$HANGS" ]; then exec sleep 60; fi; exit "$DISCOVERY_RC" ;;
+esac
+for node in $BAD; do case "$*" in *--nodelist=$node\ *) exit 1 ;; esac; done
+exit 0
+"""
+
+
+def _discovery_with(tmp_path, monkeypatch, *, hangs=0, rc=0, bad="", min_nodes=1):
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "srun").write_text(FAKE_SRUN)
+    (fake / "srun").chmod(0o755)
+    calls = tmp_path / "calls"
+    calls.write_text("")
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    for k, v in {"CALLS": str(calls), "HANGS": str(hangs), "DISCOVERY_RC": str(rc),
+                 "BAD": bad}.items():
+        monkeypatch.setenv(k, v)
+    nodes = run_discovery_step(tmp_path, ["n1", "n2", "n3"], python=sys.executable, mpi="pmix",
+                               log=tmp_path / "log", min_nodes=min_nodes, attempt_s=0.5)
+    return nodes, [line for line in calls.read_text().splitlines() if "discover" in line]
+
+
+def test_a_discovery_step_that_hangs_is_cancelled_and_run_again_on_the_same_nodes(
+        tmp_path, monkeypatch):
+    nodes, tried = _discovery_with(tmp_path, monkeypatch, hangs=2)
+    assert nodes == ["n1", "n2", "n3"] and len(tried) == 3
+    assert all("--nodelist=n1,n2,n3 " in t for t in tried)
+
+
+def test_a_discovery_step_leaves_out_the_nodes_that_cannot_run_a_step(tmp_path, monkeypatch):
+    nodes, tried = _discovery_with(tmp_path, monkeypatch, hangs=1, bad="n2")
+    assert nodes == ["n1", "n3"] and "--nodelist=n1,n3 " in tried[-1]
+    with pytest.raises(TooFewNodes, match="needs at least 3"):
+        _discovery_with(tmp_path, monkeypatch, rc=1, bad="n2", min_nodes=3)
+
+
+def test_a_discovery_step_that_fails_on_good_nodes_is_not_run_again(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="exit 2.*each of which runs a step alone"):
+        _discovery_with(tmp_path, monkeypatch, rc=2)
+    assert (tmp_path / "calls").read_text().count(" discover ") == 1
+    with pytest.raises(RuntimeError, match="failed 3 times"):
+        _discovery_with(tmp_path, monkeypatch, hangs=3)
 
 
 def test_handed_out_ports_avoid_the_ephemeral_range_and_each_other(monkeypatch, tmp_path):

@@ -172,19 +172,28 @@ def wait_for_discovery(run_dir: str | Path, job_id: str, restart_count: int,
                       "step run?)")
 
 
+ATTEMPT_S = 60.0
+"""How long one attempt of the discovery step may take (it is over in ~2 s; `run_discovery_step`
+says why it can hang)."""
+
+
 class TooFewNodes(RuntimeError):
     """Fewer nodes than the job accepts can run the discovery: requeue (exit 75) and wait for more."""
 
 
 def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mpi: str,
                        log: str | Path, min_nodes: int = 1, members: int = 0,
-                       timeout_s: float = 300, attempts: int = 3) -> list[str]:
+                       attempt_s: float = ATTEMPT_S, attempts: int = 3) -> list[str]:
     """Run the discovery step (`srun --mpi=MPI ... python -m oobleck_hpc.bootstrap discover`) on
     `nodes`; returns the nodes it ran on. When it fails, each node is tried alone with a trivial
     step (`srun -w NODE true`) and the ones that fail are left out of the next attempt: measured
     after a requeue, a node that was frozen and thawed can refuse the job's steps ("Job credential
-    revoked") while its slurmd answers the controller. Raises TooFewNodes when fewer than
-    `min_nodes` remain, RuntimeError when the step fails on nodes that each run alone.
+    revoked") while its slurmd answers the controller. An attempt that runs past `attempt_s` is
+    cancelled and tried again on the nodes that each run a step alone: measured on the local
+    cluster, a step's PMIx fence can wait forever for a contribution that never comes
+    (slurmd: "COLL_FENCE_RING ... wait contrib"), where the same step a moment later is over
+    in ~2 s. Raises TooFewNodes when fewer than `min_nodes` remain, RuntimeError when the step
+    fails (not by running late) on nodes that each run alone, or after `attempts` attempts.
     `members`: see `discover`."""
     nodes = list(nodes)
     for attempt in range(attempts):
@@ -192,16 +201,17 @@ def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mp
                 "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
                 f"--output={log}", python, "-m", "oobleck_hpc.bootstrap", "discover",
                 "--run-dir", str(run_dir), "--members", str(members)]
-        rc = subprocess.run(argv, timeout=timeout_s).returncode
+        rc = _cancel_late(subprocess.Popen(argv, stdin=subprocess.DEVNULL), attempt_s)
         if rc == 0:
             return nodes
         tries = {n: subprocess.Popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={n}",
                                       "true"], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) for n in nodes}
         bad = [n for n, p in tries.items() if _wait(p, 60) != 0]
-        logger.warning("discovery: attempt %d on %s exited %d; nodes that cannot run a step: %s",
-                       attempt + 1, nodes, rc, bad or "none")
-        if not bad:
+        late = "ran past %.0f s" % attempt_s if rc is None else f"exited {rc}"
+        logger.warning("discovery: attempt %d on %s %s; nodes that cannot run a step: %s",
+                       attempt + 1, nodes, late, bad or "none")
+        if not bad and rc is not None:
             raise RuntimeError(f"discovery step failed (exit {rc}) on nodes {nodes}, each of "
                                f"which runs a step alone; see {log}")
         nodes = [n for n in nodes if n not in bad]
@@ -209,6 +219,17 @@ def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mp
             raise TooFewNodes(f"only {len(nodes)} nodes ({nodes}) can run the job's steps; it "
                               f"needs at least {min_nodes}")
     raise RuntimeError(f"discovery step failed {attempts} times; see {log}")
+
+
+def _cancel_late(srun: subprocess.Popen, timeout_s: float) -> int | None:
+    """srun's exit code, or None when it ran past `timeout_s`: then its step is cancelled
+    (SIGTERM: srun signals its tasks and ends the step; SIGKILL after 10 s more)."""
+    try:
+        return srun.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        srun.terminate()
+        _wait(srun, 10)
+        return None
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> int:

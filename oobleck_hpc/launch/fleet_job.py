@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from oobleck_hpc.launch.slurm_steps import DISCOVERY_LOCK
 from oobleck_hpc.records.events import read_events
 from oobleck_hpc.records.story import Tail
 
@@ -82,6 +83,7 @@ class FleetJobRun:
                str(self.run_dir), "--nodes", str(nodes), "--max-requeues", "0"]
         if on is not None:
             cmd += ["--on-nodes", ",".join(on)]
+            env[DISCOVERY_LOCK] = str(self.run_dir.parent / "discovery.lock")
         if self.log is None:
             self.log = open(self.run_dir.parent / f"{self.name}.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,

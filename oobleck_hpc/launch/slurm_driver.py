@@ -30,8 +30,6 @@ from oobleck_hpc.records import runs
 
 logger = logging.getLogger(__name__)
 
-DISCOVERY_TIMEOUT_S = 300
-"""How long the discovery step (srun, MPI) may take."""
 REQUEUE_TIMEOUT_S = 600
 """How long the driver waits for Slurm to take its `scontrol requeue` (Restarts grows)."""
 MANAGER_RESTARTS = 3
@@ -108,8 +106,7 @@ class SlurmDriver:
         try:
             nodes = run_discovery_step(run_dir, nodes, python=self.python, mpi=self.mpi,
                                        log=logs / f"discovery-{tag}.out",
-                                       min_nodes=self.min_nodes, members=self.members,
-                                       timeout_s=DISCOVERY_TIMEOUT_S)
+                                       min_nodes=self.min_nodes, members=self.members)
         except TooFewNodes as e:
             logger.warning("%s; requeueing job %s", e, env.job_id)
             self._requeue(env.job_id, run_dir, tag, reason=str(e))
