@@ -284,6 +284,39 @@ def test_sigterm_on_one_worker_checkpoints_at_a_common_step_and_the_job_resumes(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stop_signal_to_the_launcher_while_workers_start_stops_the_job_without_a_requeue(
+        tmp_path):
+    """SIGTERM to `oobleck-hpc run` while its workers still import torch: they die by the signal
+    their agents passed on, which is a stop, not a crash (no node fails, nobody is fenced), and
+    the launcher that was asked to stop does not start the job again."""
+    job = write_job(tmp_path, "stop", every_steps=0)
+    run_dir = tmp_path / "stop"
+    proc = start_run(job)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_workers(proc.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(_workers(proc.pid)) == 4, "the workers did not start"
+        os.kill(proc.pid, signal.SIGTERM)
+    except BaseException:
+        kill_run(proc)
+        proc.communicate()
+        raise
+    code, out, err = finish(proc, 60)
+    text = job_output(out, err, run_dir)
+    assert code == EXIT_REQUEUE, text
+    events = read_jsonl(run_dir / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert "requeued" not in kinds and "not requeued" in err, text
+    assert not {"worker_failed", "fenced", "node_lost"} & set(kinds), kinds
+    stopped = [e for e in events if e["kind"] == "worker_exited" and e.get("stopped")]
+    assert {e["source"] for e in stopped} == {f"node{i}" for i in range(4)}, events
+    assert not (run_dir / "metrics.jsonl").exists() or \
+        not (run_dir / "metrics.jsonl").read_text().strip()  # it never trained
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("how", ["cli", "signal"])
 def test_a_forced_drain_the_others_cannot_absorb_stops_with_a_checkpoint_and_requeues(tmp_path,
@@ -399,6 +432,12 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
     for bad_input in (0, 2, 3):
         code, attempts = run_with_requeue(lambda a, c=bad_input: c, nodes=2, run_dir=tmp_path)
         assert code == bad_input and len(attempts) == 1  # never requeued
+    def stopped(attempt):
+        attempt.stopped = True  # a stop signal reached the launcher: not started again
+        return EXIT_REQUEUE
+
+    code, attempts = run_with_requeue(stopped, nodes=2, run_dir=tmp_path)
+    assert code == EXIT_REQUEUE and len(attempts) == 1
     with pytest.raises(ValueError):
         run_with_requeue(lambda a: 0, nodes=1, run_dir=tmp_path, max_requeues=-1)
 

@@ -43,7 +43,9 @@ srun step per node). It
      cannot prove it is in the majority (no quorum, no agreement: the job must fall back to
      its checkpoint and be requeued), 2 when a peer aborted the job for bad input.
    SIGTERM, SIGINT and SIGUSR2 (Slurm's pre-timeout signal) are forwarded to the workers; what
-   they do then decides the exit as above. SIGUSR1 is a notice to this node alone (a site's
+   they do then decides the exit as above, except that a worker killed by the signal passed on
+   (one still starting, before its handler is in place) was stopped, not crashed: it counts as
+   a worker done with 75 (the node leaves for a requeue; nothing to save before it trained). SIGUSR1 is a notice to this node alone (a site's
    signal to one node's step before its maintenance or preemption): a forced drain of the node
    (control/drain.py) -- it leaves at the next step boundary if the others can absorb it, else
    the job stops there with a checkpoint and is requeued without it.
@@ -123,6 +125,8 @@ class Agent:
         """False from a restart (`_restart_node`) until a new worker trains."""
         self._crashes: dict[int, int] = {}
         """Crashes of each local rank's worker (MAX_WORKER_CRASHES)."""
+        self._stop_signal: int | None = None
+        """The stop signal this agent passed on to its workers, once it did."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -282,11 +286,17 @@ class Agent:
             self.events.emit("worker_exited", local_rank=w.local_rank, code=code, leaving=True)
             return self._stop_node("early", EXIT_NODE_LOST, f"worker {w.local_rank} left the "
                                    "job early")
+        stopped = (w.done_code is None and self._stop_signal is not None
+                   and code == -self._stop_signal)
+        if stopped:  # not crashed (module docstring)
+            w.done_code = EXIT_REQUEUE
+            w.reason = (f"worker {w.local_rank} (pid {w.proc.pid}) was stopped by "
+                        f"{describe_exit(code)} before it could save")
         if w.done_code is not None:
             # `done` next to `code`: a worker that crashed while leaving after its work (a
             # signal, or another code than it announced) is reported (the console warns).
             self.events.emit("worker_exited", local_rank=w.local_rank, code=code,
-                             done=w.done_code, pid=w.proc.pid)
+                             done=w.done_code, pid=w.proc.pid, stopped=stopped)
             if all(x.exit_code is not None for x in self.workers):
                 codes = [x.done_code if x.done_code is not None else x.exit_code
                          for x in self.workers]
@@ -381,6 +391,7 @@ class Agent:
 
     def _on_signal(self, signum: int) -> None:
         self.events.emit("signal", signal=signal.Signals(signum).name)
+        self._stop_signal = signum
         for w in self.workers:
             if w.proc.poll() is None:
                 w.proc.send_signal(signum)

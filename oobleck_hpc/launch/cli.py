@@ -179,7 +179,7 @@ def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir
 
     from oobleck_hpc.config import load_job
     from oobleck_hpc.records.events import EventLog
-    from oobleck_hpc.launch.local import Console, launch_local
+    from oobleck_hpc.launch.local import Console, LocalRun
     from oobleck_hpc.launch.requeue import run_with_requeue
 
     metrics = Path(args.metrics or run_dir / "metrics.jsonl")
@@ -205,8 +205,10 @@ def _launch_with_requeue(args: argparse.Namespace, job, overrides: dict, run_dir
             with open(fd, "w") as f:
                 yaml.safe_dump(json.loads(json.dumps(this.to_dict())), f, sort_keys=False)
             job_path = Path(name)
-        return launch_local(this, job_path, metrics=metrics, run_dir=run_dir, console=console,
-                            on_nodes=on_nodes)
+        run = LocalRun(this, job_path, run_dir, metrics, console=console, on_nodes=on_nodes)
+        code = run.run()
+        attempt.stopped = run.stopped
+        return code
 
     from oobleck_hpc.launch.slurm import min_nodes
 

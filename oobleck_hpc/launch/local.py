@@ -1,6 +1,6 @@
 """The embedded local launcher (`launch: local`): pretend nodes as per-node agents on this machine.
 
-`launch_local(job)` starts one node agent per node of the job ("node0", "node1", ...: each
+`LocalRun(job, ...).run()` starts one node agent per node of the job ("node0", "node1", ...: each
 `python -m oobleck_hpc.control.agent` in its own session, owning its `gpus_per_node` workers
 `python -m oobleck_hpc.train`; launch/local_agents.py) and waits. Nothing is hosted here: the control
 plane runs between the agents and generation 0's rendezvous store is hosted by a worker of the
@@ -20,7 +20,8 @@ first node (later ones by a survivor), so the launcher is no single point of fai
   way; else 2 if any node reported bad input; else 75 if any node asked for a requeue
   (checkpoint fallback, no quorum, a stop signal); else 3. An agent's own exit code says how
   its node ended (oobleck_hpc/control/agent.py). On 2 the bad input's error is printed.
-- Ctrl-C / SIGTERM: forwarded to every agent (which forward them to their workers), then as above.
+- Ctrl-C / SIGTERM: forwarded to every agent (which forward them to their workers), then as
+  above; `stopped` says so, and the requeue loop does not start the job again (launch/requeue.py).
 - RUN_DIR/agents.json names each node's agent pid (its process group): what kill-node uses.
 - Growing (`oobleck-hpc grow RUN_DIR --nodes k` from another shell, `grow()`): a request file in
   RUN_DIR/grow/ that the launcher answers by starting k more agents (`LocalAgents.add`: new
@@ -111,6 +112,11 @@ class LocalRun:
     _signalled: float = 0.0
     _ignored: set[tuple] = field(default_factory=set)
     """Grow requests of other users already reported (runs.ForeignFile.key)."""
+
+    @property
+    def stopped(self) -> bool:
+        """A stop signal reached this launcher (and was passed on to the agents)."""
+        return bool(self._signalled)
 
     def _stopping_since(self, seconds: float) -> bool:
         """A stop signal was forwarded more than `seconds` ago (workers save at their next step
@@ -321,13 +327,3 @@ def kill_node(run_dir: str | Path, node: str, sig: int = signal.SIGKILL) -> floa
     from oobleck_hpc.operate.kill import kill_node as send
 
     return send(run_dir, node, sig)
-
-
-def launch_local(job: JobConfig, job_path: str | Path, metrics: str | Path | None = None,
-                 run_dir: str | Path | None = None, console: Console | None = None,
-                 on_nodes: list[str] | None = None) -> int:
-    """Run the job on this machine (`on_nodes`: its agents on these nodes of the Slurm
-    allocation it runs in); returns the exit code (see module docstring)."""
-    run = LocalRun(job, Path(job_path), Path(run_dir or job.resolved_run_dir),
-                   Path(metrics) if metrics else None, console=console, on_nodes=on_nodes)
-    return run.run()

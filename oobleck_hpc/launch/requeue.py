@@ -16,7 +16,9 @@ it. On one machine `oobleck-hpc run` plays that role with `run_with_requeue`:
   when it knew them (the guarantee was exceeded because nodes died); the next attempt starts on
   that many nodes -- "the nodes it has" -- and otherwise on as many as before. It plans for them
   and resumes from the latest checkpoint (checkpoint/resume.py), so the restart is as on Slurm;
-- any other code ends the loop (0 done, 2 bad input, 3 unrecoverable: never requeued);
+- any other code ends the loop (0 done, 2 bad input, 3 unrecoverable: never requeued), and so
+  does a 75 after a stop signal reached the launcher itself (Ctrl-C, `kill PID`: whoever sent it
+  asked the job to stop, not to start again; running it again resumes from its checkpoint);
 - after `max_requeues` requeues the loop gives up and returns 75 (the watchdog, if one watches,
   may still restart the job from its checkpoint).
 
@@ -50,6 +52,8 @@ class Attempt:
     nodes: int
     """Nodes to start this attempt on."""
     code: int | None = None
+    stopped: bool = False
+    """A stop signal reached the launcher during the attempt (module docstring)."""
     seconds: float = 0.0
     reason: str = ""
 
@@ -83,6 +87,10 @@ def run_with_requeue(launch: Callable[[Attempt], int], *, nodes: int, run_dir: s
             finally:
                 attempt.seconds = time.monotonic() - t0
             if attempt.code != EXIT_REQUEUE:
+                return attempt.code, attempts
+            if attempt.stopped:
+                logger.warning("stopped by a signal: not requeued; run the job again to resume "
+                               "from its latest checkpoint")
                 return attempt.code, attempts
             if (run_dir / "logs").is_dir():  # the next attempt's agents start new logs
                 kept = run_dir / f"logs-attempt{index}"

@@ -114,7 +114,7 @@ WORKER_REPORT = _declare("worker_report", "A worker reported an error to its age
 WORKER_EXITED = _declare("worker_exited", "A worker process exited (its agent's view).",
                          {"local_rank": int, "code": int},
                          {"drained": bool, "reason": str, "leaving": bool, "done": bool,
-                          "pid": int})
+                          "pid": int, "stopped": bool})
 WORKER_RESTARTING = _declare("worker_restarting",
                              "A worker crashed: its node steps out, its workers restart.",
                              {"local_rank": int, "code": int, "detail": str, "crashes": int,

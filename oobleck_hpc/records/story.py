@@ -237,7 +237,7 @@ class Story:
                 + (f" ({e['rounds']} rounds)" if e.get("rounds", 1) > 1 else ""))
 
     def _worker_exited(self, e: dict) -> str:
-        if e.get("done") is None or e.get("code") == e.get("done"):
+        if e.get("done") is None or e.get("code") == e.get("done") or e.get("stopped"):
             return ""
         code = e.get("code")
         how = f"code {code}"

@@ -273,7 +273,7 @@ def test_an_optional_package_is_imported_by_its_one_module_only():
 
 
 STARTS_A_PROCESS = ("subprocess", "multiprocessing", "os.fork", "WorkerPool", "as_nobody",
-                    "launch_local", "oobleck_hpc.testing.harness")
+                    "LocalRun", "oobleck_hpc.testing.harness")
 """What starts another process in this suite: the names a test of tests/unit/ may not use."""
 
 
