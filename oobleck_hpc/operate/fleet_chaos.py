@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from oobleck_hpc.config import FaultConfig
+from oobleck_hpc.files import write_json
 from oobleck_hpc.operate.chaos import KINDS, check_steps, draw_trial, max_rel_diff, trial_job
 from oobleck_hpc.operate.cleanup import kill_fleet
 from oobleck_hpc.records import events as ev
@@ -177,6 +178,13 @@ def summarize(trials: list[FleetTrial], fs: dict[str, int]) -> dict[str, Any]:
             "recovery_s_max": max(kills, default=None)}
 
 
+def _result(trials: list[FleetTrial], fs: dict[str, int], counts: dict[str, int],
+            done: bool) -> dict[str, Any]:
+    """The campaign's result so far (`done`: every trial ran)."""
+    return {"trials": [t.to_dict() for t in trials], "summary": summarize(trials, fs),
+            "first_allocation": counts, "complete": done}
+
+
 def run(args: argparse.Namespace) -> int:
     from oobleck_hpc.config import load_job
     from oobleck_hpc.engine import reference_run
@@ -228,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
                       data, jobs, references, total, every, campaign, args.trial_timeout,
                       args.tol)
         trials.append(t)
+        write_json(campaign / "result.json",  # after every trial, whole (chaos.write_result)
+                   _result(trials, fs, counts, done=i + 1 == args.trials))
         if not args.json:
             drawn = "; ".join(f"{j}: " + ", ".join(f"{x.kind} node{x.node}@{x.step}/{x.phase}"
                                                   for x in fs_) for j, fs_ in t.faults.items()
@@ -235,9 +245,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"trial {i}: {drawn}; manager killed at {t.kill_at_s} s "
                   f"{'(took over)' if t.killed else '(had ended)'} -> {t.outcome} "
                   f"({t.moves} moves, {t.requeues} requeues, {t.wall_s:.1f} s)", flush=True)
-    result = {"trials": [t.to_dict() for t in trials], "summary": summarize(trials, fs),
-              "first_allocation": counts}
-    (campaign / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = _result(trials, fs, counts, done=True)
+    write_json(campaign / "result.json", result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
