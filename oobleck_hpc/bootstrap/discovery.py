@@ -172,6 +172,12 @@ def wait_for_discovery(run_dir: str | Path, job_id: str, restart_count: int,
                       "step run?)")
 
 
+DISCOVERY_LOCK = "OOBLECK_DISCOVERY_LOCK"
+"""The environment variable naming a file that the jobs of one allocation lock around their
+discovery steps (a Slurm fleet sets it, launch/fleet_job.py; launch/slurm_steps.py locks it):
+one such step at a time. Measured on the local cluster: of two discovery steps of one
+allocation started 0.15 s apart, the second's PMIx plugin took the first's node list for its
+own and its fence waited forever."""
 ATTEMPT_S = 60.0
 """How long one attempt of the discovery step may take (it is over in ~2 s; `run_discovery_step`
 says why it can hang)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from oobleck_hpc.launch.slurm_steps import DISCOVERY_LOCK
+from oobleck_hpc.bootstrap.discovery import DISCOVERY_LOCK
 from oobleck_hpc.records.events import read_events
 from oobleck_hpc.records.story import Tail
 

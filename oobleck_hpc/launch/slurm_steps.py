@@ -37,11 +37,6 @@ from typing import Any, Iterator
 from oobleck_hpc.files import write_json
 
 STEPS_FILE = "steps.json"
-DISCOVERY_LOCK = "OOBLECK_DISCOVERY_LOCK"
-"""A file that the jobs of one allocation lock around their discovery steps (the fleet sets it,
-launch/fleet_job.py): one such step at a time. Measured on the local cluster: of two discovery
-steps of one allocation started 0.15 s apart, the second's PMIx plugin took the first's node
-list for its own and its fence waited forever."""
 
 
 @dataclass
@@ -58,8 +53,8 @@ class SlurmSteps:
     def start(cls, run_dir: Path, nodes: list[str], job: Any, job_path: Path,
               env: dict[str, str]) -> SlurmSteps:
         """The discovery step on `nodes`, then each node's agent step (module docstring)."""
-        from oobleck_hpc.bootstrap.discovery import (DISCOVERY_FILE, run_discovery_step,
-                                                     wait_for_discovery)
+        from oobleck_hpc.bootstrap.discovery import (DISCOVERY_FILE, DISCOVERY_LOCK,
+                                                     run_discovery_step, wait_for_discovery)
         from oobleck_hpc.bootstrap.environment import detect
         from oobleck_hpc.launch.slurm import agent_argv
 
