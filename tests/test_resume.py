@@ -309,7 +309,7 @@ def test_a_stop_signal_to_the_launcher_while_workers_start_stops_the_job_without
     events = read_jsonl(run_dir / "events.jsonl")
     kinds = [e["kind"] for e in events]
     assert "requeued" not in kinds and "not requeued" in err, text
-    assert not {"worker_failed", "fenced", "node_lost"} & set(kinds), kinds
+    assert not {"worker_failed", "fenced", "failure_detected"} & set(kinds), kinds
     stopped = [e for e in events if e["kind"] == "worker_exited" and e.get("stopped")]
     assert {e["source"] for e in stopped} == {f"node{i}" for i in range(4)}, events
     assert not (run_dir / "metrics.jsonl").exists() or \
@@ -432,6 +432,7 @@ def test_requeue_loop_is_bounded_follows_the_alive_nodes_and_keeps_metrics(tmp_p
     for bad_input in (0, 2, 3):
         code, attempts = run_with_requeue(lambda a, c=bad_input: c, nodes=2, run_dir=tmp_path)
         assert code == bad_input and len(attempts) == 1  # never requeued
+
     def stopped(attempt):
         attempt.stopped = True  # a stop signal reached the launcher: not started again
         return EXIT_REQUEUE

@@ -214,7 +214,7 @@ def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mp
                                       "true"], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) for n in nodes}
         bad = [n for n, p in tries.items() if _wait(p, 60) != 0]
-        late = "ran past %.0f s" % attempt_s if rc is None else f"exited {rc}"
+        late = f"ran past {attempt_s:g} s" if rc is None else f"exited {rc}"
         logger.warning("discovery: attempt %d on %s %s; nodes that cannot run a step: %s",
                        attempt + 1, nodes, late, bad or "none")
         if not bad and rc is not None:

@@ -45,10 +45,11 @@ srun step per node). It
    SIGTERM, SIGINT and SIGUSR2 (Slurm's pre-timeout signal) are forwarded to the workers; what
    they do then decides the exit as above, except that a worker killed by the signal passed on
    (one still starting, before its handler is in place) was stopped, not crashed: it counts as
-   a worker done with 75 (the node leaves for a requeue; nothing to save before it trained). SIGUSR1 is a notice to this node alone (a site's
-   signal to one node's step before its maintenance or preemption): a forced drain of the node
-   (control/drain.py) -- it leaves at the next step boundary if the others can absorb it, else
-   the job stops there with a checkpoint and is requeued without it.
+   a worker done with 75 (the node leaves for a requeue; nothing to save before it trained).
+   SIGUSR1 is a notice to this node alone (a site's signal to one node's step before its
+   maintenance or preemption): a forced drain of the node (control/drain.py) -- it leaves at
+   the next step boundary if the others can absorb it, else the job stops there with a
+   checkpoint and is requeued without it.
 
 The workers' processes -- their environment, the threads that watch them, killing them -- are
 control/workers.py's; this module decides what their messages and exits mean. The run's secret,

@@ -245,8 +245,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"trial {i}: {drawn}; manager killed at {t.kill_at_s} s "
                   f"{'(took over)' if t.killed else '(had ended)'} -> {t.outcome} "
                   f"({t.moves} moves, {t.requeues} requeues, {t.wall_s:.1f} s)", flush=True)
-    result = _result(trials, fs, counts, done=True)
-    write_json(campaign / "result.json", result)
+    result = _result(trials, fs, counts, done=True)  # (as written after the last trial)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
