@@ -133,7 +133,7 @@ def _discovery_with(tmp_path, monkeypatch, *, hangs=0, rc=0, bad="", min_nodes=1
                  "BAD": bad}.items():
         monkeypatch.setenv(k, v)
     nodes = run_discovery_step(tmp_path, ["n1", "n2", "n3"], python=sys.executable, mpi="pmix",
-                               log=tmp_path / "log", min_nodes=min_nodes, attempt_s=0.5)
+                               log=tmp_path / "log", min_nodes=min_nodes, attempt_s=0.3)
     return nodes, [line for line in calls.read_text().splitlines() if "discover" in line]
 
 

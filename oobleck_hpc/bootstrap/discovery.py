@@ -178,9 +178,11 @@ discovery steps (a Slurm fleet sets it, launch/fleet_job.py; launch/slurm_steps.
 one such step at a time. Measured on the local cluster: of two discovery steps of one
 allocation started 0.15 s apart, the second's PMIx plugin took the first's node list for its
 own and its fence waited forever."""
-ATTEMPT_S = 60.0
-"""How long one attempt of the discovery step may take (it is over in ~2 s; `run_discovery_step`
-says why it can hang)."""
+ATTEMPT_S = 75.0
+"""How long the first attempt of the discovery step may take; each next one twice as long as the
+one before (75, 150, 300 s: a launch on many nodes that needs up to the 300 s a single attempt
+once had still succeeds). It is over in ~2 s on the local cluster; `run_discovery_step` says
+why it can hang."""
 
 
 class TooFewNodes(RuntimeError):
@@ -194,11 +196,11 @@ def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mp
     `nodes`; returns the nodes it ran on. When it fails, each node is tried alone with a trivial
     step (`srun -w NODE true`) and the ones that fail are left out of the next attempt: measured
     after a requeue, a node that was frozen and thawed can refuse the job's steps ("Job credential
-    revoked") while its slurmd answers the controller. An attempt that runs past `attempt_s` is
-    cancelled and tried again on the nodes that each run a step alone: measured on the local
-    cluster, a step's PMIx fence can wait forever for a contribution that never comes
-    (slurmd: "COLL_FENCE_RING ... wait contrib"), where the same step a moment later is over
-    in ~2 s. Raises TooFewNodes when fewer than `min_nodes` remain, RuntimeError when the step
+    revoked") while its slurmd answers the controller. An attempt that runs past its bound
+    (`attempt_s`, doubled at each attempt: ATTEMPT_S) is cancelled and tried again on the nodes
+    that each run a step alone: measured on the local cluster, a step's PMIx fence can wait
+    forever for a contribution that never comes (slurmd: "COLL_FENCE_RING ... wait contrib"),
+    where the same step a moment later is over in ~2 s. Raises TooFewNodes when fewer than `min_nodes` remain, RuntimeError when the step
     fails (not by running late) on nodes that each run alone, or after `attempts` attempts.
     `members`: see `discover`."""
     nodes = list(nodes)
@@ -207,14 +209,15 @@ def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mp
                 "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
                 f"--output={log}", python, "-m", "oobleck_hpc.bootstrap", "discover",
                 "--run-dir", str(run_dir), "--members", str(members)]
-        rc = _cancel_late(subprocess.Popen(argv, stdin=subprocess.DEVNULL), attempt_s)
+        bound = attempt_s * 2 ** attempt
+        rc = _cancel_late(subprocess.Popen(argv, stdin=subprocess.DEVNULL), bound)
         if rc == 0:
             return nodes
         tries = {n: subprocess.Popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={n}",
                                       "true"], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) for n in nodes}
         bad = [n for n, p in tries.items() if _wait(p, 60) != 0]
-        late = f"ran past {attempt_s:g} s" if rc is None else f"exited {rc}"
+        late = f"ran past {bound:g} s" if rc is None else f"exited {rc}"
         logger.warning("discovery: attempt %d on %s %s; nodes that cannot run a step: %s",
                        attempt + 1, nodes, late, bad or "none")
         if not bad and rc is not None:
