@@ -200,8 +200,9 @@ def run_discovery_step(run_dir: str | Path, nodes: list[str], *, python: str, mp
     (`attempt_s`, doubled at each attempt: ATTEMPT_S) is cancelled and tried again on the nodes
     that each run a step alone: measured on the local cluster, a step's PMIx fence can wait
     forever for a contribution that never comes (slurmd: "COLL_FENCE_RING ... wait contrib"),
-    where the same step a moment later is over in ~2 s. Raises TooFewNodes when fewer than `min_nodes` remain, RuntimeError when the step
-    fails (not by running late) on nodes that each run alone, or after `attempts` attempts.
+    where the same step a moment later is over in ~2 s. Raises TooFewNodes when fewer than
+    `min_nodes` remain, RuntimeError when the step fails (not by running late) on nodes that each
+    run alone, or after `attempts` attempts.
     `members`: see `discover`."""
     nodes = list(nodes)
     for attempt in range(attempts):
