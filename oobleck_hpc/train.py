@@ -197,11 +197,11 @@ def train(w: Worker, ckpt: Resume) -> Ending:
     while d.engine.state.step < job.train.steps:
         try:
             results = driver.step(ckpt.ballot(d.engine))
-        except Drained:
+        except Drained as e:
             # This node leaves on notice at a step boundary (control/drain.py): its in-flight
             # checkpoint shards first, then the agent lets it go.
             ckpt.finish()
-            w.client.leave(drained=True)
+            w.client.leave(drained=True, bye=e.bye)
             return Ending(EXIT_OK, tell_agent=False)
         progress.record(results, d.plan.digest(), d.gen, active=d.rank == 0)
         if d.stop_for is not None:  # a forced drain the survivors cannot absorb

@@ -79,12 +79,12 @@ from oobleck_hpc.control.agent_options import AgentOptions, parse_args  # (re-ex
 from oobleck_hpc.diagnostics import configure
 from oobleck_hpc.control.auth import run_secret
 from oobleck_hpc.control.plane import ControlPlane
-from oobleck_hpc.control.drain import POLL_S, SHARED_POLL_S, DrainWatch
+from oobleck_hpc.control.drain import NodeDrain
 from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.control.faults import DutyCycle
 from oobleck_hpc.control.membership import Decision
-from oobleck_hpc.control.workers import (START_NICE, Inbox, Worker, describe_exit, kill_workers,
-                                         process_state, set_priority, start_worker, tell,
+from oobleck_hpc.control.workers import (START_NICE, Inbox, Worker, describe_exit, kill_stopped,
+                                         kill_workers, set_priority, start_worker, tell,
                                          worker_env)
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
@@ -128,6 +128,7 @@ class Agent:
         """Crashes of each local rank's worker (MAX_WORKER_CRASHES)."""
         self._stop_signal: int | None = None
         """The stop signal this agent passed on to its workers, once it did."""
+        self.drain = NodeDrain(self.cp, self.events, self.inbox.put, opts.lease_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -144,14 +145,7 @@ class Agent:
             self._tell_membership(self.cp.decided)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward_signal)
-        watch = DrainWatch(self.opts.run_dir, self.opts.node,
-                           lambda force, by: self.inbox.put(("drain", force, by)),
-                           slurm_poll_s=self.opts.drain_poll_s,
-                           file_poll_s=SHARED_POLL_S if os.environ.get("SLURM_JOB_ID")
-                           else POLL_S,
-                           on_ignored=lambda path, why: self.events.emit(
-                               "request_ignored", request="drain", path=str(path),
-                               reason=why)).start()
+        watch = self.drain.watch(self.opts.run_dir, self.opts.node, self.opts.drain_poll_s)
         try:
             return self._loop()
         finally:
@@ -183,6 +177,11 @@ class Agent:
             elif what == "drain":
                 self.events.emit("drain_requested", node=self.opts.node, force=a, by=b)
                 self._broadcast({"type": "drain", "force": a})
+            elif what == "drain_late":  # (NodeDrain.left)
+                self.drain.late()
+                code = self._drained_exit()
+                if code is not None:
+                    return code
             elif what == "note":
                 code = self._on_note(a, b)
                 if code is not None:
@@ -243,13 +242,8 @@ class Agent:
                 self.events.emit("node_slowed", node=self.opts.node, factor=msg["factor"])
                 self._slow = DutyCycle(lambda: [x.proc.pid for x in self.workers
                                                 if x.proc.poll() is None], msg["factor"]).start()
-        elif kind == "leave" and msg.get("drained"):
-            w.done_code, w.drained = EXIT_OK, True
-            if all(x.drained for x in self.workers):  # BYE now: the peers reconfigure at once
-                self.cp.leave("early", EXIT_OK, "drained")
-                self.events.emit("node_drained", node=self.opts.node)
-        elif kind == "leave":
-            w.done_code, w.leaving = EXIT_OK, True
+        elif kind in ("leave", "drain_out"):
+            self._on_leave(w, msg)
         elif kind == "exchange":
             gen, key = msg["gen"], msg["key"]
             if gen != self.cp.decided.gen or self.cp.core.proposal is not None or self.cp.fenced:
@@ -265,16 +259,27 @@ class Agent:
                 # (its reader threads do not wait for this loop).
                 self.cp.exchange(key, {str(lr): v for lr, v in parts.items()}, gen)
 
+    def _on_leave(self, w: Worker, msg: dict[str, Any]) -> None:
+        """`w` leaves the job early (LEAVE: drained, or not), or tells of nodes that a commit
+        vote drained (DRAIN_OUT: suspected at once, membership.py 4e)."""
+        if msg["type"] == "drain_out":
+            self.drain.out_of_vote(msg.get("nodes"))
+        elif not msg.get("drained"):
+            w.done_code, w.leaving = EXIT_OK, True
+        else:
+            w.done_code, w.drained = EXIT_OK, True
+            if all(x.drained for x in self.workers):
+                self.drain.left(bye=msg.get("bye") is not False)
+                self.events.emit("node_drained", node=self.opts.node)
+
     def _on_worker_exit(self, w: Worker, code: int) -> int | None:
         w.exit_code = code
         if w.drained:
             self.events.emit("worker_exited", local_rank=w.local_rank, code=code, drained=True)
-            if all(x.exit_code is not None for x in self.workers):
-                self.events.emit("agent_exit", code=EXIT_OK, reason="drained", how="early")
-                return EXIT_OK
-            return None
+            return self._drained_exit()
         if self.cp.fenced:
-            return None  # already going down
+            # already going down -- or out after a drain (4e), its other workers gone now
+            return self._drained_exit() if self.cp.core.draining else None
         if w.done_code is None and code == EXIT_BAD_INPUT:  # exit 2 is bad input, "done" or not
             w.done_code = EXIT_BAD_INPUT
             w.reason = (f"worker {w.local_rank} (pid {w.proc.pid}) exited with code 2 (bad "
@@ -348,18 +353,12 @@ class Agent:
                          crashes=crashes, restarts=MAX_WORKER_CRASHES - 1, after_gen=gen,
                          pid=self.workers[w.local_rank].proc.pid)
 
-    def _kill_stopped_workers(self, by: str) -> None:
-        """A peer that waits on this node pinged its agent (a stall probe, control/stall_probe.py),
-        which answers. A worker of this node that is stopped (SIGSTOP, a debugger's stop) would
-        hold the job until its collective timeout, then every retry round: it is killed, and its
-        exit is a crash like any other (the node steps out and rejoins: `_on_worker_exit`)."""
-        if self._slow is not None:
-            return  # (the slow fault stops and continues them on purpose)
-        for w in self.workers:
-            if w.exit_code is None and process_state(w.proc.pid) in ("T", "t"):
-                self.events.emit("worker_stopped", local_rank=w.local_rank, pid=w.proc.pid,
-                                 pinged_by=by)
-                w.proc.kill()
+    def _drained_exit(self) -> int | None:
+        """A drained node exits 0 once it is out (control/drain.py, `NodeDrain.out`)."""
+        if not self.drain.out(self.workers):
+            return None
+        self.events.emit("agent_exit", code=EXIT_OK, reason="drained", how="early")
+        return EXIT_OK
 
     def _stop_siblings(self, w: Worker) -> None:
         """`w` stopped for a requeue (its checkpoint fallback, which each rank decides from its
@@ -401,7 +400,8 @@ class Agent:
 
     def _on_note(self, kind: str, fields: dict[str, Any]) -> int | None:
         if kind == "pinged":
-            self._kill_stopped_workers(fields["node"])
+            if self._slow is None:  # (the slow fault stops and continues them on purpose)
+                kill_stopped(self.workers, self.events, fields["node"])
         elif kind == "decided":
             self._exchange_parts.clear()
             self._tell_membership(Decision.from_msg(fields))
@@ -426,6 +426,10 @@ class Agent:
             self._exchange_parts.pop((fields["gen"], fields["key"]), None)
             self._broadcast({"type": "exchange_failed", "gen": fields["gen"], "key": fields["key"],
                              "reason": fields["reason"]})
+        elif kind == "drained_out":  # (membership.py, 4e)
+            self.events.emit("drained_out", node=self.opts.node, gen=fields["gen"],
+                             how=fields["how"])
+            return self._drained_exit()
         elif kind == "fenced":
             code = int(fields["code"])
             self._broadcast({"type": "fenced", "reason": fields["reason"], "exit_code": code})

@@ -52,10 +52,14 @@ Worker -> agent:
         75 checkpoint fallback / requeue, 2 bad input (`reason`: the error, shown on the
         launcher's console; the agent stops the whole job with 2). An exit WITHOUT a preceding
         "done" or "leave" is a crash -- except exit code 2, which always means bad input.
-    {"type": "leave", drained}
+    {"type": "leave", drained, bye}
         this worker leaves the job early, on purpose, while the others go on (it then exits 0):
         its node leaves and the other nodes recover without it, as from any loss. `drained`:
-        its node's drain was accepted (the agent waits for all its workers, then BYE, exit 0).
+        its node's drain was accepted (the agent waits for all its workers, then BYE, exit 0;
+        without `bye`, it waits instead for the round the survivors open: membership.py, 4e).
+    {"type": "drain_out", nodes}
+        a commit vote decided that `nodes` leave after its step (recovery/planned.py): the
+        agent suspects them at once (membership.py, 4e).
 
 A crashed worker (exit without "done", or killed by a signal) once the job trains makes its node
 step out (control/agent.py): the others go on without it, and the node's workers are restarted
@@ -222,12 +226,17 @@ class AgentClient:
         fault, control/faults.py)."""
         self._send({"type": "slow", "factor": factor})
 
-    def leave(self, drained: bool = False) -> None:
+    def leave(self, drained: bool = False, bye: bool = True) -> None:
         """Announce that this worker leaves the job early and on purpose (call right before
         exiting 0): its node is then lost to the others, who recover without it. Not for the
         job's end: that is `done(0)`. `drained`: its node's drain was accepted at a step
-        boundary (control/drain.py); the agent lets the node go once all its workers said so."""
-        self._send({"type": "leave", "drained": drained})
+        boundary (control/drain.py); the agent lets the node go once all its workers said so,
+        with a BYE or (`bye` False) once the survivors decided without it."""
+        self._send({"type": "leave", "drained": drained, "bye": bye})
+
+    def drain_out(self, nodes: Sequence[str]) -> None:
+        """The commit vote this rank just completed drained `nodes` (membership.py, 4e)."""
+        self._send({"type": "drain_out", "nodes": list(nodes)})
 
     def exchange(self, key: str, value: Any, timeout: float, gen: int | None = None,
                  on_sent: Callable[[], None] | None = None) -> dict[str, list[Any]]:

@@ -11,7 +11,7 @@ from typing import Any, Literal, Sequence
 from oobleck_hpc.errors import EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 Quorum = Literal["majority", "none"]
-LeaveKind = Literal["finished", "early", "abort"]
+LeaveKind = Literal["finished", "early", "abort", "drained"]
 
 
 class Fenced(OobleckError):

@@ -26,9 +26,13 @@ The path of a drain:
    the others keep the agents' quorum and still hold a full copy of every layer
    (`reconfigure`, the same call a loss makes), else a refusal that names what it would break.
 4. The leave. The leaving nodes' workers say "leave" (drained) and exit 0 right after the
-   commit; their agent sends BYE, so the other agents open a round at once (no lease, no
-   probe) and exit 0. The survivors run the usual recovery rounds (agree, replan, regroup,
-   transfer) from the step just committed: nothing is prepared, so nothing is replayed.
+   commit. The survivors' workers tell their agents at once, which open the round that removes
+   the leaving nodes with nothing sent before it (control/membership.py, 4e: no exchange, no
+   BYE); a leaving node's agent exits 0 once that round decided without it (`NodeDrain`). A
+   drain of the view's first node (the agents' coordinator) goes the old way: one exchange,
+   so that every member holds the vote's result, then its BYE opens the round. The survivors
+   run the usual recovery rounds (agree, replan, regroup, transfer) from the step just
+   committed: nothing is prepared, so nothing is replayed.
 5. A refused drain (the survivors could not hold every layer) is an event (`drain_refused`,
    with the reason) and the node stays. With `--force` the job instead stops at that step
    boundary with a checkpoint of it (every rank saves, exit 75, as on a stop signal): the
@@ -40,15 +44,22 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
+from oobleck_hpc.errors import EXIT_OK
 from oobleck_hpc.records import runs
 from oobleck_hpc.files import write_json
+
+if TYPE_CHECKING:
+    from oobleck_hpc.control.plane import ControlPlane
+    from oobleck_hpc.control.workers import Worker
+    from oobleck_hpc.records.events import EventLog
 
 DRAIN_DIR = "drain"
 POLL_S = 0.1
@@ -157,6 +168,58 @@ class DrainWatch:
                 if not self._told_slurm and slurm_draining(self.node):
                     self._told_slurm = True
                     self.on_request(False, "slurm (scontrol: state DRAIN)")
+
+
+class NodeDrain:
+    """A node agent's part in its drain (control/agent.py): it watches for the request (step 1:
+    `watch`, whose requests go to `post` as ("drain", force, by)) and lets the node go once all
+    its workers left (step 4: `left`) -- with a BYE, or, when the survivors open the round that
+    removes it (control/membership.py, 4e), once they decided without it; if they did not
+    within `lease_s` ("drain_late" posted: `late`), with a BYE after all."""
+
+    def __init__(self, cp: ControlPlane, events: EventLog, post: Callable[[tuple], None],
+                 lease_s: float):
+        self.cp, self.events, self.post, self.lease_s = cp, events, post, lease_s
+        self.deadline: threading.Timer | None = None
+        """Set once the node waits for the survivors' decision (4e)."""
+
+    def watch(self, run_dir: Path, node: str, slurm_poll_s: float) -> DrainWatch:
+        return DrainWatch(run_dir, node, lambda force, by: self.post(("drain", force, by)),
+                          slurm_poll_s=slurm_poll_s,
+                          file_poll_s=SHARED_POLL_S if os.environ.get("SLURM_JOB_ID") else POLL_S,
+                          on_ignored=lambda path, why: self.events.emit(
+                              "request_ignored", request="drain", path=str(path),
+                              reason=why)).start()
+
+    def out_of_vote(self, nodes: object) -> None:
+        """A worker says its commit vote drained `nodes` (4e): the survivors suspect them."""
+        if isinstance(nodes, list) and all(isinstance(n, str) for n in nodes):
+            self.cp.drain_out(nodes)
+
+    def left(self, bye: bool) -> None:
+        """Every worker of the node left on its drain (step 4)."""
+        if bye:  # BYE now: the peers reconfigure at once
+            self.cp.leave("early", EXIT_OK, "drained")
+            return
+        self.cp.leave("drained", EXIT_OK)  # the survivors' round removes it (4e)
+        self.deadline = threading.Timer(self.lease_s, self.post, [("drain_late", None, None)])
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def late(self) -> None:
+        if not self.cp.fenced:
+            self.cp.leave("early", EXIT_OK, "drained (no decision without it within lease_s)")
+
+    def out(self, workers: Sequence[Worker]) -> bool:
+        """Whether the drained node may exit 0 now: every worker exited and (4e) its peers
+        decided without it, or it said BYE (either way its control plane is done)."""
+        if any(w.exit_code is None for w in workers):
+            return False
+        if self.deadline is not None:
+            if not self.cp.fenced:
+                return False
+            self.deadline.cancel()
+        return True
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,22 @@ Message flow
    (Once it asked, a FENCE refuses its JOIN, as for any joiner. A stale FENCE that arrives after
    the JOIN, which follows the BYE by the seconds its new workers take to start, costs the node,
    not safety.)
+4e. Drained by the vote (`drain_out`, `leave("drained")`): a commit vote that carried a drain
+   request (control/drain.py) tells every rank alike which nodes L leave after that step
+   (recovery/planned.py). When the view's coordinator C stays, no node of L says BYE: the
+   survivors' agents suspect L at once (reason DRAINED), and the round that removes L opens
+   with nothing else sent first. That round's PROPOSE reaches each member after the vote's
+   values: C sent every member those values (step 8) before it could open or join any round,
+   on the same links, and a survivor's PROPOSE goes to C only. So no member hears of the round
+   before it holds the vote's result -- no vote fails, nothing is replayed -- which is why the
+   old path (a BYE, the "leave" exchange before it) stays only for a drain of C itself. A node
+   of L (`draining`: its workers said so, or a PROPOSE names it DRAINED) takes part in no round
+   any more: it waits for a decision that excludes it (DECIDED, a PROPOSE carrying one, a
+   FENCE) and then ends with exit 0 (`drained_out`), not fenced. Only once decided away: every
+   survivor proposed that round, so each read the vote's values first, and the connections
+   this node then closes can fail no vote. A round that still holds it (one that opened before
+   the drain's, for a failure) gets its BYE "early" instead: it is a loss there like any
+   other. Safety: L are only suspected, and suspicion is always safe (the argument below).
 5. Adoption: an agent still in round g that receives DECIDED(g, V) (or a PROPOSE for g + 1,
    which carries its sender's decision of g) from a node it does not suspect, with itself in V,
    decides V too. This is how every member but the coordinator decides; it also unblocks
@@ -181,8 +197,12 @@ from oobleck_hpc.control.decision import (Decision, Fenced, LeaveKind, Quorum, S
 from oobleck_hpc.control.exchange import Exchanges, ExchangeSteps
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE
 
-__all__ = ["Decision", "Fenced", "LeaveKind", "MembershipCore", "Quorum", "Superseded",
-           "has_quorum"]
+__all__ = ["DRAINED", "Decision", "Fenced", "LeaveKind", "MembershipCore", "Quorum",
+           "Superseded", "has_quorum"]
+
+DRAINED = "drained at a step boundary"
+"""Why the survivors suspect a node that a commit vote drained (4e): a PROPOSE whose reason for
+the receiver holds it tells the receiver to wait for its decision, not to fence itself."""
 
 @dataclass
 class MembershipCore(ExchangeSteps):
@@ -226,6 +246,9 @@ class MembershipCore(ExchangeSteps):
     """Why this node no longer takes part: it was fenced (a "fenced" note says so) or it left."""
     fence_code: int = field(init=False, default=EXIT_UNRECOVERABLE)
     """The exit code the fencing asks for (see `Fenced`): 3, 75 (requeue) or 2 (bad input)."""
+    draining: bool = field(init=False, default=False)
+    """This node leaves by a drain the commit vote decided (4e): it waits for a decision
+    without it, then ends with exit 0 (note "drained_out")."""
     outbox: list[tuple[str, dict[str, Any]]] = field(init=False, default_factory=list)
     notes: list[tuple[str, dict[str, Any]]] = field(init=False, default_factory=list)
 
@@ -318,8 +341,16 @@ class MembershipCore(ExchangeSteps):
         - "finished": its workers ended the job as every node does (the last step is done, or
           all stop for a requeue): peers stop expecting it; no round opens, nobody is fenced;
         - "early": it leaves while the others go on: peers treat it as lost (a round opens);
-        - "abort": it rejected the job's input (`code` 2): every peer stops with that code."""
+        - "abort": it rejected the job's input (`code` 2): every peer stops with that code;
+        - "drained": its workers left on a drain the commit vote decided, the view's coordinator
+          staying (4e): no BYE; it waits for the survivors' decision without it -- unless a
+          round open here still holds it (not the drain's, which it never joins): BYE "early"."""
         if self.fenced:
+            return
+        if how == "drained":
+            self.draining = True
+            if self.proposal is not None:
+                self._bye_drained("a round open here holds it")
             return
         # The end of the job (or its abort) concerns the spares too: they stop with it.
         told = self.decided.nodes if how == "early" else self.roster
@@ -349,6 +380,44 @@ class MembershipCore(ExchangeSteps):
         self.suspects.clear()
         self.joiners.clear()
         self.notes.append(("withdrawn", {"gen": self.decided.gen, "reason": reason}))
+
+    def drain_out(self, nodes: Sequence[str]) -> None:
+        """A commit vote decided that `nodes` leave after its step (4e; every rank computed
+        it alike, so every survivor may say so): suspect them all, in one proposal."""
+        if self.fenced or not self.joined:
+            return
+        self._absorbing = True
+        try:
+            for node in nodes:
+                if node != self.me:
+                    self.suspect(node, DRAINED)
+        finally:
+            self._absorbing = False
+        self._update_round()
+
+    def _drain_exclusion(self, src: str, kind: Any, msg: dict[str, Any]) -> bool:
+        """`msg` from member `src` excludes this node: True when that is its drain (4e) --
+        the drain's PROPOSE (its reason names DRAINED) makes it wait, a decision without it
+        ends it with exit 0 -- False when it is fenced as usual."""
+        if not self.draining:
+            reasons = msg.get("reasons") if kind == "propose" else None
+            if not isinstance(reasons, dict) or DRAINED not in str(reasons.get(self.me, "")):
+                return False
+            self.draining = True
+            self.notes.append(("draining", {"gen": self.decided.gen, "by": src}))
+        decided = msg.get("decided") if kind == "propose" else msg
+        if kind == "fence" or kind == "decided" or (
+                isinstance(decided, dict) and self.me not in decided.get("nodes", (self.me,))):
+            self.fenced, self.fence_code, self.proposal = f"drained (told by {src})", EXIT_OK, None
+            self.notes.append(("drained_out", {"gen": self.decided.gen, "how": f"decided "
+                                               f"without it ({kind} from {src})"}))
+            self._fail_exchanges("this node drained")
+        return True
+
+    def _bye_drained(self, why: str) -> None:
+        """A node that drains (4e) leaves a round that still holds it as a loss (BYE "early")."""
+        self.leave("early", EXIT_OK, "drained")
+        self.notes.append(("drained_out", {"gen": self.decided.gen, "how": f"BYE ({why})"}))
 
     def request_join(self, how: str = "spare", to: Sequence[str] = ()) -> None:
         """This node, outside the view (a spare, a replacement), asks the members (`to`, by
@@ -440,12 +509,19 @@ class MembershipCore(ExchangeSteps):
         # (Views from before the generation that added this node naturally leave it out.)
         if ("view" in msg and self.me not in msg["view"] and msg["round"] > self._since) or \
                 ("nodes" in msg and self.me not in msg["nodes"] and msg["gen"] >= self._since):
-            self.fence(f"excluded by {src} (generation {msg.get('round', msg.get('gen'))})")
+            if not self._drain_exclusion(src, kind, msg):
+                self.fence(f"excluded by {src} (generation {msg.get('round', msg.get('gen'))})")
             return
         if "decided" in msg and self.me not in msg["decided"]["nodes"] \
                 and msg["decided"]["gen"] >= self._since:
-            self.fence(f"excluded by {src} (its decided generation {msg['decided']['gen']})")
+            if not self._drain_exclusion(src, kind, msg):
+                self.fence(f"excluded by {src} (its decided generation {msg['decided']['gen']})")
             return
+        if self.draining:  # (4e) a round or a decision that still holds this node
+            if kind == "propose":
+                self._bye_drained(f"{src}'s round {msg.get('round')} holds it")
+            if kind != "fence":
+                return
         if kind == "failed":
             self.suspect(src, f"{msg.get('how', 'failed')} (reported by {src})")
         elif kind == "bye":

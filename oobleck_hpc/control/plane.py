@@ -233,10 +233,12 @@ class ControlPlane:
     def leave(self, how: LeaveKind, code: int, reason: str = "") -> None:
         self._run(lambda: self.core.leave(how, code, reason))
 
+    def drain_out(self, nodes: list[str]) -> None:  # (membership.py, 4e)
+        self._run(lambda: self.core.drain_out(nodes))
+
     def withdraw(self, reason: str) -> None:
         """This node steps out while its agent lives (membership.py, 4d); it asks to join again
-        with `request_join` once its new workers are ready -- not before (a member would wait
-        for them in the round that adds it)."""
+        (`request_join`) once its new workers are ready, not before (a round would wait)."""
         with self._lock:
             self._join_how = None
             self._run(lambda: self.core.withdraw(reason))
@@ -281,15 +283,13 @@ class ControlPlane:
         threading.Thread(target=run, name="control-check", daemon=True).start()
 
     def probe(self, why: str, gen: int | None = None) -> None:
-        """Ping every member now; those not heard from within probe_s are suspected. If every
-        member answers, a retry round opens. `gen`: the generation the failure happened in; a
-        failure of an older generation is ignored (the newer generation already gave the
-        workers fresh groups). A probe is not started, and one running is dropped, while a
-        round is open: the round explains the error (it aborted the step everywhere: a join's
-        round makes every worker report one), and it waits for its members at most lease_s,
-        so a hung member is still found. Probing then would only suspect a healthy member
-        slower than probe_s to answer while the whole job reconfigures (seen: a member lost
-        in a grow's round on a loaded 2-core machine)."""
+        """Ping every member now; those not heard from within probe_s are suspected; if all
+        answer, a retry round opens. `gen`: the failure's generation (an older one is ignored:
+        the newer one gave the workers fresh groups). Not while a round is open (a running
+        probe is dropped): the round explains the error (a join's aborts every step) and waits
+        for its members at most lease_s, so a hung member is still found; a probe would only
+        suspect a healthy member slow to answer while the job reconfigures (seen: a member
+        lost in a grow's round on a loaded 2-core machine)."""
         with self._lock:
             if self.core.fenced:
                 return

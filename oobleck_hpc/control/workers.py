@@ -26,12 +26,15 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oobleck_hpc.control.agent_options import AgentOptions
 from oobleck_hpc.control.membership import Decision
 from oobleck_hpc.control.wire import ConnectionClosed, recv_msg, send_msg
 from oobleck_hpc.errors import OobleckError
+
+if TYPE_CHECKING:
+    from oobleck_hpc.records.events import EventLog
 
 START_NICE = -10
 """The CPU priority of a node whose workers start while the job trains (a node back after a
@@ -142,6 +145,17 @@ def process_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def kill_stopped(workers: list[Worker], events: EventLog, by: str) -> None:
+    """A peer that waits on this node pinged its agent (a stall probe, control/stall_probe.py),
+    which answers. A worker of this node that is stopped (SIGSTOP, a debugger's stop) would
+    hold the job until its collective timeout, then every retry round: it is killed, and its
+    exit is a crash like any other (the node steps out and rejoins: agent.py)."""
+    for w in workers:
+        if w.exit_code is None and process_state(w.proc.pid) in ("T", "t"):
+            events.emit("worker_stopped", local_rank=w.local_rank, pid=w.proc.pid, pinged_by=by)
+            w.proc.kill()
 
 
 def _watch_exit(w: Worker, inbox: Inbox) -> None:

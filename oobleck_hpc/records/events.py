@@ -129,6 +129,10 @@ DRAIN_REQUESTED = _declare("drain_requested", "A node was asked to leave (drain)
 NODE_SLOWED = _declare("node_slowed", "The slow fault slowed a node down.",
                        {"node": str, "factor": float})
 NODE_DRAINED = _declare("node_drained", "A drained node's workers left the job.", {"node": str})
+DRAINED_OUT = _declare("drained_out",
+                      "A node that a commit vote drained is out: its peers decided without it "
+                      "(or it said BYE to a round that still held it).",
+                      {"node": str, "gen": int, "how": str})
 FAILURE_DETECTED = _declare("failure_detected",
                             "An agent suspects a peer (lease, connection, probe).",
                             {"node": str, "how": str, "gen": int})

@@ -26,9 +26,14 @@ if TYPE_CHECKING:
 
 class Drained(OobleckError):
     """This node leaves at a step boundary, on purpose (`leave`: its drain was
-    accepted, or it was excluded as a straggler), with nothing lost (train.py exits 0)."""
+    accepted, or it was excluded as a straggler), with nothing lost (train.py exits 0).
+    `bye`: its agent says BYE (else the survivors' round removes it: membership.py, 4e)."""
 
     exit_code = EXIT_OK
+
+    def __init__(self, message: str, bye: bool = True):
+        super().__init__(message)
+        self.bye = bye
 
 
 def drain(s: DriverState, drains: dict[str, bool]) -> None:
@@ -66,15 +71,21 @@ def leave(s: DriverState, leaving: tuple[str, ...], why: str, plan: Plan) -> Non
     computed for the verdict (`planned`: the round's replan takes it as it is)."""
     step = s.engine.state.step
     s.planned = ((s.plan.digest(), tuple(n for n in s.plan.nodes if n in leaving)), plan)
-    try:
-        # Once this exchange completes, every member holds the vote's result: the leaving
-        # nodes' BYE can no longer overtake it and fail a peer's vote (it then settles the
-        # step in a recovery: rolled forward, a failed step in the record).
-        s.client.exchange(f"leave-{step}", [], timeout=s.agree_s, gen=s.gen)
-    except (Superseded, TimeoutError):
-        pass  # a round opened meanwhile: its reconcile settles what the vote left open
+    # The survivors open the round that removes them, right after the vote (membership.py,
+    # 4e) -- unless the view's coordinator leaves, whose values of the vote the others' round
+    # could overtake. Then the leaving nodes say BYE once every member holds the vote's result
+    # (this exchange): a BYE ahead of it would fail a peer's vote (settled in a recovery:
+    # rolled forward, a failed step in the record).
+    bye = s.view[0] in leaving
+    if bye:
+        try:
+            s.client.exchange(f"leave-{step}", [], timeout=s.agree_s, gen=s.gen)
+        except (Superseded, TimeoutError):
+            pass  # a round opened meanwhile: its reconcile settles what the vote left open
+    elif s.node not in leaving:
+        s.client.drain_out(leaving)
     if s.node in leaving:
-        raise Drained(f"node {s.node} {why} after step {step}")
+        raise Drained(f"node {s.node} {why} after step {step}", bye=bye)
     engine, s.engine = s.engine, None
     s.base, s.base_plan = engine, s.plan
     teardown(s)

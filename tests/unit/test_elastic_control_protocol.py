@@ -19,7 +19,11 @@ crashed node's last messages arrive). Checked on every run:
   a decided view never comes back into a later one, and every spare still running that asked
   to join is a member at the end, unless the job has all its nodes (then spares wait);
 - with withdrawals (a member whose worker crashed steps out, `withdraw`, and asks to join again
-  at a random later moment): the same, a withdrawn node being the only one that may come back.
+  at a random later moment): the same, a withdrawn node being the only one that may come back;
+- with drains (4e: a member other than its view's coordinator drains, `leave("drained")`, and
+  each member is told at its own random moment, `drain_out`; a node still waiting once the
+  network is quiet says BYE, as its agent does after lease_s): the drained nodes end outside
+  every running node's view, with exit 0 unless something else ended them first.
 """
 
 from __future__ import annotations
@@ -30,12 +34,12 @@ from collections import deque
 
 import pytest
 
-from oobleck_hpc.control.membership import Decision, MembershipCore
+from oobleck_hpc.control.membership import DRAINED, Decision, MembershipCore
 
 
 class SimNet:
     def __init__(self, n: int, seed: int, quorum: str = "majority", spares: int = 0,
-                 withdraws: bool = False):
+                 withdraws: bool = False, drains: bool = False):
         self.rng = random.Random(seed)
         self.names = tuple(f"n{i}" for i in range(n + spares))
         ports = itertools.count(1000)
@@ -51,6 +55,9 @@ class SimNet:
         self.asked: set[str] = set()  # spares that asked to join
         self.withdraws = withdraws
         self.withdrew: set[str] = set()  # members that stepped out (they may come back)
+        self.drains = drains
+        self.draining: set[str] = set()  # members drained by a commit vote (4e)
+        self.drain_told: set[tuple[str, str]] = set()  # (member, drained node) told
         self.links: dict[tuple[str, str], deque] = {(a, b): deque() for a in self.names for b in self.names if a != b}
         self.crashed: set[str] = set()
         self.detected: set[tuple[str, str]] = set()  # (observer, crashed) pairs already told
@@ -107,6 +114,9 @@ class SimNet:
                 if dead in watched and self.down(dead) and ((obs, dead) not in self.detected
                                                             or again):
                     options.append(("detect", obs, dead))
+            for d in self.draining:  # (every rank of the vote computes the drain: 4e)
+                if core.joined and d in core.decided.nodes and (obs, d) not in self.drain_told:
+                    options.append(("drain_out", obs, d))
         if chaos:
             alive = [m for m in self.names if not self.down(m)]
             options += [("crash", m, "") for m in alive] * 1
@@ -119,6 +129,9 @@ class SimNet:
             options += [("join", m, "") for m in alive if not self.cores[m].joined] * 2
             if self.withdraws:
                 options += [("withdraw", m, "") for m in alive if self.cores[m].joined]
+            if self.drains:  # (a drain of the coordinator itself says BYE: not this path)
+                options += [("drain", m, "") for m in alive if self.cores[m].joined
+                            and m != self.cores[m].decided.nodes[0] and m not in self.draining]
         if not options:
             return False
         kind, a, b = self.rng.choice(options)
@@ -152,6 +165,14 @@ class SimNet:
             self.drain(a)
         elif kind == "beat":
             self.links[(a, b)].append({"type": "heartbeat"})
+        elif kind == "drain":
+            self.draining.add(a)
+            self.cores[a].leave("drained", 0)
+            self.drain(a)
+        elif kind == "drain_out":
+            self.drain_told.add((a, b))
+            self.cores[a].drain_out([b])
+            self.drain(a)
         elif kind == "retry":
             self.cores[a].retry("a collective failed, every peer answered the probe")
             self.drain(a)
@@ -181,6 +202,12 @@ class SimNet:
         for _ in range(5):
             while self.step(chaos=False):
                 pass
+            late = [d for d in self.draining if not self.down(d)]
+            for d in late:  # no decision without it: its agent says BYE after lease_s (4e)
+                self.cores[d].leave("early", 0, "drained (late)")
+                self.drain(d)
+            while self.step(chaos=False):
+                pass
             members = [m for m in self.names if not self.down(m) and self.cores[m].joined]
             waiting = [s for s in self.asked if not self.down(s) and not self.cores[s].joined]
             if not members or not waiting or len(members) >= len(self.names) - len(self.spares):
@@ -191,8 +218,8 @@ class SimNet:
 
 
 def run(n: int, seed: int, chaos_steps: int, quorum: str = "majority", spares: int = 0,
-        withdraws: bool = False) -> SimNet:
-    net = SimNet(n, seed, quorum, spares, withdraws)
+        withdraws: bool = False, drains: bool = False) -> SimNet:
+    net = SimNet(n, seed, quorum, spares, withdraws, drains)
     for i in range(chaos_steps):
         net.step(chaos=net.rng.random() < 0.05)
     net.quiesce()
@@ -232,6 +259,97 @@ def test_random_schedules_with_nodes_withdrawing_and_rejoining_are_safe_and_live
         back += any(set(d.joined) & net.withdrew for ds in net.decisions.values()
                     for d in ds.values())
     assert back > 30, back  # the sweep must exercise rejoins
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 7])
+def test_random_schedules_with_nodes_drained_by_the_vote_are_safe_and_live(n):
+    quiet = 0
+    for seed in range(300):
+        net = run(n, seed, chaos_steps=40 * n, drains=True)
+        for d in net.draining - net.crashed:
+            assert net.down(d), f"seed {seed}: {d} drains and still runs"
+        quiet += sum(1 for d in net.draining
+                     if net.cores[d].fence_code == 0 and "drained (told" in net.cores[d].fenced)
+    assert quiet > 30, quiet  # the sweep must exercise drains decided away without a BYE
+
+
+def _vote(net: SimNet, key: str) -> None:
+    """A commit vote of every member of n0's view, delivered to the end."""
+    for m in net.cores["n0"].decided.nodes:
+        net.cores[m].exchange(key, 1)
+        net.drain(m)
+    while net.step(chaos=False):
+        pass
+
+
+def test_a_node_drained_by_the_vote_is_decided_away_without_a_bye_and_exits_0():
+    """4e: after the commit vote that drains n2, a survivor (n3) suspects it at once; its
+    PROPOSE goes to the coordinator n0 only, whose broadcast follows the vote's values on
+    every link. n2 says no BYE: it waits for the decision without it and ends with exit 0
+    (not fenced); nobody sends it a FENCE."""
+    net = SimNet(4, seed=3)
+    _vote(net, "commit-4")
+    net.cores["n2"].leave("drained", 0)
+    net.drain("n2")
+    assert not any(net.links[("n2", m)] for m in ("n0", "n1", "n3"))  # no BYE
+    net.cores["n3"].drain_out(["n2"])
+    assert [dst for dst, _ in net.cores["n3"].outbox] == ["n0"]
+    net.drain("n3")
+    net.cores["n0"].handle("n3", net.links[("n3", "n0")].popleft())
+    kinds = [(dst, msg["type"]) for dst, msg in net.cores["n0"].outbox]
+    assert ("n2", "propose") in kinds and ("n1", "propose") in kinds, kinds
+    net.drain("n0")
+    net.quiesce()
+    for m in ("n0", "n1", "n3"):
+        d = net.cores[m].decided
+        assert (d.gen, d.nodes, d.lost) == (1, ("n0", "n1", "n3"), ("n2",))
+        assert DRAINED in net.cores[m].suspects["n2"]
+    n2 = net.cores["n2"]
+    assert n2.fence_code == 0 and n2.fenced.startswith("drained (told by n0")
+    net.check_safety()
+
+
+def test_the_drains_round_may_reach_the_drained_node_before_its_workers_left():
+    """4e: n0's PROPOSE without n2 (reason DRAINED) arrives before n2's workers said they
+    left: n2 waits instead of fencing itself, and its decision ends it with exit 0; n2's
+    own `leave("drained")` afterwards changes nothing."""
+    net = SimNet(3, seed=4)
+    _vote(net, "commit-9")
+    notes: list = []
+    net.cores["n0"].drain_out(["n2"])
+    net.drain("n0")
+    propose = net.links[("n0", "n2")].popleft()
+    net.cores["n2"].handle("n0", propose)
+    notes += net.cores["n2"].notes
+    assert net.cores["n2"].draining and not net.cores["n2"].fenced
+    assert [k for k, _ in notes] == ["draining"]
+    net.drain("n2")
+    net.quiesce()
+    assert net.cores["n2"].fence_code == 0 and "drained" in net.cores["n2"].fenced
+    net.cores["n2"].leave("drained", 0)
+    assert net.cores["n2"].outbox == []
+    assert net.cores["n0"].decided.nodes == net.cores["n1"].decided.nodes == ("n0", "n1")
+
+
+def test_a_drained_node_still_held_by_a_round_says_bye_and_that_round_loses_it():
+    """4e: n3 crashed and n0's round for it, which still holds n2, reaches n2 after its
+    drain (before any survivor said so): n2 says BYE "early" -- a loss for that round -- and
+    ends with exit 0. The survivors decide without both."""
+    net = SimNet(5, seed=6)
+    net.cores["n2"].leave("drained", 0)
+    net.drain("n2")
+    net.crashed.add("n3")
+    net.cores["n0"].suspect("n3", "connection_lost")
+    net.drain("n0")
+    net.cores["n2"].handle("n0", net.links[("n0", "n2")].popleft())
+    assert [k for k, _ in net.cores["n2"].notes] == ["drained_out"]
+    assert net.cores["n2"].fence_code == 0 and "early" in net.cores["n2"].fenced
+    assert all(msg["type"] == "bye" for dst, msg in net.cores["n2"].outbox)
+    net.drain("n2")
+    net.quiesce()
+    for m in ("n0", "n1", "n4"):
+        assert net.cores[m].decided.nodes == ("n0", "n1", "n4")
+    net.check_safety()
 
 
 def test_a_node_that_withdraws_is_decided_away_at_once_and_rejoins_when_it_asks():
