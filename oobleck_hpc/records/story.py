@@ -192,7 +192,7 @@ class Story:
 
     def _failure_detected(self, e: dict) -> str:
         how = str(e.get("how", "")).replace("_", " ")
-        if how.endswith("drained)"):
+        if "drained" in how:  # (a BYE "early ... drained", or membership.py 4e's DRAINED)
             return ""  # told by the drain's lines
         return f"fault seen: {e['node']} lost ({how}, seen by {e.get('source', '?')})"
 
