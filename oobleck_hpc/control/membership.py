@@ -300,8 +300,9 @@ class MembershipCore(ExchangeSteps):
 
     def suspect(self, node: str, how: str, relayed: bool = False) -> None:
         """Local detection: `node` failed, as seen by `how` (e.g. 'connection_lost');
-        `relayed`: learned from a peer's proposal (a spare that a round adds takes it too)."""
-        if self.fenced:
+        `relayed`: learned from a peer's proposal (a spare that a round adds takes it too).
+        A node that drains (4e) suspects nobody: it takes part in no round any more."""
+        if self.fenced or self.draining:
             return
         if node == self.me:
             self.fence(f"own node failed: {how}")
