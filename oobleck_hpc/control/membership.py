@@ -406,9 +406,8 @@ class MembershipCore(ExchangeSteps):
                 return False
             self.draining = True
             self.notes.append(("draining", {"gen": self.decided.gen, "by": src}))
-        decided = msg.get("decided") if kind == "propose" else msg
-        if kind == "fence" or kind == "decided" or (
-                isinstance(decided, dict) and self.me not in decided.get("nodes", (self.me,))):
+        if kind in ("fence", "decided") or (
+                kind == "propose" and self.me not in msg["decided"]["nodes"]):
             self.fenced, self.fence_code, self.proposal = f"drained (told by {src})", EXIT_OK, None
             self.notes.append(("drained_out", {"gen": self.decided.gen, "how": f"decided "
                                                f"without it ({kind} from {src})"}))
