@@ -268,8 +268,7 @@ class Agent:
             w.done_code, w.leaving = EXIT_OK, True
         else:
             w.done_code, w.drained = EXIT_OK, True
-            if all(x.drained for x in self.workers):
-                self.drain.left(bye=msg.get("bye") is not False)
+            if self.drain.leaving(self.workers, bye=msg.get("bye") is not False):
                 self.events.emit("node_drained", node=self.opts.node)
 
     def _on_worker_exit(self, w: Worker, code: int) -> int | None:

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from oobleck_hpc.control.workers import set_priority
 from oobleck_hpc.errors import EXIT_OK
 from oobleck_hpc.records import runs
 from oobleck_hpc.files import write_json
@@ -170,6 +171,13 @@ class DrainWatch:
                     self.on_request(False, "slurm (scontrol: state DRAIN)")
 
 
+LEAVING_NICE = 19
+"""The CPU priority of a node that leaves on a drain decided by the vote (control/membership.py,
+4e) from its first worker's LEAVE on (`NodeDrain.leaving`): on a machine its nodes share (the
+local default), its workers' exit and its agent's wait for the decision take no CPU from the
+survivors, who reconfigure meanwhile. (Not on the coordinator's drain: its BYE opens the round.)"""
+
+
 class NodeDrain:
     """A node agent's part in its drain (control/agent.py): it watches for the request (step 1:
     `watch`, whose requests go to `post` as ("drain", force, by)) and lets the node go once all
@@ -182,6 +190,8 @@ class NodeDrain:
         self.cp, self.events, self.post, self.lease_s = cp, events, post, lease_s
         self.deadline: threading.Timer | None = None
         """Set once the node waits for the survivors' decision (4e)."""
+        self.yielded = False
+        """Whether its priority went down to LEAVING_NICE."""
 
     def watch(self, run_dir: Path, node: str, slurm_poll_s: float) -> DrainWatch:
         return DrainWatch(run_dir, node, lambda force, by: self.post(("drain", force, by)),
@@ -195,6 +205,17 @@ class NodeDrain:
         """A worker says its commit vote drained `nodes` (4e): the survivors suspect them."""
         if isinstance(nodes, list) and all(isinstance(n, str) for n in nodes):
             self.cp.drain_out(nodes)
+
+    def leaving(self, workers: list[Worker], bye: bool) -> bool:
+        """A worker left on its node's drain; True once all did: the node goes (`left`). One
+        that the survivors' round removes (4e) yields the CPU from its first worker on."""
+        if not bye and not self.yielded:
+            self.yielded = True
+            set_priority(LEAVING_NICE, workers)
+        if not all(w.drained for w in workers):
+            return False
+        self.left(bye)
+        return True
 
     def left(self, bye: bool) -> None:
         """Every worker of the node left on its drain (step 4)."""
