@@ -138,14 +138,15 @@ Message flow
    every member and then its PROPOSE, on the same links, so every member's workers hold the
    vote's result -- they commit that step -- before they hear of the round. They then move to
    the grown generation from the committed step with nothing failed and nothing replayed
-   (recovery/rounds.py, `admit`); the joiner takes that step's state. Another member completes
-   the vote only when the coordinator's values reach it, after some members began the next
-   step (a round it opened there aborted that step): it keeps holding its joiners until the
-   coordinator's round adds them (their JOIN reaches the coordinator too). A job that commits
-   no step for JOIN_HOLD_S (plane.py: its start, a recovery, a long save) takes its joiners
-   then, at any member (`take_joiners`), replaying the step in flight. A loss's round takes
-   the joiners at once, as before. Only when a round opens changes, never what a proposal
-   holds: the safety argument below is untouched.
+   (recovery/rounds.py, `admit`: the round's notice says `joins_only` on every member, also
+   where the coordinator's PROPOSE opens it); the joiner takes that step's state. Another
+   member completes the vote only when the coordinator's values reach it, after some members
+   began the next step (a round it opened there aborted that step): it keeps holding its
+   joiners until the coordinator's round adds them (their JOIN reaches the coordinator too).
+   A job that commits no step for JOIN_HOLD_S (plane.py: its start, a recovery, a long save)
+   takes its joiners then, at any member (`take_joiners`), replaying the step in flight. A
+   loss's round takes the joiners at once, as before. Only when a round opens changes, never
+   what a proposal holds: the safety argument below is untouched.
 
 8. Exchanges (`exchange`: the workers' all-gathers, e.g. the commit vote of every step): each
    member sends its value to the decided view's first node, the coordinator, which sends all
@@ -662,7 +663,9 @@ class MembershipCore(ExchangeSteps):
                 want = max(0, self.size - len(base)) if self.open_to_joins else 0
                 adds = tuple(sorted(self.joiners))[:want]
             adds = tuple(sorted(adds))
-            joins_only = bool(adds) and not join and base == self.decided.nodes
+            # (also a round a peer's PROPOSE opens here: its workers, like the coordinator's,
+            # move on from the committed step; not a retry, which a failed step opened)
+            joins_only = bool(adds) and base == self.decided.nodes and not (join and mine)
             if mine and joins_only and self.joins_at_boundary and not self._boundary:
                 if not self.joins_held:  # (7b: at the next step boundary)
                     self.joins_held = True

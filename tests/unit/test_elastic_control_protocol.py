@@ -273,6 +273,11 @@ def test_random_schedules_with_nodes_drained_by_the_vote_are_safe_and_live(n):
     assert quiet > 30, quiet  # the sweep must exercise drains decided away without a BYE
 
 
+def notes_of_kind(core: MembershipCore, kind: str) -> list[dict]:
+    """The fields of `core`'s notes of `kind` not yet drained."""
+    return [f for k, f in core.notes if k == kind]
+
+
 def _vote(net: SimNet, key: str) -> None:
     """A commit vote of every member of n0's view, delivered to the end."""
     for m in net.cores["n0"].decided.nodes:
@@ -774,7 +779,15 @@ def test_a_round_that_only_adds_a_joiner_opens_at_the_next_commit_vote():
     kinds = [(dst, msg["type"]) for dst, msg in net.cores["n0"].outbox]
     assert kinds.index(("n2", "exchange_done")) < kinds.index(("n2", "propose")), kinds
     assert net.cores["n0"].proposal == ("n0", "n2", "n3")
+    # Every member's workers hear a round that only adds: the coordinator's, and n2's, which
+    # its PROPOSE opens (they move on from the committed step: nothing failed)
+    opened = {"n0": notes_of_kind(net.cores["n0"], "round_started")}
     net.drain("n0")
+    while net.links[("n0", "n2")]:
+        net.cores["n2"].handle("n0", net.links[("n0", "n2")].popleft())
+    opened["n2"] = notes_of_kind(net.cores["n2"], "round_started")
+    net.drain("n2")
+    assert [f["joins_only"] for m in ("n0", "n2") for f in opened[m]] == [True, True], opened
     net.quiesce()
     for m in ("n0", "n2", "n3"):
         d = net.cores[m].decided
@@ -825,6 +838,36 @@ def test_a_joiner_held_by_a_member_waits_for_the_coordinators_boundary():
         d = net.cores[m].decided
         assert (d.gen, d.nodes, d.joined) == (2, ("n0", "n2", "n3"), ("n3",))
         assert not net.cores[m].joins_held
+    net.check_safety()
+
+
+def test_a_retry_round_is_no_joins_only_round_at_the_member_that_opens_it():
+    """A retry (a failed step, nobody lost) that also takes a held joiner: the workers of the
+    member whose step failed recover (step_failed); a peer that its PROPOSE reaches hears a
+    round that only adds a node to its view (nothing failed there)."""
+    net = SimNet(3, seed=4, spares=1)
+    for m in ("n0", "n1", "n2"):
+        net.cores[m].joins_at_boundary = True
+    net.crashed.add("n1")
+    net.quiesce()
+    net.asked.add("n3")
+    net.cores["n3"].request_join()
+    net.drain("n3")
+    while net.links[("n3", "n0")]:
+        net.cores["n0"].handle("n3", net.links[("n3", "n0")].popleft())
+    net.drain("n0")
+    assert net.cores["n0"].joins_held and net.cores["n0"].proposal is None
+    assert net.cores["n0"].retry("a collective failed")
+    (opened,) = notes_of_kind(net.cores["n0"], "round_started")
+    assert opened["joiners"] == ["n3"] and opened["joins_only"] is False, opened
+    net.drain("n0")
+    while net.links[("n0", "n2")]:
+        net.cores["n2"].handle("n0", net.links[("n0", "n2")].popleft())
+    (opened,) = notes_of_kind(net.cores["n2"], "round_started")
+    assert opened["joiners"] == ["n3"] and opened["joins_only"] is True, opened
+    net.drain("n2")
+    net.quiesce()
+    assert net.cores["n2"].decided.nodes == ("n0", "n2", "n3")
     net.check_safety()
 
 
