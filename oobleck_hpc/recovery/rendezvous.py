@@ -32,11 +32,13 @@ import socket
 import time
 
 from oobleck_hpc.control.membership import Superseded
+from oobleck_hpc.polling import pause
 
 
 def wait_arrivals(store, key: str, world_size: int, timeout_s: float, abort=None) -> None:
     store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
+    since = time.monotonic()
+    deadline = since + timeout_s
     while (arrived := store.add(key, 0)) < world_size:
         if abort is not None and abort():
             raise Superseded(f"a newer membership round opened while {arrived} of {world_size} "
@@ -44,7 +46,7 @@ def wait_arrivals(store, key: str, world_size: int, timeout_s: float, abort=None
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {arrived} of {world_size} ranks reached the store "
                                f"within {timeout_s:.0f} s")
-        time.sleep(0.02)
+        pause(since)
 
 
 def store_prefix(secret: bytes, generation: int) -> str:

@@ -54,6 +54,7 @@ from oobleck_hpc.control.auth import (AUTH_DEADLINE_S, MAC_BYTES, PRE_AUTH_BYTES
                                       Replays, Sealer, hello, keys)
 from oobleck_hpc.control.messages import BadMessage, parse
 from oobleck_hpc.control.wire import ConnectionClosed, decode_frames, frame, recv_frame
+from oobleck_hpc.polling import pause
 
 MAX_REQUEST = 1 << 20
 """Bytes of one request (a rendezvous value is an address or an id: a few hundred bytes)."""
@@ -337,7 +338,8 @@ class AuthStore(dist.Store):
         self.set_timeout(timeout)
         self.host, self.port, self.name, self.server = host, port, name, server
         self._lock = threading.Lock()
-        deadline = time.monotonic() + timeout.total_seconds()
+        since = time.monotonic()
+        deadline = since + timeout.total_seconds()
         while True:
             try:
                 self._sock = self._connect(secret, deadline)
@@ -348,7 +350,7 @@ class AuthStore(dist.Store):
                         f"the store {host}:{port} cannot be reached, or refused this process, "
                         f"within {timeout.total_seconds():.0f} s: {type(e).__name__}: {e}"
                     ) from e
-                time.sleep(0.01)  # (the host is starting: poll its port cheaply)
+                pause(since)  # (the host is starting: poll its port cheaply)
         weakref.finalize(self, _close, self._sock, server)
 
     def _connect(self, secret: bytes, deadline: float) -> socket.socket:

@@ -1,4 +1,4 @@
-"""The package's one polling helper (oobleck_hpc/polling.py)."""
+"""The package's polling helpers (oobleck_hpc/polling.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from oobleck_hpc import polling
 from oobleck_hpc.polling import wait_until
 
 
@@ -26,3 +27,12 @@ def test_wait_until_raises_timeout_naming_what_it_waited_for_after_asking_at_the
     with pytest.raises(TimeoutError, match="waiting for the moon"):
         wait_until(lambda: asked.append(time.monotonic()), 0.2, "the moon", every_s=0.05)
     assert asked[-1] - t0 >= 0.2 and len(asked) >= 3
+
+
+def test_pause_polls_finely_while_the_wait_is_young_then_coarsely(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(polling.time, "sleep", slept.append)
+    now = time.monotonic()
+    polling.pause(now)
+    polling.pause(now - polling.FINE_FOR_S - 0.01)
+    assert slept == [polling.FINE_S, polling.COARSE_S]
