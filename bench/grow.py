@@ -58,6 +58,12 @@ start at a higher CPU priority on this shared machine (control/workers.py). 4 x 
 machine, `--window 30 --settle 5`: join_round_s 2.90 -> 0.19-0.27 s, join_pause_s 0.21 s,
 join_steps_failed 0, grow_request_s 3.5 -> 3.9-4.2 s (10.6 s when asking once ready without
 the priority).
+
+Until 1389192 only the coordinator's workers heard that round as joins-only: the other members'
+went through a failed step (join_steps_failed 2-4 in every run, the job having lost node1
+first). Two runs each, same machine, `--window 30 --settle 5`: join_steps_failed 2, 2 -> 0, 0;
+join_pause_s 0.25, 0.28 -> 0.35, 0.18 s. What the members wait is the regroup onto the grown
+plan (0.08-0.14 s) and its first step: issue 31's 0.05 s needs those groups built beforehand.
 """
 
 from __future__ import annotations
