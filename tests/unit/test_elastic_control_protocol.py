@@ -67,6 +67,11 @@ class SimNet:
         self.joins_pending = False  # some node asked to join: a round may then change nothing
         self.sent = 0  # messages put on the links
 
+    def hand_over(self, a: str, b: str) -> None:
+        """Every message queued from a to b, handled by b (not drained: b's notes stay)."""
+        while self.links[(a, b)]:
+            self.cores[b].handle(a, self.links[(a, b)].popleft())
+
     def down(self, m: str) -> bool:
         return m in self.crashed or self.cores[m].fenced is not None
 
@@ -756,8 +761,7 @@ def test_a_round_that_only_adds_a_joiner_opens_at_the_next_commit_vote():
     assert net.cores["n0"].decided.nodes == ("n0", "n2")
 
     def deliver(a: str, b: str) -> None:  # (by hand: quiesce() would reach a boundary)
-        while net.links[(a, b)]:
-            net.cores[b].handle(a, net.links[(a, b)].popleft())
+        net.hand_over(a, b)
         net.drain(b)
 
     net.asked.add("n3")
@@ -783,8 +787,7 @@ def test_a_round_that_only_adds_a_joiner_opens_at_the_next_commit_vote():
     # its PROPOSE opens (they move on from the committed step: nothing failed)
     opened = {"n0": notes_of_kind(net.cores["n0"], "round_started")}
     net.drain("n0")
-    while net.links[("n0", "n2")]:
-        net.cores["n2"].handle("n0", net.links[("n0", "n2")].popleft())
+    net.hand_over("n0", "n2")
     opened["n2"] = notes_of_kind(net.cores["n2"], "round_started")
     net.drain("n2")
     assert [f["joins_only"] for m in ("n0", "n2") for f in opened[m]] == [True, True], opened
@@ -808,8 +811,7 @@ def test_a_joiner_held_by_a_member_waits_for_the_coordinators_boundary():
     net.quiesce()
 
     def deliver(a: str, b: str) -> None:
-        while net.links[(a, b)]:
-            net.cores[b].handle(a, net.links[(a, b)].popleft())
+        net.hand_over(a, b)
         net.drain(b)
 
     def vote(key: str) -> None:
@@ -853,16 +855,14 @@ def test_a_retry_round_is_no_joins_only_round_at_the_member_that_opens_it():
     net.asked.add("n3")
     net.cores["n3"].request_join()
     net.drain("n3")
-    while net.links[("n3", "n0")]:
-        net.cores["n0"].handle("n3", net.links[("n3", "n0")].popleft())
+    net.hand_over("n3", "n0")
     net.drain("n0")
     assert net.cores["n0"].joins_held and net.cores["n0"].proposal is None
     assert net.cores["n0"].retry("a collective failed")
     (opened,) = notes_of_kind(net.cores["n0"], "round_started")
     assert opened["joiners"] == ["n3"] and opened["joins_only"] is False, opened
     net.drain("n0")
-    while net.links[("n0", "n2")]:
-        net.cores["n2"].handle("n0", net.links[("n0", "n2")].popleft())
+    net.hand_over("n0", "n2")
     (opened,) = notes_of_kind(net.cores["n2"], "round_started")
     assert opened["joiners"] == ["n3"] and opened["joins_only"] is True, opened
     net.drain("n2")
