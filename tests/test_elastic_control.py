@@ -705,6 +705,40 @@ def test_a_stall_probe_whose_answers_come_slowly_waits_longer_for_its_silent_nod
 
 
 @pytest.mark.timeout(60)
+def test_a_stall_probe_waits_at_least_the_stalls_threshold_when_the_job_crawls(tmp_path):
+    """Four control planes in this process (control/stall_probe.py). The job's steps crawl: a
+    worker of a stalls on c past a threshold of 1.2 s (twice its usual step), longer than the
+    probe's floor (0.625 s for this 5 s lease). c's agent is descheduled for 0.9 s (its lock
+    held), as a starved node's was under a CPU hog (`bench/recovery.py --modes
+    crash_under_hog`: silent 0.38 and 0.43 s with usual steps of 0.37 and 0.45 s, suspected at
+    0.375 s): the probe waits the threshold, c answers, and nothing happens (without the
+    threshold, c alone silent at 0.625 s while b and d answered would be suspected). The
+    deadline never passes half the lease, whatever the threshold."""
+    log = tmp_path / "events.jsonl"
+    cps = planes(log, "abcd", stall_probe_s=0.35)
+    a = cps["a"]
+    try:
+        now = time.monotonic()
+        assert a.stalls.deadline(now) == a.lease_s / LEASE_SHARE < 1.2
+        assert a.stalls.deadline(now, 1.2) == 1.2
+        assert a.stalls.deadline(now, 60.0) == a.lease_s / 2
+        with cps["c"]._lock:
+            time.sleep(0.15)  # (what c sent before arrives)
+            a.stalls.probe(["c"], "worker a/0 reported stall", gen=0, threshold_s=1.2)
+            time.sleep(0.9)
+        time.sleep(1.5)  # (c's slow answer: judged again at twice its 0.9 s, stall_probe.py)
+        events = read_events(log)
+        (probed,) = [e for e in events if e["kind"] == "stall_probed"]
+        assert probed["silent"] == [] and probed["timeout_s"] >= 1.2, probed
+        assert probed["answered_s"]["c"] >= 0.9, probed
+        assert not [e for e in events if e["kind"] in ("failure_detected", "round_started")]
+        assert all(cp.core.decided.gen == 0 and cp.core.proposal is None for cp in cps.values())
+    finally:
+        for cp in cps.values():
+            cp.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_stall_probe_suspects_a_silent_agent_and_nothing_else(tmp_path):
     """Four control planes in this process (control/stall_probe.py). A worker of a stalls
     waiting on b: b answers a's ping, and nothing happens -- no suspicion, no retry round (a

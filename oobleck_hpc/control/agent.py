@@ -83,6 +83,7 @@ from oobleck_hpc.control.drain import NodeDrain
 from oobleck_hpc.records.events import EventLog
 from oobleck_hpc.control.faults import DutyCycle
 from oobleck_hpc.control.membership import Decision
+from oobleck_hpc.control.stall_probe import reported_threshold
 from oobleck_hpc.control.workers import (START_NICE, Inbox, Worker, describe_exit, kill_stopped,
                                          kill_workers, set_priority, start_worker, tell,
                                          worker_env)
@@ -215,7 +216,8 @@ class Agent:
             why = f"worker {self.opts.node}/{w.local_rank} reported {what}"
             if what == "stall":  # (one that waits on its own node only: nobody to ping)
                 if suspects or not msg.get("suspects"):
-                    self.cp.stalls.probe(suspects, why, int(msg.get("gen", 0)))
+                    self.cp.stalls.probe(suspects, why, int(msg.get("gen", 0)),
+                                         reported_threshold(msg.get("threshold_s")))
             elif suspects:
                 for node in suspects:
                     self.cp.check(node, why, gen=msg.get("gen"))

@@ -193,16 +193,20 @@ class AgentClient:
     # ------------------------------------------------------------------ worker -> agent
 
     def report_failure(self, kind: str, detail: str = "", suspects: Sequence[str] = (),
-                       gen: int | None = None) -> None:
+                       gen: int | None = None, threshold_s: float | None = None) -> None:
         """Report an in-band failure (as a value; this call does not raise or wait). `gen`: the
         generation the failed work ran in -- default: the last one `wait_membership` returned
         (not the latest received: a newer one may have arrived because of this very failure,
-        and a report under it would ask for a needless retry round)."""
+        and a report under it would ask for a needless retry round). `threshold_s`: a stall's
+        threshold (the agent's probe waits at least as long: control/stall_probe.py)."""
         if gen is None:
             with self._cond:
                 gen = self._working_gen
-        self._send({"type": "report", "kind": kind, "detail": detail,
-                    "suspects": list(suspects), "gen": gen})
+        msg = {"type": "report", "kind": kind, "detail": detail, "suspects": list(suspects),
+               "gen": gen}
+        if threshold_s is not None:
+            msg["threshold_s"] = threshold_s
+        self._send(msg)
 
     def done(self, code: int = 0, reason: str = "") -> None:
         """Announce an intended exit with `code` (call right before exiting): 0 only once the

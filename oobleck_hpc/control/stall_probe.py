@@ -26,25 +26,31 @@ which need most observers to agree: two nodes hung at once are found by their le
 
 The deadline is the one figure a healthy node's place depends on: a false suspicion costs a
 healthy node. It is short next to the lease but long next to a live agent's answer, which the
-`stall_probed` event records per node (`answered_s`): `timeout_s` (STALL_PROBE_S), or the
-lease over LEASE_SHARE when that is more, or LATE_FACTOR times the longest an agent went
-unscheduled in the last half minute when that is more (topology.py, `Lateness`: heartbeats
-that came late, this agent's late ticks; the start's are forgotten once the job trains), at
-most half the lease. The lease is the user's word on how long a healthy node of their machine
-may go unheard, and the probe is its shortcut for one silent node, so it keeps to a share of
-it: in two CI runs a healthy node of a job with a 10 s lease (agents and workers alike) went
-unheard for 0.4-1 s while a grown node's workers imported torch at START_NICE, with no
-lateness before, and a 0.35 s deadline excluded it. On a quiet or busy machine agents answer
-in milliseconds and the deadline stays the larger of the first two; on the 2-core CI machine,
-while several processes imported torch, probes of three different agents each found one
-healthy peer silent past 0.35 s and suspected it. And when the judgement itself runs late
-(this agent was descheduled past the deadline: its peers likely too, with their answers still
-unsent), the silence proves nothing yet: it is judged again a deadline later. So too when an
-answer came slowly: then the pings, the answers or this agent ran slowly, and a silence counts
-only once it is SLOW_ANSWER_FACTOR times the slowest answer, at most half the lease (in a CI
-run, both witnesses' answers were read 0.315 s after the ping, together, while the kill of
-another node woke every process; the pinged node, silent at 0.375 s, was healthy and lost its
-place). A node pinged and not yet answered or timed out is not pinged again (every worker of
+`stall_probed` event records per node (`answered_s`): `timeout_s` (STALL_PROBE_S), or the lease
+over LEASE_SHARE when that is more, or LATE_FACTOR times the longest an agent went unscheduled
+in the last half minute when that is more (topology.py, `Lateness`: heartbeats that came late,
+this agent's late ticks; the start's are forgotten once the job trains), or the stalled
+worker's own threshold when that is more (twice its usual step: a job whose steps crawl waits
+that long for a peer before it calls the wait a stall, and a peer's agent silent for less says
+no more than the wait itself), at most half the lease. The lease is the user's word on how long
+a healthy node of their machine may go unheard, and the probe is its shortcut for one silent
+node, so it keeps to a share of it: in two CI runs a healthy node of a job with a 10 s lease
+(agents and workers alike) went unheard for 0.4-1 s while a grown node's workers imported torch
+at START_NICE, with no lateness before, and a 0.35 s deadline excluded it. On a quiet or busy
+machine agents answer in milliseconds and the deadline stays the larger of the first two; on
+the 2-core CI machine, while several processes imported torch, probes of three different agents
+each found one healthy peer silent past 0.35 s and suspected it. And when the judgement itself
+runs late (this agent was descheduled past the deadline: its peers likely too, with their
+answers still unsent), the silence proves nothing yet: it is judged again a deadline later. So
+too when an answer came slowly: then the pings, the answers or this agent ran slowly, and a
+silence counts only once it is SLOW_ANSWER_FACTOR times the slowest answer, at most half the
+lease (in a CI run, both witnesses' answers were read 0.315 s after the ping, together, while
+the kill of another node woke every process; the pinged node, silent at 0.375 s, was healthy
+and lost its place). Under a CPU hog, twice in 12 runs of `bench/recovery.py --modes
+crash_under_hog`, a healthy node's agent (with its workers, one scheduling group) was silent
+past 0.375 s, 0.38 and 0.43 s, while the job's usual step had grown to 0.37 and 0.45 s
+(thresholds 0.74 and 0.90 s): its peers' agents answered in 2-6 ms, and the node lost its
+place. A node pinged and not yet answered or timed out is not pinged again (every worker of
 every survivor may report the same stall). As the probe after an error, nothing is done for a
 stall while a round is open (it explains the stall) or for an older generation.
 
@@ -62,6 +68,7 @@ stalled worker's.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +91,15 @@ WITNESSES = 2
 heard and hears (module docstring)."""
 
 
+def reported_threshold(value: Any) -> float:
+    """A stall report's `threshold_s` (a worker's message): seconds, 0.0 if absent or not a
+    finite positive number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value) and value > 0:
+        return float(value)
+    return 0.0
+
+
 class StallProbes:
     """The stall probes of one agent's control plane (module docstring). Runs under the plane's
     lock; its deadlines on the plane's event loop."""
@@ -95,9 +111,10 @@ class StallProbes:
         self._round: tuple[int, tuple[str, ...]] | None = None
         """The last round (generation, proposal) whose wait was probed."""
 
-    def probe(self, suspects: list[str], why: str, gen: int) -> None:
+    def probe(self, suspects: list[str], why: str, gen: int, threshold_s: float = 0.0) -> None:
         """A worker of this node stalled in generation `gen` waiting on `suspects` (empty: it
-        does not know on whom): ping them, judge them `timeout_s` later."""
+        does not know on whom) past its `threshold_s`: ping them, judge them a deadline later
+        (`deadline`: at least that threshold, module docstring)."""
         cp = self.plane
         with cp._lock:
             core = cp.core
@@ -107,7 +124,7 @@ class StallProbes:
                 cp.events.emit("probe_skipped", why=why, failed_gen=gen, gen=core.decided.gen,
                                round_open=core.proposal is not None)
                 return
-            self._ping(suspects, why, in_round=False)
+            self._ping(suspects, why, in_round=False, threshold_s=threshold_s)
 
     def round_wait(self, now: float, opened: float | None) -> None:
         """The ticker's look at the open round, opened at `opened` (the plane's lock held):
@@ -122,7 +139,8 @@ class StallProbes:
                                 in_round=True):
             self._round = (core.round, core.proposal)
 
-    def _ping(self, suspects: list[str], why: str, in_round: bool) -> bool:
+    def _ping(self, suspects: list[str], why: str, in_round: bool,
+              threshold_s: float = 0.0) -> bool:
         """Ping `suspects` (all live nodes if empty) and witnesses; whether a node of
         `suspects` was pinged (one pinged already and not yet judged is not: its judgement
         comes first, and a round's wait is looked at again at the next tick)."""
@@ -136,30 +154,33 @@ class StallProbes:
             self._pinged[node] = (now, None)
             cp._link(node).put({"type": "ping"})
         if nodes and cp._loop is not None:
-            deadline = self.deadline(now)
+            deadline = self.deadline(now, threshold_s)
             cp._loop.after(deadline, functools.partial(
                 self._judge, nodes, witnesses, now, now + deadline, core.decided.gen, why,
-                in_round))
+                in_round, threshold_s))
         return bool(nodes)
 
-    def deadline(self, now: float) -> float:
-        """How long a probe started now waits for answers (module docstring)."""
+    def deadline(self, now: float, threshold_s: float = 0.0) -> float:
+        """How long a probe started now for a stall of `threshold_s` waits for answers (module
+        docstring)."""
         cp = self.plane
         late = LATE_FACTOR * cp.monitor.lateness.recent(now)
-        return max(self.timeout_s, cp.lease_s / LEASE_SHARE, min(late, cp.lease_s / 2))
+        return max(self.timeout_s, cp.lease_s / LEASE_SHARE,
+                   min(max(late, threshold_s), cp.lease_s / 2))
 
     def heard(self, src: str, msg: dict[str, Any]) -> None:
         """A message from `src` (called with the plane's lock held): a PONG answers its ping."""
         if msg.get("type") == "pong" and self._pinged.get(src, (0.0, 0.0))[1] is None:
             self._pinged[src] = (self._pinged[src][0], time.monotonic())
 
-    def _later(self, pinged: list[str], started: float, due: float, now: float) -> float | None:
+    def _later(self, pinged: list[str], started: float, due: float, now: float,
+               threshold_s: float) -> float | None:
         """When a judgement due at `due` and running `now` must be made again instead (module
         docstring), or None: this agent ran late, or an answer came slowly."""
         cp = self.plane
         if now - due > JUDGED_LATE_S:  # this agent was not running
             cp.monitor.lateness.note(now, now - due)
-            later = now + self.deadline(now)
+            later = now + self.deadline(now, threshold_s)
             return later if later - started <= cp.lease_s else None  # (past, the leases decide)
         slowest = max((t - started for n in pinged
                        if (t := self._pinged.get(n, (0.0, None))[1]) is not None), default=0.0)
@@ -167,17 +188,18 @@ class StallProbes:
         return later if later > now + 0.001 else None
 
     def _judge(self, nodes: list[str], witnesses: list[str], started: float, due: float,
-               gen: int, why: str, in_round: bool) -> None:
+               gen: int, why: str, in_round: bool, threshold_s: float) -> None:
         """At `due`, a deadline after `nodes` and `witnesses` were pinged: suspect the one node
         not heard from since, if another was (module docstring). `in_round`: pinged for an
         open round's wait, which must still be open (else for a stall: none may be)."""
         cp = self.plane
         with cp._lock:
             now = time.monotonic()
-            later = self._later(nodes + witnesses, started, due, now)
+            later = self._later(nodes + witnesses, started, due, now, threshold_s)
             if later is not None and cp._loop is not None:
                 cp._loop.after(later - now, functools.partial(
-                    self._judge, nodes, witnesses, started, later, gen, why, in_round))
+                    self._judge, nodes, witnesses, started, later, gen, why, in_round,
+                    threshold_s))
                 return
             answered = {n: self._pinged.pop(n, (started, None))[1] for n in nodes + witnesses}
             core = cp.core

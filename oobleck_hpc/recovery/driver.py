@@ -355,7 +355,7 @@ class ElasticDriver:
         """The watchdog found this rank waiting too long inside a step (recovery/stall.py): its
         agent probes the nodes it waits on. The wait goes on."""
         self.state.client.report_failure("stall", stall.detail, stall.wait.nodes,
-                                         gen=stall.wait.gen)
+                                         gen=stall.wait.gen, threshold_s=stall.threshold_s)
 
     # ------------------------------------------------------------------ the agents' rounds
 

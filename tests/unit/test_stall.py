@@ -75,3 +75,13 @@ def test_current_wait_names_the_nodes_waited_on():
     assert current_wait(s) == Wait(4.0, "vote", (), 2, 7)
     s.voting, s.engine = None, None
     assert current_wait(s) is None
+
+
+def test_a_reported_threshold_is_a_finite_positive_number_or_nothing():
+    """The agent reads a stall's threshold from its worker's message (control/stall_probe.py):
+    anything but a finite positive number counts as none."""
+    from oobleck_hpc.control.stall_probe import reported_threshold
+
+    assert reported_threshold(0.9) == 0.9 and reported_threshold(2) == 2.0
+    for bad in (None, "0.9", -1.0, 0.0, float("nan"), float("inf"), True, [1.0]):
+        assert reported_threshold(bad) == 0.0, bad
