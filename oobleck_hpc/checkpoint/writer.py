@@ -232,8 +232,12 @@ class Checkpointer:
             if stats.published and self.on_published is not None:
                 self.on_published(stats)
         except BaseException as e:  # reported by wait()
-            if isinstance(e, FileNotFoundError) and (published_steps(self.root) or [-1])[-1] > job.step:
-                pass  # a newer checkpoint was published and removed this stale one: nothing lost
+            newest = (published_steps(self.root) or [-1])[-1]
+            if isinstance(e, FileNotFoundError) and newest >= job.step:
+                # This step was published (another writer renamed the directory once this rank's
+                # record was in, between its rename and the fsync of the directory that held
+                # it), or a newer one and this stale one removed: nothing lost.
+                pass
             else:
                 self._error = e
         stats.write_s = time.perf_counter() - t0

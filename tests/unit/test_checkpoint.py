@@ -494,3 +494,33 @@ def test_shard_files_keep_every_dtype_and_shape(tmp_path):
     got = open_checkpoint(tmp_path, 1).layer(0)
     for k, t in tensors.items():
         assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+
+
+def test_a_writer_whose_directory_another_writer_published_under_it_reports_nothing(
+        tmp_path, monkeypatch):
+    """Rank 0's completion record is the last one: rank 1 sees every record and publishes the
+    directory between rank 0's rename of its record and rank 0's fsync of the directory that
+    held it (FileNotFoundError). The checkpoint is whole and published: rank 0 reports no
+    error (seen under a CPU hog: rank 0 skipped its next save, 'checkpoint of step 105 failed:
+    ... No such file or directory: step-102.tmp...')."""
+    import oobleck_hpc.files as files
+
+    layers = small_layers(2)
+    cps = [Checkpointer(tmp_path, rank=r, num_layers=2, attempt="r") for r in range(2)]
+    cps[1].save_sync(3, {1: layer_state(layers[1])})
+    real, raced = files.fsync_dir, []
+
+    def fsync_dir(path, best_effort=False):
+        path = Path(path)
+        if not raced and (path / "done-rank00000.json").exists():
+            raced.append(path)
+            assert try_publish(path)  # rank 1's publish, in between
+        real(path, best_effort)
+
+    monkeypatch.setattr(files, "fsync_dir", fsync_dir)
+    cps[0].save(3, {0: layer_state(layers[0])}, _ts(3))
+    cps[0].wait()  # no CheckpointError
+    assert raced and not raced[0].exists()
+    assert not cps[0].history[-1].published
+    ck = open_checkpoint(tmp_path, 3)
+    assert ck.manifest["writers"] == [0, 1] and find_latest(tmp_path).checkpoint.step == 3
