@@ -50,10 +50,11 @@ What each timeout bounds
   explains the error, and the stall probe's rules bound its wait for a hung member.
 - stall_probe_s (configs/resilience.py, STALL_PROBE_S): after a worker reports a stall (a wait
   inside a step far longer than its usual step: recovery/stall.py), the nodes it waits on (every
-  member when it does not know) are pinged, and those not heard from within stall_probe_s are
-  suspected if it is the only one and another node answered (several silent at once, or none
-  answering, is more likely a starved machine or prober): a hung node is lost in band, long
-  before its lease. If every one answered, nothing
+  member when it does not know) are pinged, and those not heard from within stall_probe_s (or
+  longer: the stall's own threshold when the job's steps crawl, a share of the lease, recent
+  lateness: control/stall_probe.py) are suspected if it is the only one and another node
+  answered (several silent at once, or none answering, is more likely a starved machine or
+  prober): a hung node is lost in band, long before its lease. If every one answered, nothing
   happens (no retry round: a slow node is a straggler, not a failure; the lease remains the
   backstop). Short, but far above a live agent's answer on a loaded machine (the
   `stall_probed` event records each answer's delay). The same for a round that waits on nodes
