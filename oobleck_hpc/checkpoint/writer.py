@@ -231,15 +231,14 @@ class Checkpointer:
             stats.write_s = time.perf_counter() - t0
             if stats.published and self.on_published is not None:
                 self.on_published(stats)
-        except BaseException as e:  # reported by wait()
-            newest = (published_steps(self.root) or [-1])[-1]
-            if isinstance(e, FileNotFoundError) and newest >= job.step:
-                # This step was published (another writer renamed the directory once this rank's
-                # record was in, between its rename and the fsync of the directory that held
-                # it), or a newer one and this stale one removed: nothing lost.
-                pass
-            else:
+        except FileNotFoundError as e:
+            # Nothing lost if this step was published (another writer renamed the directory once
+            # this rank's record was in, between its rename and the fsync of the directory that
+            # held it), or a newer one and this stale one removed.
+            if (published_steps(self.root) or [-1])[-1] < job.step:
                 self._error = e
+        except BaseException as e:  # reported by wait()
+            self._error = e
         stats.write_s = time.perf_counter() - t0
 
     def _write(self, job: _Job) -> tuple[int, bool]:
