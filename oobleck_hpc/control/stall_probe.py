@@ -94,8 +94,7 @@ heard and hears (module docstring)."""
 def reported_threshold(value: Any) -> float:
     """A stall report's `threshold_s` (a worker's message): seconds, 0.0 if absent or not a
     finite positive number."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and math.isfinite(value) and value > 0:
+    if type(value) in (int, float) and math.isfinite(value) and value > 0:  # (bool excluded)
         return float(value)
     return 0.0
 
