@@ -41,7 +41,7 @@ SECRET = bytes(range(32))
 def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int = 0,
              steps: int = STEPS, lease_s: float = 3.0, straggler: str = "none",
              microbatches: int = 4, gpus: int = 2, microbatch_size: int = 2,
-             model: dict | None = None) -> dict:
+             model: dict | None = None, checkpoint_every: int = 0) -> dict:
     return {
         "name": "recovery-test",
         "model": model or {"name": "gpt-tiny", "seed": 0, "dtype": "float64"},
@@ -58,6 +58,8 @@ def job_dict(run_dir: Path, nodes: int = 5, f: int = 1, faults=(), spares: int =
                    {"library": str(run_dir / "no-profiles"), "analytic": True, "device": "A40"},
         "run_dir": str(run_dir),
         "faults": list(faults),
+        **({"checkpoint": {"dir": str(run_dir / "ckpt"), "every_steps": checkpoint_every}}
+           if checkpoint_every else {}),
     }
 
 
@@ -428,7 +430,7 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
     reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
                               CRASH_STEPS)
     code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, lease_s=CRASH_LEASE_S, faults=[
-        {"node": 2, "step": 3, "phase": "backward", "kind": "crash"}])
+        {"node": 2, "step": 3, "phase": "backward", "kind": "crash"}], checkpoint_every=25)
     events = check_equal_to_reference(code, rows, run_dir, reference, set())
     kinds = [e["kind"] for e in events]
     assert "worker_failed" not in kinds and "node_failed" not in kinds, kinds
@@ -454,6 +456,10 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
                for e in failed if e not in by_crash), (failed, recovered)
     rejoined = {e["source"] for e in events if e["kind"] == "worker_rejoined"}
     assert rejoined == {"node2/0", "node2/1"}, rejoined
+    # The rejoined workers write their part of the checkpoints under their ranks in the new plan
+    # (Resume._save): checkpoints after the rejoin are published.
+    saved = [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
+    assert saved and saved[-1] > back["step"], (saved, back["step"])
     assert [e for e in events if e["kind"] == "plan_chosen"][-1]["nodes"] == 5
     print(f"\n[figures] crash -> first committed step {out['t'] - crash['t']:.3f} s "
           f"({out['seconds']:.3f} s from the failure), node back in the plan "

@@ -22,7 +22,8 @@ Layout on disk (`checkpoint.dir`, a shared filesystem)
     step-<N>.tmp.<attempt>.<tag>/  being written: shard files + one completion record per writer
         layer-<i>.bin                (fsynced before its record is written)
         train.bin
-        done-rank<r>.json            files, sizes, sha256 of what rank r wrote (atomic, fsynced)
+        done-rank<r>.json            files, sizes, sha256 of what rank r of <tag>'s plan wrote
+                                     (atomic, fsynced)
     step-<N>/                      published: the same files + MANIFEST.json
     latest                         "step-<N>": the newest published checkpoint (atomic replace)
 

@@ -257,9 +257,11 @@ class Resume:
                                       "nodes": list(plan.nodes)})
         try:
             if sync:
-                cp.save_sync(engine.state.step, shards, train, tag=plan_tag(plan))
+                cp.save_sync(engine.state.step, shards, train, tag=plan_tag(plan),
+                             rank=engine.comm.rank)
             else:
-                cp.save(engine.state.step, shards, train, tag=plan_tag(plan), defer_copy=True)
+                cp.save(engine.state.step, shards, train, tag=plan_tag(plan), defer_copy=True,
+                        rank=engine.comm.rank)
                 self._hook_fence(engine)
                 if self.faults is not None:
                     self.faults("checkpoint", engine.state.step)

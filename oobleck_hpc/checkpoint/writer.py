@@ -51,6 +51,8 @@ class _Job:
     shards: dict[int, dict[str, torch.Tensor]]
     train: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
     tmp: Path
+    rank: int
+    """The writer's rank in the plan the save's tag names: its record's name."""
 
 
 @dataclass
@@ -71,7 +73,8 @@ class Checkpointer:
         ckpt = Checkpointer(job.checkpoint, rank=rank, num_layers=model.num_layers)
         if ckpt.due(step):
             ckpt.save(step, {i: layer_state(mod[i], opt) for i in my_owned_layers},
-                      train_state if rank == train_state_owner(plan) else None, tag=plan_tag(plan))
+                      train_state if rank == train_state_owner(plan) else None, tag=plan_tag(plan),
+                      rank=rank)  # (this rank in `plan`: it changes when the plan does)
         ...
         ckpt.wait()   # before exit: the last save is durable (or its error is raised)
     """
@@ -121,7 +124,7 @@ class Checkpointer:
     # -- save
     def save(self, step: int, shards: Mapping[int, Mapping[str, torch.Tensor]],
              train_state: TrainState | None = None, *, tag: str = "",
-             defer_copy: bool = False) -> SaveStats | None:
+             defer_copy: bool = False, rank: int | None = None) -> SaveStats | None:
         """Snapshot this rank's shards (layer -> layer_state) and, on the train-state owner, the
         training state to host memory, and write them in the background.
 
@@ -130,6 +133,12 @@ class Checkpointer:
         must be equal on every rank of the checkpoint (use `plan_tag(plan)`): after a
         reconfiguration, the same step can be saved again under the new plan's tag (e.g. when the
         first attempt lost a writer).
+
+        `rank`: this writer's rank in the plan `tag` names (default: the rank it was built with),
+        which names its completion record. It must differ between the writers of one checkpoint:
+        a process's rank changes when the job reconfigures, and a node that joins can take the
+        rank another writer was built with (the joiner's record then replaced the other's, and
+        no checkpoint was published again).
 
         `defer_copy`: return at once and take the snapshot in the background too, overlapped with
         the next step's forward and backward (which read but do not change the parameters and the
@@ -166,7 +175,7 @@ class Checkpointer:
                 self._stream = torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())
             stream = self._stream
-        job = _Job(step, {}, train, tmp)
+        job = _Job(step, {}, train, tmp, self.rank if rank is None else rank)
         self._snapshot_done = None
         if defer_copy:
             self._snapshot_done = threading.Event()
@@ -200,9 +209,10 @@ class Checkpointer:
         return snap
 
     def save_sync(self, step: int, shards: Mapping[int, Mapping[str, torch.Tensor]],
-                  train_state: TrainState | None = None, *, tag: str = "") -> SaveStats | None:
+                  train_state: TrainState | None = None, *, tag: str = "",
+                  rank: int | None = None) -> SaveStats | None:
         """save() and wait(): the checkpoint part of this rank is durable on return."""
-        stats = self.save(step, shards, train_state, tag=tag)
+        stats = self.save(step, shards, train_state, tag=tag, rank=rank)
         self.wait()
         return stats
 
@@ -250,10 +260,10 @@ class Checkpointer:
         if job.train is not None:
             meta, tensors = job.train
             files["train.bin"] = {**write_shard(job.tmp / "train.bin", tensors, meta), "train": True}
-        record = completion_record(job.step, self.rank, self.num_layers, files,
+        record = completion_record(job.step, job.rank, self.num_layers, files,
                                    socket.gethostname(), time.time())
         fsync_dir(job.tmp)
-        write_atomic(job.tmp / f"done-rank{self.rank:05d}.json", json.dumps(record), durable=True)
+        write_atomic(job.tmp / f"done-rank{job.rank:05d}.json", json.dumps(record), durable=True)
         published = try_publish(job.tmp, keep=self.keep)
         return sum(f["size"] for f in files.values()), published
 

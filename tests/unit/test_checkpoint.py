@@ -524,3 +524,35 @@ def test_a_writer_whose_directory_another_writer_published_under_it_reports_noth
     assert not cps[0].history[-1].published
     ck = open_checkpoint(tmp_path, 3)
     assert ck.manifest["writers"] == [0, 1] and find_latest(tmp_path).checkpoint.step == 3
+
+
+def test_a_joiner_and_a_survivor_built_with_the_same_rank_both_land_in_the_checkpoint(tmp_path):
+    """A process's rank changes when the job reconfigures; a node that joins takes its rank in
+    the new plan. Here a survivor that started as rank 1 is rank 0 of the new plan (node0 was
+    lost) and a node that joined is its rank 1: each writes its part of the next checkpoint
+    under its rank in that plan (`Resume._save`), and the checkpoint is published. (Named by
+    the ranks they were built with, both records were done-rank00001.json, one replaced the
+    other, and no checkpoint was published again after a crashed node rejoined: seen in
+    bench/recovery.py crash_under_hog.)"""
+    from types import SimpleNamespace
+
+    from oobleck_hpc.checkpoint.resume import Resume
+    from oobleck_hpc.config import job_from_dict
+
+    job = job_from_dict({"name": "rejoined", "model": {"name": "gpt-tiny"},
+                         "train": {"steps": 9, "microbatch_size": 2, "global_microbatches": 4},
+                         "cluster": {"launch": "local", "nodes": 2, "gpus_per_node": 1},
+                         "checkpoint": {"dir": str(tmp_path), "every_steps": 3}})
+    plan = make_plan([[(0, 2)], [(0, 2)]], generation=2)  # two 1-node replicas of 2 layers
+    assert shard_owners(plan) == {0: 0, 1: 1}
+    layers = small_layers(2)
+    for built_as, now in ((1, 0), (1, 1)):  # the survivor, the joiner
+        cp = Checkpointer(job.checkpoint, rank=built_as, num_layers=2, attempt="a")
+        resume = Resume(job, built_as, tmp_path / "run", "cpu", cp, StopSignals())
+        engine = SimpleNamespace(plan=plan, comm=SimpleNamespace(rank=now),
+                                 state=SimpleNamespace(step=6, cursor=48),
+                                 layer_state=lambda i: layer_state(layers[i]))
+        resume._save(engine, sync=True)
+    ck = find_latest(tmp_path).checkpoint
+    assert ck is not None and ck.step == 6, sorted(p.name for p in tmp_path.iterdir())
+    assert ck.manifest["writers"] == [0, 1]
