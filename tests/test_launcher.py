@@ -171,3 +171,38 @@ def test_a_node_that_leaves_cleanly_mid_run_is_a_loss_and_the_others_finish(tmp_
     assert not [e for e in events if e["kind"] == "retry_round"], logs  # nothing else failed
     exits = {e["source"]: e["code"] for e in events if e["kind"] in ("agent_exit",)}
     assert exits.get("node2") == 3, exits
+
+
+AGENT_PRIORITY_PROBE = """
+import json, os, subprocess, sys, threading
+from oobleck_hpc.control.workers import raise_agent_priority, usual_policy_for_children
+
+raised = raise_agent_priority()
+seen = {}
+t = threading.Thread(target=lambda: seen.update(thread=os.sched_getscheduler(0)))
+t.start(); t.join()
+child = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
+with usual_policy_for_children():
+    seen["worker"] = int(subprocess.run(child, capture_output=True, text=True).stdout)
+seen["after"] = os.sched_getscheduler(0)
+print(json.dumps({"raised": raised, **seen}))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_runs_real_time_and_the_processes_it_starts_as_usual():
+    """The agent's threads run SCHED_RR (control/workers.py, `raise_agent_priority`); its
+    workers run as usual."""
+    import os
+
+    out = subprocess.run([sys.executable, "-c", AGENT_PRIORITY_PROBE], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    if not seen["raised"]:
+        pytest.skip("SCHED_RR is not allowed here (not root, no RLIMIT_RTPRIO)")
+    # The agent's threads inherit it; the worker does not; the agent keeps it after the start
+    # (without the reset-on-fork flag: its next threads inherit it too).
+    assert seen == {"raised": True, "thread": os.SCHED_RR, "worker": os.SCHED_OTHER,
+                    "after": os.SCHED_RR}, seen

@@ -85,8 +85,8 @@ from oobleck_hpc.control.faults import DutyCycle
 from oobleck_hpc.control.membership import Decision
 from oobleck_hpc.control.stall_probe import reported_threshold
 from oobleck_hpc.control.workers import (START_NICE, Inbox, Worker, describe_exit, kill_stopped,
-                                         kill_workers, set_priority, start_worker, tell,
-                                         worker_env)
+                                         kill_workers, raise_agent_priority, set_priority,
+                                         start_worker, tell, worker_env)
 from oobleck_hpc.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REQUEUE, EXIT_UNRECOVERABLE, OobleckError
 
 RESTART_BOOST_AFTER_S = 1.0
@@ -108,11 +108,9 @@ class Agent:
         self.inbox: Inbox = queue.SimpleQueue()
         self.cp = ControlPlane(opts.node, opts.roster, secret=run_secret(opts.run_dir),
                                heartbeat_s=opts.heartbeat_s, lease_s=opts.lease_s,
-                               probe_s=opts.probe_s,
-                               agreement_timeout_s=opts.agreement_timeout_s,
+                               probe_s=opts.probe_s, agreement_timeout_s=opts.agreement_timeout_s,
                                startup_s=opts.startup_s, quorum=opts.quorum,  # type: ignore[arg-type]
-                               open_to_joins=False, joins_at_boundary=True,
-                               events=self.events,
+                               open_to_joins=False, joins_at_boundary=True, events=self.events,
                                on_note=lambda kind, fields: self.inbox.put(("note", kind, fields)))
         self.workers: list[Worker] = []
         self._exchange_parts: dict[tuple[int, str], dict[int, Any]] = {}
@@ -134,6 +132,7 @@ class Agent:
     # ------------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
+        realtime = raise_agent_priority()  # (before it starts a thread: they inherit it)
         self.cp.bind()
         for lr in range(self.opts.workers):
             self._spawn_worker(lr)
@@ -141,7 +140,8 @@ class Agent:
             self._boosted = set_priority(START_NICE, self.workers)
         self.cp.start()
         self.events.emit("agent_started", pid=os.getpid(), workers=self.opts.workers,
-                         port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers])
+                         port=self.cp.addr.port, worker_pids=[w.proc.pid for w in self.workers],
+                         realtime=realtime)
         if self.cp.core.joined:  # a spare's workers wait until a round swaps it in
             self._tell_membership(self.cp.decided)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):

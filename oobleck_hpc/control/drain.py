@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from oobleck_hpc.control.workers import set_priority
+from oobleck_hpc.control.workers import set_priority, usual_policy_for_children
 from oobleck_hpc.errors import EXIT_OK
 from oobleck_hpc.records import runs
 from oobleck_hpc.files import write_json
@@ -103,8 +103,9 @@ def slurm_draining(node: str, timeout_s: float = 10.0) -> bool:
     """Whether slurmctld shows `node` as draining or drained (`scontrol show node`; an error
     counts as no)."""
     try:
-        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True,
-                             text=True, timeout=timeout_s).stdout
+        with usual_policy_for_children():
+            out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True,
+                                 text=True, timeout=timeout_s).stdout
     except (OSError, subprocess.SubprocessError):
         return False
     for field_ in out.split():

@@ -18,6 +18,7 @@ OOBLECK_FIRST_NODES too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -26,7 +27,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from oobleck_hpc.control.agent_options import AgentOptions
 from oobleck_hpc.control.membership import Decision
@@ -42,6 +43,9 @@ crash, a grown node: AgentOptions.boost_start), until they train (`set_priority`
 shares the cores with the members (one machine) its start then takes seconds, not half a
 minute of a small share (a worker needs about 3 CPU seconds to be ready: torch, the model,
 AdamW's first construction). Only root may raise a priority: elsewhere they start as usual."""
+
+AGENT_RT_PRIORITY = 1
+"""The agent's real-time priority (SCHED_RR; 1, the lowest: `raise_agent_priority`)."""
 
 Inbox = queue.SimpleQueue[tuple[str, Any, Any]]
 """The agent's queue of (what, a, b): everything its one thread acts on."""
@@ -100,8 +104,10 @@ def start_worker(opts: AgentOptions, lr: int, env: dict[str, str], inbox: Inbox)
     """Start local rank `lr`'s worker with a link to the agent, and its two watching threads."""
     parent, child = socket.socketpair()
     try:
-        proc = subprocess.Popen(opts.command, env={**env, "OOBLECK_AGENT_FD": str(child.fileno())},
-                                pass_fds=(child.fileno(),))
+        with usual_policy_for_children():
+            proc = subprocess.Popen(opts.command,
+                                    env={**env, "OOBLECK_AGENT_FD": str(child.fileno())},
+                                    pass_fds=(child.fileno(),))
     except OSError as e:
         raise OobleckError(f"agent {opts.node}: cannot start worker {opts.command!r}: {e}") from e
     finally:
@@ -136,6 +142,45 @@ def set_priority(nice: int, workers: list[Worker]) -> bool:
         return True
     except OSError:  # (PermissionError: not root; a worker that exited meanwhile)
         return False
+
+
+def raise_agent_priority() -> bool:
+    """Run this agent's threads -- this one and those it starts from now on -- at the lowest
+    real-time priority (SCHED_RR, AGENT_RT_PRIORITY); its workers and other children run as
+    usual (`usual_policy_for_children`). False where not allowed (not root, no RLIMIT_RTPRIO).
+
+    Why: the agent answers its peers' heartbeats and a stall probe's pings, and it shares a
+    scheduling group with its busy workers (one autogroup per session: the node's process
+    group). When the cores are oversubscribed the group waits for its turn as a whole: a
+    thread sleeping 20 ms in a session with two spinning processes, on this 2-core machine
+    already loaded, woke up to 0.23 s late (118 times more than 0.05 s late in 90 s; 102
+    with the spinners at nice 5; never at SCHED_RR). An agent that late misses a probe's deadline, and its healthy node
+    is evicted (bench/recovery.py crash_under_hog: an agent silent for 1.06 s while a restarted
+    node's workers started was fenced). An agent uses little CPU: it waits on sockets."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(AGENT_RT_PRIORITY))
+        return True
+    except (OSError, AttributeError):  # (EPERM; no such call on this platform)
+        return False
+
+
+@contextlib.contextmanager
+def usual_policy_for_children() -> Iterator[None]:
+    """Processes this thread starts inside the block run at the usual policy (the kernel's
+    SCHED_RESET_ON_FORK), not at the agent's real-time one (`raise_agent_priority`)."""
+    try:
+        policy = os.sched_getscheduler(0)
+    except (OSError, AttributeError):
+        policy = -1
+    if policy != os.SCHED_RR:
+        yield
+        return
+    param = os.sched_getparam(0)
+    os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, param)
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, os.SCHED_RR, param)
 
 
 def process_state(pid: int) -> str:

@@ -103,7 +103,8 @@ NODES_RELEASED = _declare("nodes_released", "Nodes drained from a Slurm job were
                           {"nodes": _Nodes, "ok": bool, "detail": str})
 # The agents (per-node supervisor) and the control plane.
 AGENT_STARTED = _declare("agent_started", "A node's agent started its workers.",
-                         {"pid": int, "workers": int, "port": int, "worker_pids": list})
+                         {"pid": int, "workers": int, "port": int, "worker_pids": list},
+                         {"realtime": bool})
 AGENT_EXIT = _declare("agent_exit", "A node's agent exits with this code.",
                       {"code": int, "reason": str}, {"how": str})
 AGENT_FINISHED = _declare("agent_finished", "Every worker of the node finished.",
