@@ -154,9 +154,10 @@ def raise_agent_priority() -> bool:
     group). When the cores are oversubscribed the group waits for its turn as a whole: a
     thread sleeping 20 ms in a session with two spinning processes, on this 2-core machine
     already loaded, woke up to 0.23 s late (118 times more than 0.05 s late in 90 s; 102
-    with the spinners at nice 5; never at SCHED_RR). An agent that late misses a probe's deadline, and its healthy node
-    is evicted (bench/recovery.py crash_under_hog: an agent silent for 1.06 s while a restarted
-    node's workers started was fenced). An agent uses little CPU: it waits on sockets."""
+    with the spinners at nice 5; never at SCHED_RR). An agent that late misses a probe's
+    deadline, and its healthy node is evicted (bench/recovery.py crash_under_hog: an agent
+    silent for 1.06 s while a restarted node's workers started was fenced). An agent uses
+    little CPU: it waits on sockets."""
     try:
         os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(AGENT_RT_PRIORITY))
         return True
