@@ -797,26 +797,21 @@ def test_connecting_to_a_store_host_that_died_gives_way_to_a_newer_round():
         server.close()
 
 
-@pytest.mark.timeout(60)
-def test_the_restore_agreement_gives_way_to_a_newer_round():
-    """A node lost during the restore (chaos seed 7007, trial 6: node0, the store host, left at
-    the restore; the workers still building the groups failed and left the start, those
-    already in the restore's all-reduce waited the regroup's timeout, 300 s, for peers that
-    never came). The agreement is bounded by that timeout and ends as soon as the agents open
-    the next round (`abort`: the driver's `round_opened`)."""
+@pytest.fixture
+def world_with_a_silent_peer():
+    """A 2-rank gloo world, rank 0 in this process (collective timeout 30 s, setup timeout
+    120 s), whose rank 1, another process, is in the world but never takes part in anything:
+    a survivor that left a failed start, or a peer stopped after the regroup."""
     import datetime
     import subprocess
     import sys
-    import time
 
     import torch.distributed as dist
 
     from oobleck_hpc.engine import Comm
-    from oobleck_hpc.engine.groups import Aborted
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
-    # The survivor that left the failed start: in the world, never in the agreement.
     peer = subprocess.Popen([sys.executable, "-c", f"""
 import datetime, time, torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", {store.port}, is_master=False,
@@ -829,18 +824,62 @@ time.sleep(120)
     comm = None
     try:
         store.wait(["arrived"])
-        comm = Comm.init(store, 0, 2, 0, "gloo", timeout_s=2.0, init_timeout_s=120.0)
-        assert comm.setup_timeout_s == 120.0
-        t0 = time.monotonic()
-        with pytest.raises(Aborted):
-            comm.all_reduce_max([3.0], abort=lambda: time.monotonic() > t0 + 0.5,
-                                timeout_s=comm.setup_timeout_s)
-        assert time.monotonic() - t0 < 2.0
+        comm = Comm.init(store, 0, 2, 0, "gloo", timeout_s=30.0, init_timeout_s=120.0)
+        yield comm
     finally:
         if comm is not None:
             comm.abandon()
         peer.kill()
         peer.wait()
+
+
+@pytest.mark.timeout(60)
+def test_the_restore_agreement_gives_way_to_a_newer_round(world_with_a_silent_peer):
+    """A node lost during the restore (chaos seed 7007, trial 6: node0, the store host, left at
+    the restore; the workers still building the groups failed and left the start, those
+    already in the restore's all-reduce waited the regroup's timeout, 300 s, for peers that
+    never came). The agreement is bounded by that timeout and ends as soon as the agents open
+    the next round (`abort`: the driver's `round_opened`)."""
+    import time
+
+    from oobleck_hpc.engine.groups import Aborted
+
+    comm = world_with_a_silent_peer
+    assert comm.setup_timeout_s == 120.0
+    t0 = time.monotonic()
+    with pytest.raises(Aborted):
+        comm.all_reduce_max([3.0], abort=lambda: time.monotonic() > t0 + 0.5,
+                            timeout_s=comm.setup_timeout_s)
+    assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.timeout(60)
+def test_a_transfer_gives_way_to_a_newer_round(world_with_a_silent_peer):
+    """Chaos seed 5199, trial 8: a peer that exited during the transfer held a survivor in
+    its receive for gloo's whole collective timeout (5 s), while the next round's members
+    waited for it. The transfer's wait ends as soon as the agents open the next round (as
+    recovery/rounds.transfer waits: Comm.wait with `round_opened` as its abort)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from oobleck_hpc.engine.groups import Aborted, Waiter
+    from oobleck_hpc.planning.reconfigure import Transfer
+    from oobleck_hpc.recovery.transfer import execute
+
+    comm = world_with_a_silent_peer
+    new = SimpleNamespace(state=SimpleNamespace(step=0), device=torch.device("cpu"),
+                          layers={0: torch.nn.Linear(4, 4)}, optimizer=None)
+    waiter = Waiter("transfer-wait")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Aborted):
+            execute([Transfer(0, 1, 0, 80)], 0, None, new, lambda works: comm.wait(
+                works, waiter, lambda: time.monotonic() > t0 + 0.5, sync=True))
+    finally:
+        waiter.close()
+    assert 0.5 < time.monotonic() - t0 < 2.0
 
 
 @pytest.mark.timeout(60)

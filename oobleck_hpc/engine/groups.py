@@ -60,7 +60,7 @@ import datetime
 import os
 import queue
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -247,32 +247,42 @@ class Comm:
         world.group_count = 0
         self.groups.clear()
 
-    def wait(self, work: dist.Work, waiter: Waiter, abort: Callable[[], bool] | None,
-             sync: bool = False, timeout_s: float | None = None) -> None:
-        """Wait for `work`, bounded by `timeout_s` (default: the collective timeout), giving up
-        as soon as `abort()` turns true (raising `Aborted`). NCCL: a stream dependency, the CPU
-        runs on -- unless `sync` (the result is read on the CPU next): then `is_completed()` is
-        polled here. gloo: on the waiter's thread while this one polls `abort()` (module
+    def wait(self, work: dist.Work | Sequence[dist.Work], waiter: Waiter,
+             abort: Callable[[], bool] | None, sync: bool = False,
+             timeout_s: float | None = None) -> None:
+        """Wait for `work` (one, or several waited together: a transfer's messages), each
+        bounded by `timeout_s` (default: the collective timeout), giving up as soon as
+        `abort()` turns true (raising `Aborted`). NCCL: a stream dependency, the CPU runs on --
+        unless `sync` (the result is read on the CPU next): then `is_completed()` is polled
+        here. gloo: on the waiter's thread while this one polls `abort()` (module
         docstring)."""
+        works = [work] if isinstance(work, dist.Work) else list(work)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self.nccl:
             if not sync:
-                work.wait()
+                for w in works:
+                    w.wait()
                 return
 
             def completed() -> bool:
-                if work.is_completed():
+                if all(w.is_completed() for w in works):
                     return True
                 if abort is not None and abort():
                     raise Aborted("the elastic layer aborted the step (a membership round opened)")
                 return False
 
             wait_until(completed, timeout_s, "a collective to complete", every_s=0.0005)
-            work.wait()  # completed: raises if it failed (NCCL has no is_success() any more)
+            for w in works:
+                w.wait()  # completed: raises if it failed (NCCL has no is_success() any more)
             return
         timeout = datetime.timedelta(seconds=timeout_s)
+
+        def wait_all() -> None:
+            for w in works:
+                w.wait(timeout)
+
         if abort is None:
-            work.wait(timeout)
+            wait_all()
             return
 
         def stop() -> BaseException | None:
@@ -280,7 +290,7 @@ class Comm:
                 return Aborted("the elastic layer aborted the step (a membership round opened)")
             return None
 
-        waiter.run(lambda: work.wait(timeout), stop, 0.002)
+        waiter.run(wait_all, stop, 0.002)
 
     def all_reduce_max(self, values: list[float], abort: Callable[[], bool] | None = None,
                        timeout_s: float | None = None) -> list[float]:

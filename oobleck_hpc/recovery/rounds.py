@@ -287,6 +287,7 @@ def transfer(s: DriverState, m: Membership, new_plan: Plan, comm: Comm, groups: 
     this rank keeps (no copy), allocates the layers it receives uninitialised, and receives
     them from surviving replicas (recovery/transfer.py). Returns the engine."""
     from oobleck_hpc.engine import Engine
+    from oobleck_hpc.engine.groups import Aborted, Waiter
     from oobleck_hpc.planning.reconfigure import transfer_plan
     from oobleck_hpc.recovery import transfer as transfer_state
 
@@ -298,14 +299,22 @@ def transfer(s: DriverState, m: Membership, new_plan: Plan, comm: Comm, groups: 
                     abort=partial(round_opened, s), adopt=s.base, receive=receive)
     t1 = time.time()
     rec.phases["init"] = rec.phases.get("init", 0.0) + (t1 - t0)
+    waiter = Waiter("transfer-wait")
     try:
         moves = transfer_plan(s.base_plan, new_plan, s.profile, s.fresh)
         if s.faults is not None:
             s.faults("transfer", s.base.state.step + 1)
-        stats = transfer_state.execute(moves, comm.rank, s.base, engine, comm.timeout)
+        stats = transfer_state.execute(
+            moves, comm.rank, s.base, engine,
+            lambda works: comm.wait(works, waiter, partial(round_opened, s), sync=True))
+    except Aborted as e:  # a newer round opened: its members wait for this rank there
+        engine.close()
+        raise Superseded(f"generation {m.gen} superseded during the transfer") from e
     except BaseException:
         engine.close()
         raise
+    finally:
+        waiter.close()
     rec.phases["transfer"] = rec.phases.get("transfer", 0.0) + (time.time() - t1)
     rec.bytes_moved = sum(t.nbytes for t in moves)
     s.events.emit("state_transferred", generation=m.gen, rank=comm.rank,

@@ -24,14 +24,19 @@ engine's, unchanged until the new plan's first commit.
 Every message is posted at once -- gloo: isend / irecv on the new world, one tag per tensor
 (`layer * TAGS + i`); NCCL: one `batch_isend_irecv` group (no pair can deadlock) -- and then
 waited with the collective timeout: a peer that dies during the transfer turns into an
-exception here, and the caller starts a new round from the same base.
+exception here, and the caller starts a new round from the same base. The wait also ends as
+soon as a newer membership round opens (the caller's `wait`: Comm.wait with the round as its
+abort): a peer that stopped without breaking its connection (a hang, or a node whose loss
+the agents noticed first) no longer holds this rank for the collective timeout -- a gloo
+receive cannot be cancelled, so before this a transfer waited out its 5 s while the next
+round's members were already waiting for this rank (chaos, seed 5199, trial 8).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,8 +128,9 @@ def _set_steps(engine, layer: int, steps: list[str], values: torch.Tensor) -> No
 
 
 def execute(transfers: Sequence[Transfer], rank: int, old_engine, new_engine,
-            timeout) -> TransferStats:
-    """Run this rank's part of the transfer plan (see module docstring)."""
+            wait: Callable[[list[dist.Work]], None]) -> TransferStats:
+    """Run this rank's part of the transfer plan (see module docstring); `wait` waits for
+    the posted messages (Comm.wait: bounded, and given up when a newer round opens)."""
     t0 = time.perf_counter()
     has_optim = new_engine.state.step > 0
     device = new_engine.device
@@ -151,8 +157,8 @@ def execute(transfers: Sequence[Transfer], rank: int, old_engine, new_engine,
     else:
         works = [dist.isend(x, dst=peer, tag=tag) if op == "isend" else
                  dist.irecv(x, src=peer, tag=tag) for op, x, peer, tag in ops]
-    for work in works:
-        work.wait(timeout)
+    if works:
+        wait(list(works))
     for layer, steps, values in received:
         _set_steps(new_engine, layer, steps, values)
     stats.seconds = time.perf_counter() - t0
