@@ -15,7 +15,10 @@ LONG = {"fleet": "fleet manager (in place, then nodes moved between jobs)",
         "restart": "checkpoint-restart per job"}
 
 
-def format_table(results: dict[str, FleetResult], title: str = "") -> str:
+def format_table(results: dict[str, FleetResult], title: str = "",
+                 ceiling: float | None = None) -> str:
+    """One row per policy; `ceiling` (fleet/simulate.ceiling_waf), when given, on its own
+    line: the WAF no policy exceeds on this trace."""
     names = list(next(iter(results.values())).jobs)
     base = results.get("own")
     head = ["policy", "WAF", "x own"] + names + ["moves", "fallbacks"]
@@ -30,26 +33,35 @@ def format_table(results: dict[str, FleetResult], title: str = "") -> str:
     for row in [head] + rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))))
+    if ceiling is not None:
+        ratio = f" = {ceiling / base.mean_waf:.3f} x own" if base and base.mean_waf > 0 else ""
+        lines.append(f"ceiling: WAF {ceiling:.4g}{ratio} (the best allocation of the nodes "
+                     "alive at every moment, free of cost: no policy exceeds it)")
     lines.append("WAF: mean over the simulated time of sum over jobs of weight x FLOPs per "
                  "sample x goodput (samples kept per second); per job columns are each job's "
                  "share.")
     return "\n".join(lines)
 
 
-def to_json(results: dict[str, FleetResult], meta: dict) -> str:
+def to_json(results: dict[str, FleetResult], meta: dict, ceiling: float) -> str:
     window = plot_window_s(meta["duration_s"])
     own = results.get("own")
     ratios = ({k: r.mean_waf / own.mean_waf for k, r in results.items()}
-              if own and own.mean_waf > 0 else {})
+              | {"ceiling": ceiling / own.mean_waf} if own and own.mean_waf > 0 else {})
     return json.dumps({"meta": {**meta, "window_s": window}, "ratio_to_own": ratios,
+                       "ceiling_waf": ceiling,
                        "policies": {k: r.to_dict(window) for k, r in results.items()}},
                       indent=1)
 
 
-def waf_figure(results: dict[str, FleetResult], title: str, failure_times_s: list[float]):
-    """WAF over time per policy (top) and each job's nodes under the manager (bottom)."""
+def waf_figure(results: dict[str, FleetResult], title: str, failure_times_s: list[float],
+               ceiling: float):
+    """WAF over time per policy and the ceiling (top), and each job's nodes under the manager
+    (bottom)."""
     duration_s = max(r.duration_s for r in results.values())
     fig, top, bottom, window_s = two_panels(duration_s)
+    top.axhline(ceiling, color="0.4", linestyle="--", linewidth=1.0,
+                label=f"ceiling (the nodes alive, best allocated; mean): {ceiling:.3g}")
     for i, (name, r) in enumerate(results.items()):
         wins = r.waf_windows(window_s)
         edges = [0.0] + [t1 / 3600 for _, t1, _ in wins]
@@ -72,7 +84,7 @@ def waf_figure(results: dict[str, FleetResult], title: str, failure_times_s: lis
 
 
 def plot(results: dict[str, FleetResult], path: str | Path, title: str,
-         failure_times_s: list[float]) -> None:
+         failure_times_s: list[float], ceiling: float) -> None:
     """Write waf_figure(...) to `path` atomically (sim.report.save_figure; call
     sim.report.check_plot_target first)."""
-    save_figure(waf_figure(results, title, failure_times_s), path)
+    save_figure(waf_figure(results, title, failure_times_s, ceiling), path)

@@ -17,7 +17,9 @@ restart  the same ownership, each job checkpoint-restarting (RestartPolicy).
 
 All three start from the same allocation: the manager's decision on the whole pool (a fresh
 plan, nothing moves). So the comparison is of what happens after failures only; a baseline of
-badly sized jobs would flatter the manager.
+badly sized jobs would flatter the manager. `ceiling_waf` is the bound no policy passes on a
+trace (at every moment the decision on the nodes alive, free of cost): what a manager could
+gain at most.
 
 Each job's throughput on n nodes is its curve (curves.py: its planner's samples/s), run as a
 sim/scenario.TableBackend; its in-place recovery and its join each pause it transition_s (the
@@ -267,6 +269,28 @@ def simulate_fleet(jobs: list[SimJob], trace: Trace, duration_s: float, policy: 
 def simulate_policies(jobs: list[SimJob], trace: Trace, duration_s: float, horizon_s: float,
                       policies: tuple[str, ...] = FLEET_POLICIES) -> dict[str, FleetResult]:
     return {p: simulate_fleet(jobs, trace, duration_s, p, horizon_s) for p in policies}
+
+
+def ceiling_waf(jobs: list[SimJob], trace: Trace, duration_s: float) -> float:
+    """The most WAF any policy can keep, on average, on this trace: at every moment the best
+    allocation (allocate.decide: exact) of the nodes alive then, moved there at once and for
+    free, with no pause and no checkpoint. A job trains on nodes alive only, and a pause or
+    a checkpoint only subtracts from its goodput, so no policy's mean WAF exceeds it;
+    ceiling / own bounds what any manager can gain over every job on its own on that trace."""
+    curves = [j.curve(None) for j in jobs]
+    best: dict[int, float] = {}
+    alive, t, total = set(trace.nodes), 0.0, 0.0
+    events = sorted((e for e in trace.events if e.time_s < duration_s), key=lambda e: e.time_s)
+    for e in [*events, None]:
+        until = duration_s if e is None else e.time_s
+        n = len(alive)
+        if n not in best:
+            best[n] = decide(curves, n).total_waf
+        total += best[n] * (until - t)
+        if e is not None:
+            (alive.add if e.kind == "add" else alive.discard)(e.node)
+            t = until
+    return total / duration_s
 
 
 def fleet_jobs(path: str, nodes: int | None = None) -> tuple[FleetConfig, list[SimJob]]:

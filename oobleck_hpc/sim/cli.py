@@ -262,7 +262,7 @@ def simulate_fleet(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     the fleet policies (fleet/simulate.py) on one trace over the pool, as a table or JSON, and
     --plot."""
     from oobleck_hpc.fleet.report import format_table, plot, to_json
-    from oobleck_hpc.fleet.simulate import fleet_jobs, simulate_policies
+    from oobleck_hpc.fleet.simulate import ceiling_waf, fleet_jobs, simulate_policies
     from oobleck_hpc.sim.trace import node_names
 
     if args.growth:
@@ -273,6 +273,7 @@ def simulate_fleet(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
     replace = None if args.replace_after is None else 60.0 * args.replace_after
     trace = make_trace(args, node_names(fleet.pool.nodes), duration_s, replace)
     results = simulate_policies(jobs, trace, duration_s, 3600.0 * fleet.mtbf_hours, policies)
+    ceiling = ceiling_waf(jobs, trace, duration_s)
     weights = " / ".join(f"{j.name} x{j.weight:g}" for j in jobs)
     title = (f"fleet {fleet.name}: {len(jobs)} jobs ({weights}) on {fleet.pool.nodes} nodes\n"
              f"{trace.description}; {duration_h:g} h simulated, {trace.failures} failures")
@@ -280,10 +281,11 @@ def simulate_fleet(args: argparse.Namespace, policies: tuple[str, ...]) -> int:
         meta = {"fleet": args.fleet, "nodes": fleet.pool.nodes, "trace": trace.description,
                 "duration_s": duration_s, "failures": trace.failures, "seed": args.seed,
                 "mtbf_hours": fleet.mtbf_hours}
-        print(to_json(results, meta))
+        print(to_json(results, meta, ceiling))
     else:
-        print(format_table(results, title))
+        print(format_table(results, title, ceiling))
     if args.plot:
         return write_plot(args, lambda: plot(
-            results, args.plot, title, [e.time_s for e in trace.events if e.kind == "fail"]))
+            results, args.plot, title, [e.time_s for e in trace.events if e.kind == "fail"],
+            ceiling))
     return 0

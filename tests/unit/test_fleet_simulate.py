@@ -2,7 +2,8 @@
 does worse than every job healing on its own, on a test set of seeds and trace kinds
 (independent per-node failures with repairs, correlated bursts beyond f, a fixed interval,
 failures of the whole cluster with no repair); a lost node of the heaviest job is refilled from
-the lightest; a job drained below its smallest plan waits and resumes; the command's options."""
+the lightest; a job drained below its smallest plan waits and resumes; no policy passes the
+failure-free ceiling; the command's options."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from oobleck_hpc.errors import ConfigError
 from oobleck_hpc.fleet.allocate import decide
-from oobleck_hpc.fleet.simulate import SimJob, simulate_fleet, simulate_policies
+from oobleck_hpc.fleet.simulate import SimJob, ceiling_waf, simulate_fleet, simulate_policies
 from oobleck_hpc.sim.trace import Trace, TraceEvent, bursts, exponential, fixed_interval, node_names
 
 NODES = 24
@@ -49,6 +50,8 @@ def test_the_fleet_is_never_below_every_job_on_its_own(seed):
         fleet, own = r["fleet"].mean_waf, r["own"].mean_waf
         assert fleet >= own, f"{trace.description} seed {seed}: fleet {fleet} < own {own}"
         assert r["own"].moves == r["restart"].moves == 0
+        ceiling = ceiling_waf(JOBS, trace, DAY)  # the bound is one: no policy passes it
+        assert max(res.mean_waf for res in r.values()) <= ceiling * (1 + 1e-12)
         for res in r.values():  # every job's seconds add up to the simulated time
             for job in res.jobs.values():
                 assert sum(job.seconds.values()) == pytest.approx(DAY)
@@ -57,6 +60,13 @@ def test_the_fleet_is_never_below_every_job_on_its_own(seed):
 def test_without_failures_every_policy_trains_at_the_decision():
     trace = Trace(node_names(NODES), ())
     best = decide([j.curve(None) for j in JOBS], NODES)
+    assert ceiling_waf(JOBS, trace, DAY) == best.total_waf
+    a, b = trace.nodes[3], trace.nodes[5]  # a fails, comes back, then b fails for good
+    lost = Trace(trace.nodes, (TraceEvent(DAY / 4, "fail", a), TraceEvent(DAY / 2, "add", a),
+                               TraceEvent(DAY / 2, "fail", b)))
+    curves = [j.curve(None) for j in JOBS]
+    assert ceiling_waf(JOBS, lost, DAY) == pytest.approx(
+        (decide(curves, NODES).total_waf + 3 * decide(curves, NODES - 1).total_waf) / 4)
     for res in simulate_policies(JOBS, trace, DAY, 3 * 3600.0).values():
         assert res.nodes == [(0.0, best.nodes)]
         assert res.mean_waf == pytest.approx(best.total_waf, rel=1e-3)  # checkpoint pauses
@@ -143,6 +153,7 @@ def test_the_command_reports_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out["policies"]) == {"fleet", "own"}
     assert out["ratio_to_own"]["own"] == 1.0 and out["ratio_to_own"]["fleet"] >= 1.0
+    assert out["ratio_to_own"]["ceiling"] >= out["ratio_to_own"]["fleet"]
     fleet = out["policies"]["fleet"]
     assert fleet["failures"] == out["meta"]["failures"] == 2
     assert len(fleet["waf_windows"]) == 6 * 3600 / out["meta"]["window_s"]
