@@ -15,10 +15,9 @@ LONG = {"fleet": "fleet manager (in place, then nodes moved between jobs)",
         "restart": "checkpoint-restart per job"}
 
 
-def format_table(results: dict[str, FleetResult], title: str = "",
-                 ceiling: float | None = None) -> str:
-    """One row per policy; `ceiling` (fleet/simulate.ceiling_waf), when given, on its own
-    line: the WAF no policy exceeds on this trace."""
+def format_table(results: dict[str, FleetResult], title: str, ceiling: float) -> str:
+    """One row per policy, then `ceiling` (fleet/simulate.ceiling_waf): the WAF no policy
+    exceeds on this trace."""
     names = list(next(iter(results.values())).jobs)
     base = results.get("own")
     head = ["policy", "WAF", "x own"] + names + ["moves", "fallbacks"]
@@ -33,10 +32,9 @@ def format_table(results: dict[str, FleetResult], title: str = "",
     for row in [head] + rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))))
-    if ceiling is not None:
-        ratio = f" = {ceiling / base.mean_waf:.3f} x own" if base and base.mean_waf > 0 else ""
-        lines.append(f"ceiling: WAF {ceiling:.4g}{ratio} (the best allocation of the nodes "
-                     "alive at every moment, free of cost: no policy exceeds it)")
+    ratio = f" = {ceiling / base.mean_waf:.3f} x own" if base and base.mean_waf > 0 else ""
+    lines.append(f"ceiling: WAF {ceiling:.4g}{ratio} (the best allocation of the nodes alive at "
+                 "every moment, free of cost: no policy exceeds it)")
     lines.append("WAF: mean over the simulated time of sum over jobs of weight x FLOPs per "
                  "sample x goodput (samples kept per second); per job columns are each job's "
                  "share.")

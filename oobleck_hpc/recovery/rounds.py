@@ -292,11 +292,12 @@ def transfer(s: DriverState, m: Membership, new_plan: Plan, comm: Comm, groups: 
     from oobleck_hpc.recovery import transfer as transfer_state
 
     t0 = time.time()
+    abort = partial(round_opened, s)
     info = new_plan.ranks[comm.rank]
     receive = [i for i in range(info.layer_start, info.layer_end) if i not in s.base.layers]
     engine = Engine(s.job, s.model, new_plan, comm, groups, s.dataset, s.device,
                     state=replace(s.base.state), on_phase=partial(on_phase, s),
-                    abort=partial(round_opened, s), adopt=s.base, receive=receive)
+                    abort=abort, adopt=s.base, receive=receive)
     t1 = time.time()
     rec.phases["init"] = rec.phases.get("init", 0.0) + (t1 - t0)
     waiter = Waiter("transfer-wait")
@@ -306,7 +307,7 @@ def transfer(s: DriverState, m: Membership, new_plan: Plan, comm: Comm, groups: 
             s.faults("transfer", s.base.state.step + 1)
         stats = transfer_state.execute(
             moves, comm.rank, s.base, engine,
-            lambda works: comm.wait(works, waiter, partial(round_opened, s), sync=True))
+            lambda works: comm.wait(works, waiter, abort, sync=True))
     except Aborted as e:  # a newer round opened: its members wait for this rank there
         engine.close()
         raise Superseded(f"generation {m.gen} superseded during the transfer") from e

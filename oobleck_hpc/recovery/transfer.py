@@ -158,7 +158,7 @@ def execute(transfers: Sequence[Transfer], rank: int, old_engine, new_engine,
         works = [dist.isend(x, dst=peer, tag=tag) if op == "isend" else
                  dist.irecv(x, src=peer, tag=tag) for op, x, peer, tag in ops]
     if works:
-        wait(list(works))
+        wait(works)
     for layer, steps, values in received:
         _set_steps(new_engine, layer, steps, values)
     stats.seconds = time.perf_counter() - t0
