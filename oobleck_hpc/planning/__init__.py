@@ -36,10 +36,10 @@ def template_microbatches(global_microbatches: int, num_nodes: int, n0: int, f: 
     return max(1, round(global_microbatches / pipes))
 
 
-def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
-             ) -> tuple[NodeSpec, dict[int, Template], Plan]:
-    """Node specification, templates and the initial plan of `job` on `nodes`; PlanningError
-    if some loss of k <= f nodes could not be reconfigured in place (reconfigure.py).
+def job_templates(job: JobConfig, profile: ModelProfile, num_nodes: int
+                  ) -> tuple[NodeSpec, dict[int, Template]]:
+    """Node specification and templates of `job` on `num_nodes` nodes (they depend on the count
+    only: a node joining a running job rebuilds its members' templates from their count).
 
     The templates are built from `cost.job_profile(job, profile)`: on a CPU host with more
     workers than cores every time is scaled by the measured core-sharing slowdown (cost.py)."""
@@ -51,18 +51,28 @@ def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
     # A CPU host running more workers than cores: each pretend GPU gets a share of a core.
     profile = cost.job_profile(job, profile)
     try:
-        spec = node_specification(profile, len(nodes), f)
+        spec = node_specification(profile, num_nodes, f)
     except PlanningError as e:
         if job.train.recompute:
             raise
         try:  # would activation recomputation make it fit? Then say so.
-            node_specification(cost.with_recompute(profile), len(nodes), f)
+            node_specification(cost.with_recompute(profile), num_nodes, f)
         except PlanningError:
             raise e from None
         raise PlanningError(f"{e}; or activation recomputation: with train.recompute: true "
                             f"in {job.source} it fits") from None
-    m = template_microbatches(B, len(nodes), spec.n0, f)
-    templates = build_templates(profile, spec.template_sizes, m)
+    m = template_microbatches(B, num_nodes, spec.n0, f)
+    return spec, build_templates(profile, spec.template_sizes, m)
+
+
+def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
+             ) -> tuple[NodeSpec, dict[int, Template], Plan]:
+    """Node specification, templates (`job_templates`) and the initial plan of `job` on
+    `nodes`; PlanningError if some loss of k <= f nodes could not be reconfigured in place
+    (reconfigure.py)."""
+    spec, templates = job_templates(job, profile, len(nodes))
+    f, B = job.fault_tolerance.f, job.train.global_microbatches
+    profile = cost.job_profile(job, profile)
     if B < f + 1:
         raise PlanningError(f"{job.source}: train.global_microbatches = {B} cannot feed f + 1 = "
                             f"{f + 1} pipelines (each needs at least one). Fix: raise it to >= {f + 1}")
@@ -74,4 +84,4 @@ def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
     return spec, templates, plan
 
 
-__all__ = ["plan_job", "template_microbatches", "NodeSpec", "Plan", "Template"]
+__all__ = ["plan_job", "job_templates", "template_microbatches", "NodeSpec", "Plan", "Template"]

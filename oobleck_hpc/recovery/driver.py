@@ -180,6 +180,7 @@ class ElasticDriver:
             s.gen, s.view = m.gen, m.nodes
             try:
                 _, s.templates, plan = plan_job(s.job, s.profile, list(m.nodes))
+                s.template_nodes = len(m.nodes)
             except OobleckError as e:
                 if m.gen == 0:
                     raise  # bad input: the job as submitted cannot be planned

@@ -49,17 +49,16 @@ def join(s: DriverState, first_nodes: Sequence[str],
     swaps it in, then take part in that round's recovery (module docstring). The engine it
     builds holds exactly the members' committed state; the round's replayed step is this
     node's first. Returns (plan, comm) like `ElasticDriver.start`. `first_nodes`: generation
-    0's nodes (the templates' size).
+    0's nodes, whose count the templates are built for while this node waits (the members say
+    theirs: a start that lost nodes built them for fewer, `joining_base`).
 
     The workers of a node that stepped out after a crash start here too, with `after_gen`:
     the generation the node left; they join when a round adds it again, as a spare's do."""
-    from oobleck_hpc.planning import plan_job
-
     # What an engine's first build costs once per process, paid now instead of during the
     # swap: the optimizer's first construction imports torch._dynamo (~1 s on a 2-core
     # machine, measured: the whole of a joiner's engine init).
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-    _, s.templates, _ = plan_job(s.job, s.profile, list(first_nodes))
+    build_templates(s, len(first_nodes))
     m = s.client.wait_membership(after_gen=-1 if after_gen is None else after_gen)
     t_told = time.time()
     while True:
@@ -98,11 +97,14 @@ def joining_base(s: DriverState, gen: int) -> Joining:
     values = s.client.exchange(f"reconcile-{gen}", asdict(JOINER), timeout=s.agree_s, gen=gen)
     members = Standing.gathered(values)
     step = max(x.step for x in members)
-    ahead = {(x.base, x.cursor, x.groups, x.base_gen) for x in members if x.step == step}
+    ahead = {(x.base, x.cursor, x.groups, x.base_gen, x.template_nodes)
+             for x in members if x.step == step}
     if len(ahead) != 1:
         raise RecoveryError(f"the members of generation {gen} committed step {step} on "
                             f"different plans or cursors: {sorted(ahead)}")
-    digest, cursor, groups, base_gen = ahead.pop()
+    digest, cursor, groups, base_gen, template_nodes = ahead.pop()
+    if template_nodes != s.template_nodes:
+        build_templates(s, template_nodes)
     plan = plan_from_groups([list(g) for g in groups], s.templates,
                             s.job.train.global_microbatches,
                             job_profile(s.job, s.profile), base_gen)
@@ -111,3 +113,10 @@ def joining_base(s: DriverState, gen: int) -> Joining:
                             f"{plan.digest() if plan else None}, they have {digest}")
     s.fresh = Standing.fresh(values, plan.nodes)
     return Joining(TrainState(step=step, cursor=cursor), plan)
+
+
+def build_templates(s: DriverState, num_nodes: int) -> None:
+    from oobleck_hpc.planning import job_templates
+
+    _, s.templates = job_templates(s.job, s.profile, num_nodes)
+    s.template_nodes = num_nodes

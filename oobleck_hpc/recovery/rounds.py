@@ -51,6 +51,9 @@ class Standing:
     groups: tuple[tuple[str, ...], ...]
     """Its base plan's pipelines (their nodes), from which a joiner rebuilds that plan."""
     base_gen: int
+    template_nodes: int
+    """The node count its templates were built for (a start that lost nodes planned afresh on
+    fewer): a joiner builds the same ones to rebuild the base plan."""
 
     @classmethod
     def gathered(cls, values: dict[str, list[Any]]) -> list[Standing]:
@@ -68,7 +71,7 @@ class Standing:
                          for lr, v in enumerate(per_node) if v["step"] < 0)
 
 
-JOINER = Standing("", -1, -1, "", (), -1)
+JOINER = Standing("", -1, -1, "", (), -1, 0)
 
 
 @dataclass
@@ -373,7 +376,7 @@ def reconcile(s: DriverState, gen: int, held: Engine | None) -> None:
     mine = Standing(s.base_plan.digest(), state.step, state.cursor,
                     held.plan.digest() if held is not None else "",
                     tuple(tuple(p.nodes) for p in s.base_plan.pipelines),
-                    s.base_plan.generation)
+                    s.base_plan.generation, s.template_nodes)
     values = s.client.exchange(f"reconcile-{gen}", asdict(mine), timeout=s.agree_s, gen=gen)
     every = Standing.gathered(values)
     s.fresh = Standing.fresh(values, s.base_plan.nodes)

@@ -65,7 +65,9 @@ class DriverState:
     view: tuple[str, ...] = ()
     """Generation `gen`'s decided nodes, in the agents' order (their quorum rule reads it)."""
     templates: dict[int, Template] | None = None
-    """Pipeline templates by node count, built once from generation 0's nodes."""
+    """Pipeline templates by node count, built once for the nodes of the generation that
+    started (`template_nodes` of them: a start that lost nodes builds them again)."""
+    template_nodes: int = 0
     plan: Plan | None = None
     """The plan `engine` trains on."""
     comm: Comm | None = None
