@@ -64,6 +64,10 @@ class Exchanges:
         self._mine.clear()
         return failed
 
+    def waiting(self, gen: int) -> bool:
+        """This node gave its value to an exchange of generation `gen` that has not completed."""
+        return any(g == gen for g, _ in self._mine)
+
     def keys(self, gen: int) -> list[str]:
         return [key for g, key in self._values if g == gen]
 

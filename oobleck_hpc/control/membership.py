@@ -53,7 +53,12 @@ Message flow
    step. A suspicion during that round shrinks it as usual.
 4c. Leaving (`leave`, BYE): "finished" (the node's workers ended the job, as every node's do:
    the last step is done, or all stop for a requeue) only marks the node as left: no round, no
-   fencing, and later rounds leave it out. "early" (it leaves while the others go on) is a loss
+   fencing, and later rounds leave it out -- except a member that stops for a requeue (exit
+   75) while this node's workers wait on an exchange of the generation: its value will never
+   come, so a round opens at once (a joiner that could not join fell back alone, and the
+   members waited out their recovery's exchange: 52 s in fleet chaos seed 3201 trial 7). Its
+   peers' exchanges then fail and the round decides without it; nodes that all stop for the
+   requeue are past their exchanges (a stop is decided by the commit vote), or fall back anyway. "early" (it leaves while the others go on) is a loss
    like any other: the receivers suspect it. "abort" (a worker rejected the job's input) stops
    every receiver with exit code 2: the input is the same everywhere. "finished" and "abort" go
    to the spares too, which stop with the member's code (the job ended without needing them).
@@ -619,6 +624,9 @@ class MembershipCore(ExchangeSteps):
             self.joiners.pop(src, None)
             self.left.add(src)
             self.notes.append(("peer_left", {"node": src, "code": code}))
+            d = self.decided
+            if code == EXIT_REQUEUE and src in d.nodes and self._x.waiting(d.gen):
+                self._update_round()  # 4c: it stopped for a requeue alone
         elif how == "abort":
             self.fence(f"{src} stopped the job: bad input: {reason}", code=EXIT_BAD_INPUT)
         elif how == "withdraw":

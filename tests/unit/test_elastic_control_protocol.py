@@ -938,3 +938,42 @@ def test_a_joiner_that_dies_while_joining_and_an_excluded_member_never_come_back
     assert net.cores["n2"].fenced
     net.cores["n0"].handle("n2", {"type": "join", "how": "spare"})
     assert net.cores["n0"].outbox[-1] == ("n2", {"type": "fence", "gen": 1, "nodes": ["n0", "n1"]})
+
+
+@pytest.mark.parametrize("code, exchanging", [(75, True), (75, False), (0, True)])
+def test_a_member_that_stops_for_a_requeue_alone_ends_the_exchanges_that_wait_on_it(
+        code, exchanging):
+    """A member that says BYE "finished" with exit 75 (it fell back alone: a joiner that could
+    not rebuild its members' plan) while the others wait on an exchange of the generation: a
+    round opens at once and decides without it -- its value would never come (fleet chaos seed
+    3201 trial 7: the members waited out their 52 s bound). With no exchange waiting, or after
+    the job's last step (exit 0), "finished" only marks the node as left (4c)."""
+    net = SimNet(4, seed=13)
+    notes: dict[str, list] = {m: [] for m in net.names}
+    plain_drain = net.drain
+
+    def drain(m):
+        notes[m].extend(net.cores[m].notes)
+        plain_drain(m)
+
+    net.drain = drain
+    if exchanging:
+        for m in ("n0", "n1", "n3"):
+            net.cores[m].exchange("recover-0", m)
+            net.drain(m)
+    net.cores["n2"].leave("finished", code)
+    net.drain("n2")
+    net.crashed.add("n2")  # its agent exits right after
+    net.detected.update((m, "n2") for m in net.names)  # the BYE explains its closed links
+    while net.step(chaos=False):
+        pass
+    others = ("n0", "n1", "n3")
+    if code == 75 and exchanging:
+        assert all(net.cores[m].decided.nodes == others for m in others)
+        for m in others:
+            (failed,) = [f for k, f in notes[m] if k == "exchange_failed"]
+            assert failed["key"] == "recover-0" and "round" in failed["reason"]
+    else:
+        assert all(net.cores[m].decided.gen == 0 and net.cores[m].proposal is None
+                   for m in others)
+    assert not any(net.cores[m].fenced for m in others)
