@@ -673,6 +673,51 @@ def test_a_round_that_waits_on_a_silent_member_probes_it_instead_of_waiting_out_
 
 
 @pytest.mark.timeout(60)
+def test_an_exchange_that_waits_on_a_silent_member_probes_it_instead_of_waiting_out_its_lease(
+        tmp_path):
+    """Five control planes in this process, past their start (control/stall_probe.py, an
+    exchange's wait). Every member but e gives its value to a recovery's exchange; e is frozen
+    (its lock held) right after the generation was decided, so no round is open and no worker
+    stalls in a collective. a, which gathers the exchange, pings e once it has waited a
+    deadline (0.625 s for this 5 s lease), with witnesses b and c, and suspects it a deadline
+    later: generation 1 is a to d within two deadlines and two ticks, far under the lease, and
+    the exchange fails at every member (its workers then recover in the new generation). The
+    others wait on a, which answers. (Chaos seed 5201, trial 19: the survivors' reconcile
+    waited 3 s for a hung node's lease.)"""
+    log = tmp_path / "events.jsonl"
+    cps = planes(log, "abcde")
+    a = cps["a"]
+    failed: dict[str, list] = {m: [] for m in "abcd"}
+    for m in "abcd":
+        cps[m].started()
+        cps[m].on_note = lambda kind, fields, m=m: failed[m].append(fields["key"]) if (
+            kind == "exchange_failed") else None
+    try:
+        with cps["e"]._lock:
+            time.sleep(0.15)  # (what e sent before arrives)
+            t = time.monotonic()
+            for m in "abcd":
+                cps[m].exchange("reconcile-0", m, gen=0)
+            while not all(cps[m].core.decided.nodes == tuple("abcd") for m in "abcd"):
+                assert time.monotonic() - t < 4.0, f"no generation without e: {read_events(log)}"
+                time.sleep(0.01)
+            decided = time.monotonic() - t
+        events = read_events(log)
+        (probed,) = [e for e in events if e["kind"] == "stall_probed" and e["source"] == "a"]
+        assert probed["why"] == "exchange reconcile-0 waits on e", probed
+        assert probed["silent"] == ["e"] and sorted(probed["answered_s"]) == ["b", "c"], probed
+        assert decided < 2 * probed["timeout_s"] + 0.5 < a.lease_s, (decided, probed)
+        others = [e for e in events if e["kind"] == "stall_probed" and e["source"] != "a"]
+        assert all(e["nodes"] == ["a"] and e["silent"] == [] for e in others), others
+        assert all(failed[m] == ["reconcile-0"] for m in "abcd"), failed
+        print(f"\n[figures] an exchange waiting on a frozen member: generation without it in "
+              f"{decided:.3f} s (deadline {probed['timeout_s']} s, lease {a.lease_s} s)")
+    finally:
+        for cp in cps.values():
+            cp.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_stall_probe_whose_answers_come_slowly_waits_longer_for_its_silent_node(tmp_path):
     """Four control planes in this process (control/stall_probe.py). A worker of a stalls
     waiting on c, and a pings c with witnesses b and d, then is descheduled for 0.45 s (its

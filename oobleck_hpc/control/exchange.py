@@ -64,9 +64,15 @@ class Exchanges:
         self._mine.clear()
         return failed
 
-    def waiting(self, gen: int) -> bool:
-        """This node gave its value to an exchange of generation `gen` that has not completed."""
-        return any(g == gen for g, _ in self._mine)
+    def waiting(self, gen: int) -> list[str]:
+        """The keys of generation `gen`'s exchanges that this node gave its value to and that
+        have not completed here."""
+        return [key for g, key in self._mine if g == gen]
+
+    def missing(self, gen: int, key: str, nodes: Sequence[str]) -> list[str]:
+        """The nodes of `nodes` whose values for exchange `key` are not in here."""
+        values = self._values.get((gen, key), {})
+        return [n for n in nodes if n not in values]
 
     def keys(self, gen: int) -> list[str]:
         return [key for g, key in self._values if g == gen]
@@ -110,6 +116,20 @@ class ExchangeSteps:
             self.outbox.append((coordinator, {"type": "exchange", "xgen": gen, "key": key,
                                               "value": value}))
         self._check_exchange(gen, key)
+
+    def waiting_exchanges(self) -> list[str]:
+        """The keys of this node's exchanges of the current generation that wait (none while
+        a round is open)."""
+        if self.fenced or self.proposal is not None:
+            return []
+        return self._x.waiting(self.decided.gen)
+
+    def exchange_waits_on(self, key: str) -> list[str]:
+        """The nodes exchange `key` of the current generation waits on, as far as this node can
+        tell: at the view's coordinator, the members whose values are not in; elsewhere, the
+        coordinator, which gathers them (control/stall_probe.py probes them)."""
+        d = self.decided
+        return self._x.missing(d.gen, key, d.nodes) if d.nodes[0] == self.me else [d.nodes[0]]
 
     def _on_exchange(self, src: str, msg: dict[str, Any]) -> None:
         gen, d = msg["xgen"], self.decided

@@ -63,6 +63,17 @@ node found by nobody else would otherwise hold the round for its lease (chaos se
 the hung member's lease, as its workers' errors were explained by the round). A live member
 answers a round in milliseconds, so its silence for two deadlines is the same evidence as a
 stalled worker's.
+
+So is an exchange's wait (`exchange_wait`, from the same ticker, once the start is over): an
+exchange of the generation (a recovery's reconcile, the end's) that this node's workers gave
+their value to and that has waited a deadline -- at the coordinator, on the members whose
+values are not in (at most EXCHANGE_PINGS of them); elsewhere, on the coordinator -- pings
+them, once per exchange. No round is open then and no collective runs, so neither the round's
+probe nor a worker's stall sees a node that hung right after a round decided (chaos seed 5201,
+trial 19: node2 stopped 13 ms after it agreed generation 1, and the survivors' reconcile
+waited 3 s for its lease). A member still busy answers its ping and is left alone. Not the
+commit vote: it waits for every member's step, which under a CPU hog outlasts a deadline, and
+the workers' stall watch covers it with the usual step's threshold (recovery/stall.py).
 """
 
 from __future__ import annotations
@@ -71,6 +82,8 @@ import functools
 import math
 import time
 from typing import TYPE_CHECKING, Any
+
+from oobleck_hpc.control.exchange import BOUNDARY
 
 if TYPE_CHECKING:
     from oobleck_hpc.control.plane import ControlPlane
@@ -86,6 +99,10 @@ docstring): it waits one more deadline before it suspects anyone."""
 SLOW_ANSWER_FACTOR = 2.0
 """A node is suspected only once silent this many times as long as the slowest answer to the
 same probe took (module docstring)."""
+EXCHANGE_PINGS = 4
+"""An exchange's wait is probed only when it waits on this many nodes at most (module
+docstring): one hung node among members still busy with their step is not a silence the probe
+can single out."""
 WITNESSES = 2
 """Members not named by a stall that its probe pings too: one answer shows that this agent is
 heard and hears (module docstring)."""
@@ -109,6 +126,9 @@ class StallProbes:
         """Nodes pinged and not yet judged: node -> (pinged at, answered at)."""
         self._round: tuple[int, tuple[str, ...]] | None = None
         """The last round (generation, proposal) whose wait was probed."""
+        self._exchanges: dict[tuple[int, str], float | None] = {}
+        """This node's waiting exchanges: (generation, key) -> when a tick first saw it wait,
+        None once probed."""
 
     def probe(self, suspects: list[str], why: str, gen: int, threshold_s: float = 0.0) -> None:
         """A worker of this node stalled in generation `gen` waiting on `suspects` (empty: it
@@ -137,6 +157,27 @@ class StallProbes:
         if waits and self._ping(waits, f"round {core.round} waits on {', '.join(waits)}",
                                 in_round=True):
             self._round = (core.round, core.proposal)
+
+    def exchange_wait(self, now: float) -> None:
+        """The ticker's look at this node's waiting exchanges (the plane's lock held): one that
+        has waited a deadline on nodes pings them (module docstring, an exchange's wait); once
+        per exchange, and not before the start is over."""
+        cp = self.plane
+        gen, waits = cp.core.decided.gen, cp.core.waiting_exchanges()
+        for k in [k for k in self._exchanges if k[0] != gen or k[1] not in waits]:
+            del self._exchanges[k]
+        if cp.monitor.starting or cp._loop is None:
+            return
+        for key in waits:
+            if key.startswith(BOUNDARY):
+                continue  # the commit vote (module docstring)
+            since = self._exchanges.setdefault((gen, key), now)
+            if since is None or now - since < self.deadline(now):
+                continue
+            nodes = cp.core.exchange_waits_on(key)
+            if 0 < len(nodes) <= EXCHANGE_PINGS and self._ping(
+                    nodes, f"exchange {key} waits on {', '.join(nodes)}", in_round=False):
+                self._exchanges[(gen, key)] = None
 
     def _ping(self, suspects: list[str], why: str, in_round: bool,
               threshold_s: float = 0.0) -> bool:

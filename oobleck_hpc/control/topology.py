@@ -324,6 +324,11 @@ class Monitor:
             self.detector.lease_s = self.lease_s
             self.emit("start_lease_ended", lease_s=self.lease_s)
 
+    @property
+    def starting(self) -> bool:
+        """This node's workers are not past their start yet (the start's longer lease)."""
+        return self.detector.lease_s != self.lease_s
+
     def trains(self) -> None:
         """A step committed here: the start is over. The first time, forget how late this
         machine ran until then (module docstring, `Lateness`: the start)."""
