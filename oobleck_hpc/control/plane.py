@@ -463,8 +463,7 @@ class ControlPlane:
             self.request_join(self._join_how)
         if self.core.joins_held and now - self._joins_held >= JOIN_HOLD_S:
             self._run(self.core.take_joiners)  # no step commits: take the joiners now
-        self._run(lambda: self.stalls.round_wait(now, self._round_t.get(self.core.round)))
-        self._run(lambda: self.stalls.exchange_wait(now))
+        self._run(lambda: self.stalls.tick(now, self._round_t.get(self.core.round)))
         if self._probe is not None and now >= self._probe[1]:
             started, _, gen, why = self._probe
             self._probe = None

@@ -145,6 +145,12 @@ class StallProbes:
                 return
             self._ping(suspects, why, in_round=False, threshold_s=threshold_s)
 
+    def tick(self, now: float, round_opened: float | None) -> None:
+        """The plane's ticker (its lock held): the open round's wait, opened at `round_opened`,
+        and this node's waiting exchanges."""
+        self.round_wait(now, round_opened)
+        self.exchange_wait(now)
+
     def round_wait(self, now: float, opened: float | None) -> None:
         """The ticker's look at the open round, opened at `opened` (the plane's lock held):
         once it has waited a deadline on nodes that sent nothing for it, ping them (module

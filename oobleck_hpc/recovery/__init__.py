@@ -5,7 +5,8 @@ in-place recovery when the membership changes.
                 protocol: report, agree, replan, regroup, transfer, go on).
 - `state`       `DriverState`: the driver's state, one typed object; the modules below are
                 functions of it.
-- `rounds`      the named phases of one recovery, and the retry rounds.
+- `rounds`      the named phases of one recovery, and the retry rounds; `standing`: what each
+                rank says in a recovery's reconcile exchange.
 - `planned`     changes at a step boundary that are not failures: drains, stragglers.
 - `join`        a spare, or a node back after a worker crashed, joining a running generation.
 - `generation`  this rank's groups in a generation, and a newer round noticed at once.

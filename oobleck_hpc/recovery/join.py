@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from oobleck_hpc.control.membership import Superseded
-from oobleck_hpc.recovery.rounds import (JOINER, Recovery, RecoveryError, Standing,
-                                          regroup_round, replan, restart, transfer)
+from oobleck_hpc.recovery.rounds import (Recovery, RecoveryError, regroup_round, replan, restart,
+                                          transfer)
+from oobleck_hpc.recovery.standing import JOINER, Standing
 
 if TYPE_CHECKING:
     from oobleck_hpc.engine import Comm

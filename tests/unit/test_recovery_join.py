@@ -14,7 +14,7 @@ from oobleck_hpc.config import load_job  # noqa: E402
 from oobleck_hpc.planning import plan_job  # noqa: E402
 from oobleck_hpc.profiling import resolve_profile  # noqa: E402
 from oobleck_hpc.recovery import join  # noqa: E402
-from oobleck_hpc.recovery.rounds import JOINER, Standing  # noqa: E402
+from oobleck_hpc.recovery.standing import JOINER, Standing  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "gpt-tiny-local.yaml"
 
