@@ -58,10 +58,11 @@ Message flow
    come, so a round opens at once (a joiner that could not join fell back alone, and the
    members waited out their recovery's exchange: 52 s in fleet chaos seed 3201 trial 7). Its
    peers' exchanges then fail and the round decides without it; nodes that all stop for the
-   requeue are past their exchanges (a stop is decided by the commit vote), or fall back anyway. "early" (it leaves while the others go on) is a loss
-   like any other: the receivers suspect it. "abort" (a worker rejected the job's input) stops
-   every receiver with exit code 2: the input is the same everywhere. "finished" and "abort" go
-   to the spares too, which stop with the member's code (the job ended without needing them).
+   requeue are past their exchanges (a stop is decided by the commit vote), or fall back
+   anyway. "early" (it leaves while the others go on) is a loss like any other: the receivers
+   suspect it. "abort" (a worker rejected the job's input) stops every receiver with exit code
+   2: the input is the same everywhere. "finished" and "abort" go to the spares too, which
+   stop with the member's code (the job ended without needing them).
 4d. Withdrawing (`withdraw`, BYE "withdraw"): a node whose worker crashed steps out while its
    agent lives. For the others it is a loss like "early" (they go on without it at once); the
    node itself becomes a spare of the view it left (it takes no part in a round of its old

@@ -117,6 +117,7 @@ def joining_base(s: DriverState, gen: int) -> Joining:
 
 
 def build_templates(s: DriverState, num_nodes: int) -> None:
+    """The job's templates for `num_nodes` nodes, as the members built theirs."""
     from oobleck_hpc.planning import job_templates
 
     _, s.templates = job_templates(s.job, s.profile, num_nodes)
