@@ -278,6 +278,19 @@ def test_random_schedules_with_nodes_drained_by_the_vote_are_safe_and_live(n):
     assert quiet > 30, quiet  # the sweep must exercise drains decided away without a BYE
 
 
+def recorded_notes(net: SimNet) -> dict[str, list]:
+    """Every node's notes, kept as the net drains them (the cores' lists are emptied)."""
+    notes: dict[str, list] = {m: [] for m in net.names}
+    plain_drain = net.drain
+
+    def drain(m):
+        notes[m].extend(net.cores[m].notes)
+        plain_drain(m)
+
+    net.drain = drain
+    return notes
+
+
 def notes_of_kind(core: MembershipCore, kind: str) -> list[dict]:
     """The fields of `core`'s notes of `kind` not yet drained."""
     return [f for k, f in core.notes if k == kind]
@@ -536,14 +549,7 @@ def test_falsely_suspected_node_is_fenced_and_answered_with_fence_later():
 
 def test_exchange_gathers_one_value_per_node_and_is_superseded_by_a_round():
     net = SimNet(3, seed=6)
-    notes: dict[str, list] = {m: [] for m in net.names}
-    plain_drain = net.drain
-
-    def drain(m):
-        notes[m].extend(net.cores[m].notes)
-        plain_drain(m)
-
-    net.drain = drain
+    notes = recorded_notes(net)
     for m in net.names:
         net.cores[m].exchange("plan", f"digest-{m}")
         net.drain(m)
@@ -949,14 +955,7 @@ def test_a_member_that_stops_for_a_requeue_alone_ends_the_exchanges_that_wait_on
     3201 trial 7: the members waited out their 52 s bound). With no exchange waiting, or after
     the job's last step (exit 0), "finished" only marks the node as left (4c)."""
     net = SimNet(4, seed=13)
-    notes: dict[str, list] = {m: [] for m in net.names}
-    plain_drain = net.drain
-
-    def drain(m):
-        notes[m].extend(net.cores[m].notes)
-        plain_drain(m)
-
-    net.drain = drain
+    notes = recorded_notes(net)
     if exchanging:
         for m in ("n0", "n1", "n3"):
             net.cores[m].exchange("recover-0", m)
