@@ -690,7 +690,7 @@ def test_a_rolled_forward_step_is_not_told_as_replayed():
 
         def exchange(self, key, value, timeout, gen=None, on_sent=None):
             committed = {"base": "p0", "step": 19, "cursor": 19 * 8, "prepared": "",
-                         "groups": [], "base_gen": 0}
+                         "groups": [], "base_gen": 0, "template_nodes": 2}
             return {"node0": [value], "node1": [committed]}
 
     driver = ElasticDriver(job, None, None, None, torch.device("cpu"), FakeClient(),
