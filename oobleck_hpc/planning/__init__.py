@@ -43,13 +43,18 @@ def job_templates(job: JobConfig, profile: ModelProfile, num_nodes: int
 
     The templates are built from `cost.job_profile(job, profile)`: on a CPU host with more
     workers than cores every time is scaled by the measured core-sharing slowdown (cost.py)."""
+    # A CPU host running more workers than cores: each pretend GPU gets a share of a core.
+    return _templates(job, cost.job_profile(job, profile), num_nodes)
+
+
+def _templates(job: JobConfig, profile: ModelProfile, num_nodes: int
+               ) -> tuple[NodeSpec, dict[int, Template]]:
+    """`job_templates` from the job's profile (`cost.job_profile`), which plan_job keeps."""
     G = profile.machine.gpus_per_node
     if G != job.cluster.gpus_per_node:
         raise PlanningError(f"profile has {G} GPUs per node but the job "
                             f"({job.source}) has cluster.gpus_per_node = {job.cluster.gpus_per_node}")
     f, B = job.fault_tolerance.f, job.train.global_microbatches
-    # A CPU host running more workers than cores: each pretend GPU gets a share of a core.
-    profile = cost.job_profile(job, profile)
     try:
         spec = node_specification(profile, num_nodes, f)
     except PlanningError as e:
@@ -70,9 +75,9 @@ def plan_job(job: JobConfig, profile: ModelProfile, nodes: Sequence[str]
     """Node specification, templates (`job_templates`) and the initial plan of `job` on
     `nodes`; PlanningError if some loss of k <= f nodes could not be reconfigured in place
     (reconfigure.py)."""
-    spec, templates = job_templates(job, profile, len(nodes))
-    f, B = job.fault_tolerance.f, job.train.global_microbatches
     profile = cost.job_profile(job, profile)
+    spec, templates = _templates(job, profile, len(nodes))
+    f, B = job.fault_tolerance.f, job.train.global_microbatches
     if B < f + 1:
         raise PlanningError(f"{job.source}: train.global_microbatches = {B} cannot feed f + 1 = "
                             f"{f + 1} pipelines (each needs at least one). Fix: raise it to >= {f + 1}")
