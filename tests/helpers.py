@@ -72,3 +72,29 @@ def past_start_retries(events: list[dict]) -> list[dict]:
     """`events` without those of a start's retry rounds (`start_retries`)."""
     retries = start_retries(events)
     return [e for e in events if e not in retries]
+
+
+def run_digest(run_dir, last: int = 20) -> str:
+    """What a local run's files say, for a test whose run did not end (pytest-timeout shows only
+    where the test waited, and the CI keeps no run directory): the last step in its metrics,
+    the last `last` lines of its story and its last `last` events, one short line each."""
+    import json
+    from pathlib import Path
+
+    from oobleck_hpc.records.story import Tail, tell
+
+    run_dir = Path(run_dir)
+    events = list(Tail(run_dir / "events.jsonl").read())
+    if not events:
+        return f"{run_dir}: no events"
+    rows = list(Tail(run_dir / "metrics.jsonl").read())
+    t0 = events[0]["t"]
+    lines = [f"{run_dir}: {len(events)} events over {events[-1]['t'] - t0:.1f} s; last step in "
+             f"the metrics: {rows[-1].get('step') if rows else None}", "story (end):"]
+    lines += ["  " + s for s in tell(events)[-last:]]
+    lines.append("events (end):")
+    skip = {"t", "kind", "source", "run", "host", "pid"}
+    for e in events[-last:]:
+        rest = json.dumps({k: v for k, v in e.items() if k not in skip}, default=str)
+        lines.append(f"  +{e['t'] - t0:7.2f} {e.get('source', '?')} {e['kind']} {rest[:160]}")
+    return "\n".join(lines)

@@ -30,7 +30,7 @@ import yaml
 
 from oobleck_hpc.config import job_from_dict
 from oobleck_hpc.records.events import read_events
-from helpers import past_start_retries, start_retries
+from helpers import past_start_retries, run_digest, start_retries
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
@@ -91,6 +91,9 @@ def run_job(tmp_path: Path, during=None, **kw) -> tuple[int, list[dict], Path]:
         helper.start()
     try:
         code = run.run()
+    except BaseException:  # pytest-timeout's, above all: say where the run stood
+        print(run_digest(run_dir))
+        raise
     finally:
         stop.set()
         if helper is not None:
@@ -418,20 +421,28 @@ pause, the likely cause). With a longer lease such a start costs nothing
 (test_a_spare_swapped_in...: the same)."""
 
 
-@pytest.mark.timeout(240)
-def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_path):
+@pytest.fixture(scope="module")
+def crash_reference():
+    """The failure-free run of the crash tests' CRASH_STEPS (as `reference`): built once for both,
+    outside their timeouts (12 s alone on 2 cores; beside another job's ten workers it took
+    over 200 s, and it ran inside the test's 240 s)."""
+    from oobleck_hpc.engine import reference_run
+
+    return reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
+                         CRASH_STEPS)
+
+
+@pytest.mark.timeout(240, func_only=True)  # (crash_reference is built before it)
+def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_path,
+                                                                          crash_reference):
     """Issue 31: one worker of node2 is SIGKILLed in step 3's backward while node2's agent and
     other worker live. node2 steps out at once -- the others recover without it, as after a
     kill, instead of waiting for a new process -- its workers restart, and it rejoins at a
     later step boundary, receiving its layers from replicas. The run ends exact on all 5
     nodes; the third crash of a worker still takes its node out (test_elastic_control.py)."""
-    from oobleck_hpc.engine import reference_run
-
-    reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
-                              CRASH_STEPS)
     code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, lease_s=CRASH_LEASE_S, faults=[
         {"node": 2, "step": 3, "phase": "backward", "kind": "crash"}], checkpoint_every=25)
-    events = check_equal_to_reference(code, rows, run_dir, reference, set())
+    events = check_equal_to_reference(code, rows, run_dir, crash_reference, set())
     kinds = [e["kind"] for e in events]
     assert "worker_failed" not in kinds and "node_failed" not in kinds, kinds
     (crash,) = [e for e in events if e["kind"] == "worker_restarting"]
@@ -466,8 +477,9 @@ def test_a_crashed_worker_steps_its_node_out_at_once_and_the_node_rejoins(tmp_pa
           f"{back['t'] - crash['t']:.1f} s after the crash")
 
 
-@pytest.mark.timeout(240)
-def test_a_stopped_worker_is_killed_when_a_peer_waits_on_it_and_its_node_rejoins(tmp_path):
+@pytest.mark.timeout(240, func_only=True)  # (crash_reference is built before it)
+def test_a_stopped_worker_is_killed_when_a_peer_waits_on_it_and_its_node_rejoins(tmp_path,
+                                                                                 crash_reference):
     """Issue 31: one worker of node2 is stopped (SIGSTOP) mid-run while its agent runs on. Its
     peers' waits stall and their agents ping node2 (recovery/stall.py), whose agent answers --
     it is not hung -- and finds its worker stopped: it kills it (`worker_stopped`), and the
@@ -476,7 +488,6 @@ def test_a_stopped_worker_is_killed_when_a_peer_waits_on_it_and_its_node_rejoins
     import os
     import signal
 
-    from oobleck_hpc.engine import reference_run
     from oobleck_hpc.records.story import Tail
 
     stopped: list[float] = []
@@ -493,12 +504,10 @@ def test_a_stopped_worker_is_killed_when_a_peer_waits_on_it_and_its_node_rejoins
                 os.kill(pid, signal.SIGSTOP)
                 return
 
-    reference = reference_run(job_from_dict(job_dict(Path("/nonexistent"), steps=CRASH_STEPS)),
-                              CRASH_STEPS)
     code, rows, run_dir = run_job(tmp_path, steps=CRASH_STEPS, lease_s=CRASH_LEASE_S,
                                   during=act)
     assert stopped, "the run ended before step 5"
-    events = check_equal_to_reference(code, rows, run_dir, reference, set())
+    events = check_equal_to_reference(code, rows, run_dir, crash_reference, set())
     (found,) = [e for e in events if e["kind"] == "worker_stopped"]
     assert (found["source"], found["local_rank"]) == ("node2", 1), found
     recovered = [e for e in past_start_retries(events) if e["kind"] == "recovered"]
