@@ -384,6 +384,33 @@ def test_kill_during_reconfiguration(tmp_path, reference):
 
 
 @pytest.mark.timeout(150)
+def test_a_node_hung_before_the_rendezvous_is_found_by_the_ranks_that_wait_for_it(tmp_path,
+                                                                                   reference):
+    """Issue 31: node1 is killed, and node3 hangs (SIGSTOP) after the survivors agreed, right
+    before their rendezvous: no round is open, no collective runs. The ranks waiting in the
+    rendezvous name node3 once they waited a stall's threshold (recovery/rendezvous.py,
+    `wait_arrivals`), its agent does not answer their agents' pings, and it is lost well
+    before its 3 s lease would expire (chaos seed 5202, trial 33: 3.45 s)."""
+    code, rows, run_dir = run_job(tmp_path, f=2, faults=[
+        {"node": 1, "step": 3, "phase": "forward", "kind": "kill"},
+        {"node": 3, "step": 3, "phase": "reconfiguration", "kind": "hang"}])
+    events = check_equal_to_reference(code, rows, run_dir, reference, {"node1", "node3"})
+    # (node3's other worker may say so too, once the run's end resumes it to kill it)
+    hung = min(e["t"] for e in events if e["kind"] == "fault_injected" and e["fault"] == "hang")
+    removed = min(e["t"] for e in events if e["kind"] == "agreement_reached"
+                  and "node3" in e["lost"])
+    late = [e for e in events if e["kind"] == "worker_report" and "rendezvous" in e["detail"]]
+    assert late and all("node3" in e["suspects"] for e in late), late
+    how = {e["how"] for e in events if e["kind"] == "failure_detected" and e["node"] == "node3"}
+    assert all("stall_probe_unanswered" in h for h in how), how
+    probe_s = min(e["timeout_s"] for e in events if e["kind"] == "stall_probed"
+                  and "node3" in e["silent"] and not e["unconfirmed"])
+    print(f"\n[figures] hang before the rendezvous -> node removed after "
+          f"{removed - hung:.3f} s, the probe's deadline {probe_s:.2f} s")
+    assert removed - hung < min(probe_s + 1.45, 3.0), (removed - hung, probe_s)
+
+
+@pytest.mark.timeout(150)
 def test_a_drained_node_leaves_at_a_step_boundary_with_nothing_replayed(tmp_path, reference):
     """Issue 15: node3 is asked to drain during step 2's forward (the `drain` fault writes the
     request `oobleck-hpc drain` writes). It finishes the step, every rank learns the drain from

@@ -10,6 +10,7 @@ import sys
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from oobleck_hpc.config import STALL_FLOOR_S
 from oobleck_hpc.recovery.rendezvous import open_store, release_connections, wait_arrivals
 
 if TYPE_CHECKING:
@@ -77,7 +78,9 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
     time out: at generation 0 those still importing torch on a loaded machine, later a
     survivor still stuck for a collective timeout in the previous, failed rendezvous while
     the others already started the next one (each then gives up on the other). A rank that
-    died instead never arrives; its loss opens a newer round, which ends the wait at once.
+    died instead never arrives; its loss opens a newer round, which ends the wait at once. A
+    rank that hung never arrives either, and nothing else sees it: past a stall's threshold
+    the waiting ranks name its node (`report_late`), whose agent is then probed.
     """
     from oobleck_hpc.engine import Comm, PlanGroups, default_backend
     from oobleck_hpc.engine.tied import tied_layers
@@ -90,7 +93,12 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
                          generation=m.gen)
     s.store_at = None if host else (m.gen, m.store_host, m.store_port)
     del old
-    wait_arrivals(s.store, "arrived", plan.world_size, timeout_s, abort)
+    # A recovery's (not a start's: fresh processes import torch at their own pace, and no
+    # step set a usual time) rendezvous that lasts a stall's threshold names the late nodes.
+    late = None if m.gen == 0 else (s.stalls.threshold or STALL_FLOOR_S,
+                                    partial(report_late, s, m.gen))
+    wait_arrivals(s.store, "arrived", s.node, plan.nodes, plan.gpus_per_node, timeout_s, abort,
+                  late)
     comm = Comm.init(s.store, rank, plan.world_size, m.gen, default_backend(s.device.type),
                      s.timeout_s, device=s.device, init_timeout_s=timeout_s)
     s.comm = comm
@@ -100,6 +108,14 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
         teardown(s)
         raise
     return comm, groups
+
+
+def report_late(s: DriverState, gen: int, nodes: list[str], waited_s: float) -> None:
+    """This rank waited `waited_s` in generation `gen`'s rendezvous for ranks of `nodes`: a
+    stall (recovery/stall.py), for their agents to be probed. The wait goes on."""
+    s.client.report_failure("stall", f"waited {waited_s:.2f} s in the rendezvous of "
+                            f"generation {gen} on {', '.join(nodes)}", nodes, gen=gen,
+                            threshold_s=waited_s)
 
 
 def teardown(s: DriverState, clean: bool = False) -> None:

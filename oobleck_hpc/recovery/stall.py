@@ -22,8 +22,12 @@ wait: if the agent finds a suspect silent, its round aborts the step as any loss
 suspect answers, the wait goes on (a straggler is slow, not hung: recovery/straggler.py), and
 the lease and the collective timeout still bound it.
 
-Not watched: waits outside a step (a recovery's rendezvous and transfer, a start), and a
-worker's first step (no usual time yet): there the lease alone finds a hung node.
+A recovery's rendezvous reports the same way (recovery/rendezvous.py, `wait_arrivals`): a
+rank that has waited that threshold (STALL_FLOOR_S before any step committed) for the plan's
+ranks to reach the store names the nodes of those still missing (chaos seed 5202, trial 33: a
+node hung in generation 2's rendezvous held the others for its 3.3 s lease). Not watched:
+other waits outside a step (a recovery's transfer, a start), and a worker's first step (no
+usual time yet): there the lease alone finds a hung node.
 """
 
 from __future__ import annotations

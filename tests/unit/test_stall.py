@@ -85,3 +85,50 @@ def test_a_reported_threshold_is_a_finite_positive_number_or_nothing():
     assert reported_threshold(0.9) == 0.9 and reported_threshold(2) == 2.0
     for bad in (None, "0.9", -1.0, 0.0, float("nan"), float("inf"), True, [1.0]):
         assert reported_threshold(bad) == 0.0, bad
+
+
+class CountingStore:
+    """The store calls `wait_arrivals` makes (add), in memory."""
+
+    def __init__(self, counts: dict[str, int]):
+        self.counts = dict(counts)
+
+    def add(self, key: str, n: int) -> int:
+        self.counts[key] = self.counts.get(key, 0) + n
+        return self.counts[key]
+
+
+def test_a_late_rendezvous_names_the_other_nodes_with_missing_ranks_once():
+    """A rendezvous is a wait outside a step (module docstring): past its threshold the rank
+    reports the nodes whose ranks have not all reached the store -- not its own, whose agent
+    would otherwise ping every member -- once, and keeps waiting."""
+    import pytest
+
+    from oobleck_hpc.control.membership import Superseded
+    from oobleck_hpc.recovery.rendezvous import wait_arrivals
+
+    # nodes a, b, c with 2 ranks each: a's other rank, one of b's and both of c's are missing
+    store = CountingStore({"arrived": 1, "arrived/b": 1})
+    reports: list[tuple[list[str], float]] = []
+    looks = []
+
+    def abort() -> bool:  # ends the wait a few looks after the report
+        looks.append(len(reports))
+        return looks.count(1) >= 3
+
+    with pytest.raises(Superseded):
+        wait_arrivals(store, "arrived", "a", ["a", "b", "c"], 2, 30.0, abort,
+                      (0.05, lambda nodes, waited: reports.append((nodes, waited))))
+    assert [nodes for nodes, _ in reports] == [["b", "c"]]
+    assert reports[0][1] >= 0.05
+    assert store.counts["arrived"] == 2 and store.counts["arrived/a"] == 1
+
+
+def test_a_rendezvous_every_rank_reached_reports_nothing():
+    from oobleck_hpc.recovery.rendezvous import wait_arrivals
+
+    reports: list = []
+    store = CountingStore({"arrived": 3, "arrived/a": 1, "arrived/b": 2})
+    wait_arrivals(store, "arrived", "a", ["a", "b"], 2, 30.0, None,
+                  (0.0, lambda nodes, waited: reports.append(nodes)))
+    assert reports == []
