@@ -10,7 +10,8 @@ error in the replayed step, the re-split batch or the copied optimizer state sho
 
 Cases: one node killed in each window of the transactional step, and one lost in the last
 step's vote; f = 2 nodes killed at once; the node that hosts the store and coordinates
-generation 0 (node0) killed, while strangers knock on every store (issue 28); a node killed while the survivors reconfigure; a node hung (SIGSTOP); a node killed on the tiny Llama
+generation 0 (node0) killed, while strangers knock on every store (issue 28); a node killed while the survivors reconfigure; a node hung (SIGSTOP)
+in a step, and before a recovery's rendezvous; a node killed on the tiny Llama
 example (examples/llama-tiny-local.yaml: a Hugging Face model, tied embeddings); growth: a spare swapped in by a loss's recovery, a second loss, and a node grown
 back by `oobleck-hpc grow` (one long run). Exceeding the guarantee raises the typed error at once (a unit test of the driver:
 with gpt-tiny's n0 = 1 no local job can lose every replica and keep a quorum). Every job runs
@@ -388,9 +389,9 @@ def test_a_node_hung_before_the_rendezvous_is_found_by_the_ranks_that_wait_for_i
                                                                                    reference):
     """Issue 31: node1 is killed, and node3 hangs (SIGSTOP) after the survivors agreed, right
     before their rendezvous: no round is open, no collective runs. The ranks waiting in the
-    rendezvous name node3 once they waited a stall's threshold (recovery/rendezvous.py,
-    `wait_arrivals`), its agent does not answer their agents' pings, and it is lost well
-    before its 3 s lease would expire (chaos seed 5202, trial 33: 3.45 s)."""
+    rendezvous name node3 once they waited a stall's threshold (recovery/stall.py, `watched`),
+    its agent does not answer their agents' pings, and it is lost well before its 3 s lease
+    would expire (chaos seed 5202, trial 33: 3.45 s)."""
     code, rows, run_dir = run_job(tmp_path, f=2, faults=[
         {"node": 1, "step": 3, "phase": "forward", "kind": "kill"},
         {"node": 3, "step": 3, "phase": "reconfiguration", "kind": "hang"}])
@@ -405,8 +406,8 @@ def test_a_node_hung_before_the_rendezvous_is_found_by_the_ranks_that_wait_for_i
     assert all("stall_probe_unanswered" in h for h in how), how
     probe_s = min(e["timeout_s"] for e in events if e["kind"] == "stall_probed"
                   and "node3" in e["silent"] and not e["unconfirmed"])
-    print(f"\n[figures] hang before the rendezvous -> node removed after "
-          f"{removed - hung:.3f} s, the probe's deadline {probe_s:.2f} s")
+    print(f"\n[figures] hang before the rendezvous -> node removed after {removed - hung:.3f} s, "
+          f"the probe's deadline {probe_s:.2f} s")
     assert removed - hung < min(probe_s + 1.45, 3.0), (removed - hung, probe_s)
 
 

@@ -10,8 +10,9 @@ import sys
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from oobleck_hpc.config import STALL_FLOOR_S
-from oobleck_hpc.recovery.rendezvous import open_store, release_connections, wait_arrivals
+from oobleck_hpc.recovery.rendezvous import (missing_nodes, open_store, release_connections,
+                                              wait_arrivals)
+from oobleck_hpc.recovery.stall import watched
 
 if TYPE_CHECKING:
     from oobleck_hpc.control.client import Membership
@@ -80,7 +81,7 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
     the others already started the next one (each then gives up on the other). A rank that
     died instead never arrives; its loss opens a newer round, which ends the wait at once. A
     rank that hung never arrives either, and nothing else sees it: past a stall's threshold
-    the waiting ranks name its node (`report_late`), whose agent is then probed.
+    the waiting ranks name its node (recovery/stall.py, `watched`), whose agent is probed.
     """
     from oobleck_hpc.engine import Comm, PlanGroups, default_backend
     from oobleck_hpc.engine.tied import tied_layers
@@ -93,12 +94,10 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
                          generation=m.gen)
     s.store_at = None if host else (m.gen, m.store_host, m.store_port)
     del old
-    # A recovery's (not a start's: fresh processes import torch at their own pace, and no
-    # step set a usual time) rendezvous that lasts a stall's threshold names the late nodes.
-    late = None if m.gen == 0 else (s.stalls.threshold or STALL_FLOOR_S,
-                                    partial(report_late, s, m.gen))
-    wait_arrivals(s.store, "arrived", s.node, plan.nodes, plan.gpus_per_node, timeout_s, abort,
-                  late)
+    if m.gen > 0:  # (a start's ranks import torch at their own pace: left to the lease)
+        late = partial(missing_nodes, s.store, "arrived", plan.nodes, plan.gpus_per_node)
+        abort = watched(s, m.gen, "the rendezvous", late, abort)
+    wait_arrivals(s.store, "arrived", s.node, plan.world_size, timeout_s, abort)
     comm = Comm.init(s.store, rank, plan.world_size, m.gen, default_backend(s.device.type),
                      s.timeout_s, device=s.device, init_timeout_s=timeout_s)
     s.comm = comm
@@ -108,14 +107,6 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
         teardown(s)
         raise
     return comm, groups
-
-
-def report_late(s: DriverState, gen: int, nodes: list[str], waited_s: float) -> None:
-    """This rank waited `waited_s` in generation `gen`'s rendezvous for ranks of `nodes`: a
-    stall (recovery/stall.py), for their agents to be probed. The wait goes on."""
-    s.client.report_failure("stall", f"waited {waited_s:.2f} s in the rendezvous of "
-                            f"generation {gen} on {', '.join(nodes)}", nodes, gen=gen,
-                            threshold_s=waited_s)
 
 
 def teardown(s: DriverState, clean: bool = False) -> None:

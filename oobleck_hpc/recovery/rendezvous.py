@@ -30,44 +30,35 @@ import hmac
 import os
 import socket
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 from oobleck_hpc.control.membership import Superseded
 from oobleck_hpc.polling import pause
 
-Late = tuple[float, Callable[[list[str], float], None]]
-"""`wait_arrivals`' report of a late rendezvous: (after how many seconds, report)."""
 
-
-def wait_arrivals(store, key: str, node: str, nodes: Sequence[str], per_node: int,
-                  timeout_s: float, abort=None, late: Late | None = None) -> None:
-    """Wait until every rank of a plan -- `per_node` on each of `nodes` -- reached the store:
-    each rank (one of `node`'s) adds 1 to `key` and to `key`/its node. Superseded as soon as
-    abort() says a newer round opened; TimeoutError after `timeout_s`.
-
-    `late`: (after_s, report). Once the wait has lasted `after_s`, report(the other nodes
-    with a rank not yet arrived, seconds waited), once: a node hung between the round and
-    the rendezvous neither fails a collective nor misses a step, and only its lease would
-    find it (recovery/stall.py: the report asks its agent for a probe)."""
+def wait_arrivals(store, key: str, node: str, world_size: int, timeout_s: float,
+                  abort=None) -> None:
+    """Wait until all `world_size` ranks reached the store: each rank (one of `node`'s) adds 1
+    to `key`, and to `key`/its node (`missing_nodes`). Superseded as soon as abort() says a
+    newer round opened; TimeoutError after `timeout_s`."""
     store.add(f"{key}/{node}", 1)
     store.add(key, 1)
-    world_size = len(nodes) * per_node
     since = time.monotonic()
     deadline = since + timeout_s
     while (arrived := store.add(key, 0)) < world_size:
         if abort is not None and abort():
             raise Superseded(f"a newer membership round opened while {arrived} of {world_size} "
                              f"ranks had reached the store")
-        now = time.monotonic()
-        if now > deadline:
+        if time.monotonic() > deadline:
             raise TimeoutError(f"only {arrived} of {world_size} ranks reached the store "
                                f"within {timeout_s:.0f} s")
-        if late is not None and now - since >= late[0]:
-            missing = [n for n in nodes if n != node and store.add(f"{key}/{n}", 0) < per_node]
-            if missing:
-                late[1](missing, now - since)
-            late = None
         pause(since)
+
+
+def missing_nodes(store, key: str, nodes: Sequence[str], per_node: int) -> list[str]:
+    """The nodes of `nodes` (`per_node` ranks each) some of whose ranks have not yet reached
+    `wait_arrivals(store, key, ...)`: one store call per node."""
+    return [n for n in nodes if store.add(f"{key}/{n}", 0) < per_node]
 
 
 def store_prefix(secret: bytes, generation: int) -> str:

@@ -22,16 +22,19 @@ wait: if the agent finds a suspect silent, its round aborts the step as any loss
 suspect answers, the wait goes on (a straggler is slow, not hung: recovery/straggler.py), and
 the lease and the collective timeout still bound it.
 
-A recovery's rendezvous reports the same way (recovery/rendezvous.py, `wait_arrivals`): a
-rank that has waited that threshold (STALL_FLOOR_S before any step committed) for the plan's
-ranks to reach the store names the nodes of those still missing (chaos seed 5202, trial 33: a
-node hung in generation 2's rendezvous held the others for its 3.3 s lease). Not watched:
-other waits outside a step (a recovery's transfer, a start), and a worker's first step (no
+A recovery's rendezvous reports the same way (`watched`, recovery/generation.py): a rank that
+has waited that threshold (STALL_FLOOR_S before any step committed) for the plan's ranks to
+reach the store names the nodes of those still missing (recovery/rendezvous.py,
+`missing_nodes`; chaos seed 5202, trial 33: a node hung in generation 2's rendezvous held the
+others for its 3.3 s lease). Not watched: other waits outside a step (a start; a recovery's
+group build and transfer: gloo's connect of a subgroup cannot be interrupted, and a node hung
+in it held its peers ~47 s after the round that dropped it), and a worker's first step (no
 usual time yet): there the lease alone finds a hung node.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -112,6 +115,33 @@ class StallWatch:
             return None
         self._reported = (wait.gen, wait.step)
         return Stall(wait, waited, threshold)
+
+
+def watched(s: DriverState, gen: int, where: str, late: Callable[[], list[str]],
+            abort: Callable[[], bool]) -> Callable[[], bool]:
+    """`abort` for a wait of a recovery of generation `gen` outside a step (module docstring),
+    called at each poll of the wait (its first call starts the clock): once the wait has lasted
+    a stall's threshold (STALL_FLOOR_S before any step committed), the nodes `late()` names
+    other than this one are reported as a stall, once, for their agents to be probed. The wait
+    goes on."""
+    after_s = s.stalls.threshold or STALL_FLOOR_S
+    since: float | None = None
+
+    def check() -> bool:
+        nonlocal since
+        now = time.monotonic()
+        if since is None:
+            since = now
+        elif now - since >= after_s:
+            since = math.inf  # (reported: never again)
+            nodes = [n for n in late() if n != s.node]
+            if nodes:  # (none: every suspect would be probed)
+                s.client.report_failure(
+                    "stall", f"waited {after_s:.2f} s in {where} of generation {gen} on "
+                    f"{', '.join(nodes)}", nodes, gen=gen, threshold_s=after_s)
+        return abort()
+
+    return check
 
 
 def current_wait(s: DriverState) -> Wait | None:

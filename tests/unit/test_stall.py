@@ -87,8 +87,9 @@ def test_a_reported_threshold_is_a_finite_positive_number_or_nothing():
         assert reported_threshold(bad) == 0.0, bad
 
 
+
 class CountingStore:
-    """The store calls `wait_arrivals` makes (add), in memory."""
+    """The store calls of `wait_arrivals` and `missing_nodes` (add), in memory."""
 
     def __init__(self, counts: dict[str, int]):
         self.counts = dict(counts)
@@ -98,37 +99,43 @@ class CountingStore:
         return self.counts[key]
 
 
-def test_a_late_rendezvous_names_the_other_nodes_with_missing_ranks_once():
-    """A rendezvous is a wait outside a step (module docstring): past its threshold the rank
-    reports the nodes whose ranks have not all reached the store -- not its own, whose agent
-    would otherwise ping every member -- once, and keeps waiting."""
-    import pytest
+def test_the_rendezvous_knows_which_nodes_ranks_have_not_arrived():
+    from oobleck_hpc.recovery.rendezvous import missing_nodes, wait_arrivals
 
-    from oobleck_hpc.control.membership import Superseded
-    from oobleck_hpc.recovery.rendezvous import wait_arrivals
-
-    # nodes a, b, c with 2 ranks each: a's other rank, one of b's and both of c's are missing
-    store = CountingStore({"arrived": 1, "arrived/b": 1})
-    reports: list[tuple[list[str], float]] = []
-    looks = []
-
-    def abort() -> bool:  # ends the wait a few looks after the report
-        looks.append(len(reports))
-        return looks.count(1) >= 3
-
-    with pytest.raises(Superseded):
-        wait_arrivals(store, "arrived", "a", ["a", "b", "c"], 2, 30.0, abort,
-                      (0.05, lambda nodes, waited: reports.append((nodes, waited))))
-    assert [nodes for nodes, _ in reports] == [["b", "c"]]
-    assert reports[0][1] >= 0.05
-    assert store.counts["arrived"] == 2 and store.counts["arrived/a"] == 1
+    # nodes a, b, c with 2 ranks each: one of b's and a's other rank have arrived before
+    store = CountingStore({"arrived": 2, "arrived/a": 1, "arrived/b": 1})
+    assert missing_nodes(store, "arrived", ["a", "b", "c"], 2) == ["a", "b", "c"]
+    store.counts["arrived"] = 5  # (all but this one: it arrives and finds everyone there)
+    wait_arrivals(store, "arrived", "a", 6, 30.0)
+    assert missing_nodes(store, "arrived", ["a", "b", "c"], 2) == ["b", "c"]
 
 
-def test_a_rendezvous_every_rank_reached_reports_nothing():
-    from oobleck_hpc.recovery.rendezvous import wait_arrivals
+def test_a_wait_outside_a_step_reports_the_other_late_nodes_once_and_goes_on():
+    """A recovery's rendezvous or transfer (module docstring): once it has waited the stall's
+    threshold, the nodes still late -- not this one, whose agent would otherwise ping every
+    member -- are reported, once; the wait's own abort decides as before."""
+    import time
 
-    reports: list = []
-    store = CountingStore({"arrived": 3, "arrived/a": 1, "arrived/b": 2})
-    wait_arrivals(store, "arrived", "a", ["a", "b"], 2, 30.0, None,
-                  (0.0, lambda nodes, waited: reports.append(nodes)))
-    assert reports == []
+    from oobleck_hpc.recovery.stall import watched
+
+    reports = []
+    client = SimpleNamespace(report_failure=lambda *a, **kw: reports.append((a, kw)))
+    stalls = StallWatch(floor_s=0.05, multiple=1.0)
+    stalls.observe(0.01)  # threshold 0.05 s
+    s = SimpleNamespace(stalls=stalls, node="a", client=client)
+    late = [["a", "b"]]
+    check = watched(s, 3, "the rendezvous", lambda: late[0], lambda: False)
+    assert check() is False and not reports  # (the first call starts the clock)
+    time.sleep(0.06)
+    assert check() is False
+    (args, kw), = reports
+    assert args[0] == "stall" and args[2] == ["b"] and kw == {"gen": 3, "threshold_s": 0.05}
+    time.sleep(0.06)
+    check()
+    assert len(reports) == 1
+    # only this node late: nothing to report (an empty list would ping every member)
+    late[0] = ["a"]
+    check = watched(s, 3, "the transfer", lambda: late[0], lambda: True)
+    check()
+    time.sleep(0.06)
+    assert check() is True and len(reports) == 1
