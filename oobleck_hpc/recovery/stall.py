@@ -122,8 +122,8 @@ def watched(s: DriverState, gen: int, where: str, late: Callable[[], list[str]],
     """`abort` for a wait of a recovery of generation `gen` outside a step (module docstring),
     called at each poll of the wait (its first call starts the clock): once the wait has lasted
     a stall's threshold (STALL_FLOOR_S before any step committed), the nodes `late()` names
-    other than this one are reported as a stall, once, for their agents to be probed. The wait
-    goes on."""
+    are reported as a stall, once, for their agents to be probed (the agent leaves out its
+    own). The wait goes on."""
     after_s = s.stalls.threshold or STALL_FLOOR_S
     since: float | None = None
 
@@ -134,8 +134,8 @@ def watched(s: DriverState, gen: int, where: str, late: Callable[[], list[str]],
             since = now
         elif now - since >= after_s:
             since = math.inf  # (reported: never again)
-            nodes = [n for n in late() if n != s.node]
-            if nodes:  # (none: every suspect would be probed)
+            nodes = late()
+            if nodes:  # (none: every member would be probed)
                 s.client.report_failure(
                     "stall", f"waited {after_s:.2f} s in {where} of generation {gen} on "
                     f"{', '.join(nodes)}", nodes, gen=gen, threshold_s=after_s)

@@ -110,10 +110,10 @@ def test_the_rendezvous_knows_which_nodes_ranks_have_not_arrived():
     assert missing_nodes(store, "arrived", ["a", "b", "c"], 2) == ["b", "c"]
 
 
-def test_a_wait_outside_a_step_reports_the_other_late_nodes_once_and_goes_on():
-    """A recovery's rendezvous or transfer (module docstring): once it has waited the stall's
-    threshold, the nodes still late -- not this one, whose agent would otherwise ping every
-    member -- are reported, once; the wait's own abort decides as before."""
+def test_a_wait_outside_a_step_reports_the_late_nodes_once_and_goes_on():
+    """A recovery's rendezvous (module docstring): once it has waited the stall's threshold,
+    the nodes still late are reported, once -- none, nothing: an empty list of suspects would
+    have every member probed; the wait's own abort decides as before."""
     import time
 
     from oobleck_hpc.recovery.stall import watched
@@ -122,20 +122,19 @@ def test_a_wait_outside_a_step_reports_the_other_late_nodes_once_and_goes_on():
     client = SimpleNamespace(report_failure=lambda *a, **kw: reports.append((a, kw)))
     stalls = StallWatch(floor_s=0.05, multiple=1.0)
     stalls.observe(0.01)  # threshold 0.05 s
-    s = SimpleNamespace(stalls=stalls, node="a", client=client)
+    s = SimpleNamespace(stalls=stalls, client=client)
     late = [["a", "b"]]
     check = watched(s, 3, "the rendezvous", lambda: late[0], lambda: False)
     assert check() is False and not reports  # (the first call starts the clock)
     time.sleep(0.06)
     assert check() is False
     (args, kw), = reports
-    assert args[0] == "stall" and args[2] == ["b"] and kw == {"gen": 3, "threshold_s": 0.05}
+    assert args[0] == "stall" and args[2] == ["a", "b"] and kw == {"gen": 3, "threshold_s": 0.05}
     time.sleep(0.06)
     check()
     assert len(reports) == 1
-    # only this node late: nothing to report (an empty list would ping every member)
-    late[0] = ["a"]
-    check = watched(s, 3, "the transfer", lambda: late[0], lambda: True)
+    late[0] = []
+    check = watched(s, 3, "the rendezvous", lambda: late[0], lambda: True)
     check()
     time.sleep(0.06)
     assert check() is True and len(reports) == 1
