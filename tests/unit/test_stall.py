@@ -1,4 +1,5 @@
-"""The stall watch (recovery/stall.py): when a wait inside a step is a stall, on a fake clock."""
+"""The stall watch (recovery/stall.py): when a wait inside a step is a stall, on a fake clock;
+the report of a recovery's late rendezvous (`watched`, `missing_nodes`)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,6 @@ def test_a_reported_threshold_is_a_finite_positive_number_or_nothing():
         assert reported_threshold(bad) == 0.0, bad
 
 
-
 class CountingStore:
     """The store calls of `wait_arrivals` and `missing_nodes` (add), in memory."""
 
@@ -111,7 +111,7 @@ def test_the_rendezvous_knows_which_nodes_ranks_have_not_arrived():
 
 
 def test_a_wait_outside_a_step_reports_the_late_nodes_once_and_goes_on():
-    """A recovery's rendezvous (module docstring): once it has waited the stall's threshold,
+    """A recovery's rendezvous (recovery/stall.py's docstring): once it has waited the stall's threshold,
     the nodes still late are reported, once -- none, nothing: an empty list of suspects would
     have every member probed; the wait's own abort decides as before."""
     import time
