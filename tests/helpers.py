@@ -81,13 +81,14 @@ def run_digest(run_dir, last: int = 20) -> str:
     import json
     from pathlib import Path
 
-    from oobleck_hpc.records.story import Tail, tell
+    from oobleck_hpc.records.runs import read_jsonl
+    from oobleck_hpc.records.story import tell
 
     run_dir = Path(run_dir)
-    events = list(Tail(run_dir / "events.jsonl").read())
+    events = read_jsonl(run_dir / "events.jsonl")
     if not events:
         return f"{run_dir}: no events"
-    rows = list(Tail(run_dir / "metrics.jsonl").read())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     t0 = events[0]["t"]
     lines = [f"{run_dir}: {len(events)} events over {events[-1]['t'] - t0:.1f} s; last step in "
              f"the metrics: {rows[-1].get('step') if rows else None}", "story (end):"]

@@ -111,9 +111,9 @@ def test_the_rendezvous_knows_which_nodes_ranks_have_not_arrived():
 
 
 def test_a_wait_outside_a_step_reports_the_late_nodes_once_and_goes_on():
-    """A recovery's rendezvous (recovery/stall.py's docstring): once it has waited the stall's threshold,
-    the nodes still late are reported, once -- none, nothing: an empty list of suspects would
-    have every member probed; the wait's own abort decides as before."""
+    """A recovery's rendezvous (recovery/stall.py's docstring): once it has waited the stall's
+    threshold, the nodes still late are reported, once -- none, nothing: an empty list of
+    suspects would have every member probed; the wait's own abort decides as before."""
     import time
 
     from oobleck_hpc.recovery.stall import watched
