@@ -40,7 +40,9 @@ after the groups are gone. Waits on NCCL work never block the CPU or start a thr
 gloo (CPU). A gloo wait cannot be interrupted and its point-to-point works never report
 `is_completed()`: `Waiter` runs the blocking wait on ONE helper thread, reused wait after wait,
 while the caller polls its abort condition; a wait given up leaves that thread stuck until the
-collective timeout, and the next wait gets a fresh one. `abandon()` cannot abort gloo pairs: it
+collective timeout, and the next wait gets a fresh one. Nor can a group's connect be
+interrupted: every gloo group is created with a connect timeout that bounds it by the collective
+timeout (`gloo_connect_timeout`), then given its own. `abandon()` cannot abort gloo pairs: it
 unregisters the groups without shutting them down and keeps them referenced, so that no
 destructor blocks; their pending work fails at its own timeout, in the background.
 
@@ -176,15 +178,14 @@ class Comm:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # CleanUpOnly
         prefixed = dist.PrefixStore(f"oobleck/gen{generation}/", store)
         t_init = datetime.timedelta(seconds=max(timeout_s, init_timeout_s or 0.0))
-        # gloo connects the world's full mesh inside init_process_group, bounded by the group's
-        # timeout, and nothing can interrupt it: with the long one, a rank that arrived and then
-        # died held its peers there 25 s after the round that dropped it (chaos seed 2837,
-        # trial 10). The ranks have all arrived (recovery/generation.py, `regroup`), so it gets
-        # the short one, as the subgroups' full meshes do; then the long one for the world.
+        # gloo connects the world's full mesh inside init_process_group and nothing can
+        # interrupt it: the ranks have all arrived (recovery/generation.py, `regroup`), so it
+        # gets the short connect timeout, as the subgroups do (`gloo_connect_timeout`); then
+        # the long one for the world's collectives.
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                                timeout=t_init if nccl else datetime.timedelta(seconds=timeout_s),
+                                timeout=t_init if nccl else gloo_connect_timeout(timeout_s),
                                 device_id=device if nccl else None)
-        if not nccl and t_init.total_seconds() > timeout_s:
+        if not nccl:
             dist.group.WORLD.set_timeout(t_init)
         comm = cls(rank, world_size, generation, backend, timeout_s, device if nccl else None,
                    setup_timeout_s=t_init.total_seconds())
@@ -192,17 +193,18 @@ class Comm:
         return comm
 
     def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
-        group = dist.new_group(ranks, timeout=self.timeout, backend=self.backend,
+        timeout = self.timeout if self.nccl else gloo_connect_timeout(self.timeout_s)
+        group = dist.new_group(ranks, timeout=timeout, backend=self.backend,
                                device_id=self.device)
         self.groups.append(group)
         return group
 
     def ready(self) -> None:
-        """Every group is built: from now on the short collective timeout applies to all."""
-        if self.nccl:
-            for g in self.groups:
-                if g not in (None, dist.GroupMember.NON_GROUP_MEMBER):
-                    g.set_timeout(self.timeout)
+        """Every group is built: from now on the short collective timeout applies to all (to
+        the plan's groups on gloo: its world keeps the long one, `init`)."""
+        for g in self.groups if self.nccl else self.groups[1:]:
+            if g not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+                g.set_timeout(self.timeout)
 
     def destroy(self) -> None:
         """Tear down the default group and every subgroup created under it."""
@@ -308,6 +310,26 @@ class Comm:
         finally:
             waiter.close()
         return t.cpu().tolist()
+
+
+GLOO_CONNECT_ATTEMPTS = 5
+"""gloo's full-mesh connect waits up to this many times its group's timeout for a peer that
+published its address and never connected (measured, torch 2.13: a peer stopped or killed
+just after publishing held the others 10.0 s with a 2 s timeout; one that never published, the
+timeout itself)."""
+CONNECT_FLOOR_S = 1.0
+"""The least time a gloo group's members get to publish their addresses (below)."""
+
+
+def gloo_connect_timeout(timeout_s: float) -> datetime.timedelta:
+    """The timeout a gloo group is created with, so that its connect is bounded by the
+    collective timeout `timeout_s`, not GLOO_CONNECT_ATTEMPTS times it (chaos seed 5204, trial
+    19: a node lost while its peers built a recovery's subgroups held them 25 s in the
+    connect, with a 5 s collective timeout). The store wait for the members' addresses gets
+    the same timeout: all ranks have reached the store before (recovery/rendezvous.py,
+    `wait_arrivals`) and build the same groups in the same order, so a member is late by a
+    group's connect at most. `Comm.init` and `ready` then set the collective timeouts."""
+    return datetime.timedelta(seconds=max(CONNECT_FLOOR_S, timeout_s / GLOO_CONNECT_ATTEMPTS))
 
 
 class Aborted(RuntimeError):

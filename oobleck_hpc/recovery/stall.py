@@ -27,9 +27,9 @@ has waited that threshold (STALL_FLOOR_S before any step committed) for the plan
 reach the store names the nodes of those still missing (recovery/rendezvous.py,
 `missing_nodes`; chaos seed 5202, trial 33: a node hung in generation 2's rendezvous held the
 others for its 3.3 s lease). Not watched: other waits outside a step (a start; a recovery's
-group build and transfer: gloo's connect of a subgroup cannot be interrupted, and a node hung
-in it held its peers ~47 s after the round that dropped it), and a worker's first step (no
-usual time yet): there the lease alone finds a hung node.
+group build and transfer: gloo's connect of a subgroup cannot be interrupted, and is bounded
+by the collective timeout instead, engine/groups.py, `gloo_connect_timeout`), and a worker's
+first step (no usual time yet): there the lease alone finds a hung node.
 """
 
 from __future__ import annotations
