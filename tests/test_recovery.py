@@ -925,7 +925,9 @@ def test_a_gloo_world_whose_rank_never_connects_fails_at_the_short_timeout():
     exit fault) held a survivor in gloo's full-mesh connect for the regroup's 25 s, long
     after the round that dropped it. The world's connect is bounded by the collective timeout
     (the ranks have all arrived by then); the world keeps the long one afterwards (a start's
-    agreement may wait on one rank's disk: `all_reduce_max`)."""
+    agreement may wait on one rank's disk: `all_reduce_max`). Every group is created with a
+    fifth of the collective timeout (chaos seed 5204, trial 19: gloo waits up to 5 times it for
+    a peer that published its address and never connected, here 25 s), then gets it."""
     import datetime
     import time
 
@@ -953,51 +955,6 @@ def test_a_gloo_world_whose_rank_never_connects_fails_at_the_short_timeout():
         assert world.options._timeout == datetime.timedelta(seconds=40)
     finally:
         comm.destroy()
-
-
-@pytest.mark.timeout(90)
-def test_a_gloo_connect_to_a_peer_stopped_after_publishing_fails_at_the_collective_timeout():
-    """Chaos seed 5204, trial 19: a node lost while its peers built a recovery's subgroups held
-    them 25 s in gloo's connect (5 times the 5 s collective timeout: a peer that published its
-    address and then stopped is waited for that long). Every gloo group is created with a
-    timeout that bounds its connect by the collective timeout (engine/groups.py,
-    `gloo_connect_timeout`); the world then keeps the long one."""
-    import datetime
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import torch.distributed as dist
-
-    from oobleck_hpc.engine import Comm
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
-    peer = subprocess.Popen([sys.executable, "-c", f"""
-import datetime, torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", {store.port}, is_master=False,
-                      timeout=datetime.timedelta(seconds=30))
-dist.init_process_group("gloo", store=dist.PrefixStore("oobleck/gen0/", store), rank=0,
-                        world_size=2, timeout=datetime.timedelta(seconds=60))
-"""])
-    try:
-        assert store.num_keys() == 0
-        deadline = time.monotonic() + 60
-        while store.num_keys() == 0:  # the peer published its address...
-            assert time.monotonic() < deadline and peer.poll() is None
-            time.sleep(0.01)
-        peer.send_signal(signal.SIGSTOP)  # ...and never connects
-        t0 = time.monotonic()
-        with pytest.raises(Exception, match="(?i)timeout|timed out"):
-            Comm.init(store, 1, 2, 0, "gloo", timeout_s=5.0, init_timeout_s=40.0)
-        waited = time.monotonic() - t0
-        assert waited < 5.0 + 3.0, waited  # (25 s before)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        peer.kill()
-        peer.wait()
 
 
 @pytest.mark.timeout(60)
