@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from oobleck_hpc.control.membership import Superseded
 from oobleck_hpc.errors import EXIT_REQUEUE, GuaranteeExceeded, OobleckError, PlanningError
 from oobleck_hpc.recovery.generation import on_phase, regroup, round_opened, teardown
+from oobleck_hpc.recovery.stall import watched
 from oobleck_hpc.recovery.standing import Standing
 
 if TYPE_CHECKING:
@@ -271,9 +272,11 @@ def transfer(s: DriverState, m: Membership, new_plan: Plan, comm: Comm, groups: 
         moves = transfer_plan(s.base_plan, new_plan, s.profile, s.fresh)
         if s.faults is not None:
             s.faults("transfer", s.base.state.step + 1)
+        nodes = sorted({new_plan.ranks[r].node for r in transfer_state.peers(moves, comm.rank)})
+        watch = watched(s, m.gen, "the transfer", lambda: nodes, abort)
         stats = transfer_state.execute(
             moves, comm.rank, s.base, engine,
-            lambda works: comm.wait(works, waiter, abort, sync=True))
+            lambda works: comm.wait(works, waiter, watch, sync=True))
     except Aborted as e:  # a newer round opened: its members wait for this rank there
         engine.close()
         raise Superseded(f"generation {m.gen} superseded during the transfer") from e

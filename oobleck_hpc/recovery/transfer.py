@@ -29,7 +29,10 @@ soon as a newer membership round opens (the caller's `wait`: Comm.wait with the 
 abort): a peer that stopped without breaking its connection (a hang, or a node whose loss
 the agents noticed first) no longer holds this rank for the collective timeout -- a gloo
 receive cannot be cancelled, so before this a transfer waited out its 5 s while the next
-round's members were already waiting for this rank (chaos, seed 5199, trial 8).
+round's members were already waiting for this rank (chaos, seed 5199, trial 8). A peer that hung
+with no round open (its node frozen: its agent is silent too) is named once the wait lasts a
+stall's threshold (`peers`; recovery/stall.py, `watched`): its agent is probed, not waited for
+until its lease expires.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ class TransferStats:
     sent_layers: int = 0
     received_layers: int = 0
     seconds: float = 0.0
+
+
+def peers(transfers: Sequence[Transfer], rank: int) -> list[int]:
+    """The other ranks `rank` sends to or receives from (sorted): those its transfer waits on."""
+    return sorted({t.dst_rank if t.src_rank == rank else t.src_rank for t in transfers
+                   if rank in (t.src_rank, t.dst_rank)})
 
 
 def expected_layout(module: torch.nn.Module, has_optim: bool) -> list[tuple[str, torch.Size]]:

@@ -138,3 +138,15 @@ def test_a_wait_outside_a_step_reports_the_late_nodes_once_and_goes_on():
     check()
     time.sleep(0.06)
     assert check() is True and len(reports) == 1
+
+
+def test_a_transfer_waits_on_the_ranks_it_sends_to_or_receives_from():
+    """What a recovery's watched transfer names (recovery/transfer.py, `peers`): the other ends
+    of this rank's moves."""
+    from oobleck_hpc.planning.reconfigure import Transfer
+    from oobleck_hpc.recovery.transfer import peers
+
+    moves = [Transfer(0, 1, 4, 8), Transfer(1, 4, 2, 8), Transfer(2, 3, 5, 8), Transfer(4, 6, 4, 8)]
+    assert peers(moves, 4) == [1, 2, 6]
+    assert peers(moves, 3) == [5]
+    assert peers(moves, 0) == []
