@@ -27,6 +27,12 @@ class OobleckError(Exception):
     exit_code = EXIT_UNRECOVERABLE
 
 
+class RecoveryError(OobleckError):
+    """Survivors disagree on the state to resume from: in-place recovery cannot continue."""
+
+    exit_code = EXIT_REQUEUE  # as GuaranteeExceeded: fall back to the last checkpoint
+
+
 class ConfigError(OobleckError, ValueError):
     """A job file is wrong. The message names the file, the key, the bad value and the fix."""
 

@@ -13,7 +13,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from oobleck_hpc.control.membership import Superseded
-from oobleck_hpc.errors import EXIT_REQUEUE, GuaranteeExceeded, OobleckError, PlanningError
+from oobleck_hpc.errors import GuaranteeExceeded, PlanningError, RecoveryError
 from oobleck_hpc.recovery.generation import on_phase, regroup, round_opened, teardown
 from oobleck_hpc.recovery.stall import watched
 from oobleck_hpc.recovery.standing import Standing
@@ -30,12 +30,6 @@ or a new plan's first step failing again) before the checkpoint fallback."""
 MAX_ROUNDS = 3
 """Failed reconfiguration rounds of one recovery before the checkpoint fallback (each bounded
 by the agreement timeout): a recovery never loops for ever."""
-
-
-class RecoveryError(OobleckError):
-    """Survivors disagree on the state to resume from: in-place recovery cannot continue."""
-
-    exit_code = EXIT_REQUEUE  # as GuaranteeExceeded: fall back to the last checkpoint
 
 
 @dataclass

@@ -4,8 +4,10 @@ rebuilds its members' base plan (recovery/join.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from oobleck_hpc.errors import RecoveryError
 
 
 @dataclass(frozen=True)
@@ -28,19 +30,48 @@ class Standing:
     fewer): a joiner builds the same ones to rebuild the base plan."""
 
     @classmethod
-    def gathered(cls, values: dict[str, list[Any]]) -> list[Standing]:
+    def parse(cls, node: str, value: Any) -> Standing:
+        """One rank's value from `node` in the reconcile exchange: RecoveryError (in-place
+        recovery cannot trust that exchange: the checkpoint fallback) unless it is a standing,
+        field for field (the tuples as JSON lists, or as they are within one process)."""
+        groups = value.get("groups") if isinstance(value, dict) else None
+        if not (isinstance(value, dict) and set(value) == {f.name for f in fields(cls)}
+                and all(type(value[k]) is int for k in _INTS)
+                and all(isinstance(value[k], str) for k in ("base", "prepared"))
+                and isinstance(groups, (list, tuple))
+                and all(isinstance(g, (list, tuple)) and all(isinstance(n, str) for n in g)
+                        for g in groups)):
+            raise RecoveryError(f"{node} sent a malformed standing in the reconcile exchange: "
+                                f"{str(value)[:200]}; falling back to the last checkpoint")
+        return cls(**{**value, "groups": tuple(tuple(g) for g in groups)})
+
+    @classmethod
+    def every(cls, values: dict[str, Any]) -> list[tuple[str, int, Standing]]:
+        """(node, local rank, standing) of every rank in an exchange's values (node -> a list,
+        one value per rank), each checked (`parse`)."""
+        out = []
+        for node, per_node in values.items():
+            if not isinstance(per_node, list):
+                raise RecoveryError(f"{node} sent no list of standings in the reconcile "
+                                    f"exchange: {str(per_node)[:200]}")
+            out += [(node, lr, cls.parse(node, v)) for lr, v in enumerate(per_node)]
+        return out
+
+    @classmethod
+    def gathered(cls, values: dict[str, Any]) -> list[Standing]:
         """The members' standings from an exchange's values (node -> one per rank): joiners,
         which have nothing to say, are left out."""
-        every = [cls(**{**v, "groups": tuple(tuple(g) for g in v["groups"])})
-                 for per_node in values.values() for v in per_node]
-        return [x for x in every if x.step >= 0]
+        return [x for _, _, x in cls.every(values) if x.step >= 0]
 
-    @staticmethod
-    def fresh(values: dict[str, list[Any]], nodes) -> frozenset[tuple[str, int]]:
+    @classmethod
+    def fresh(cls, values: dict[str, Any], nodes) -> frozenset[tuple[str, int]]:
         """(node, local rank) of the ranks that said JOINER on a node of `nodes` (the base
         plan's): restarted workers (control/agent.py), whose layers must come from replicas."""
-        return frozenset((node, lr) for node, per_node in values.items() if node in nodes
-                         for lr, v in enumerate(per_node) if v["step"] < 0)
+        return frozenset((node, lr) for node, lr, x in cls.every(values)
+                         if node in nodes and x.step < 0)
+
+
+_INTS = ("step", "cursor", "base_gen", "template_nodes")
 
 
 JOINER = Standing("", -1, -1, "", (), -1, 0)

@@ -40,3 +40,21 @@ def test_a_joiner_rebuilds_the_plan_of_a_start_that_lost_a_node():
     assert base.plan.digest() == plan.digest()
     assert (base.state.step, base.state.cursor, s.template_nodes) == (12, 96, 2)
     assert s.fresh == frozenset()
+
+
+@pytest.mark.parametrize("bad", [
+    None, "x", {"step": 3}, {**asdict(JOINER), "step": "3"}, {**asdict(JOINER), "step": True},
+    {**asdict(JOINER), "groups": [["node0", 1]]}, {**asdict(JOINER), "groups": "node0"},
+    {**asdict(JOINER), "extra": 1}])
+def test_a_malformed_standing_is_named_and_falls_back(bad):
+    """Every input from a socket is untrusted until validated: a rank's value in the reconcile
+    exchange that is not a standing ends in-place recovery with an error naming its node (the
+    checkpoint fallback), not a TypeError in the middle of a recovery."""
+    from oobleck_hpc.errors import RecoveryError
+
+    good = asdict(Standing("abc", 4, 32, "", (("node0", "node1"),), 1, 2))
+    for values in ({"node0": [good], "node1": [good, bad]}, {"node0": [good], "node1": bad}):
+        with pytest.raises(RecoveryError, match="node1"):
+            Standing.gathered(values)
+    assert Standing.gathered({"node0": [good], "node1": [asdict(JOINER)]}) == [
+        Standing("abc", 4, 32, "", (("node0", "node1"),), 1, 2)]
