@@ -314,21 +314,24 @@ class Comm:
 
 GLOO_CONNECT_ATTEMPTS = 5
 """gloo's full-mesh connect waits up to this many times its group's timeout for a peer that
-published its address and never connected (measured, torch 2.13: a peer stopped or killed
-just after publishing held the others 10.0 s with a 2 s timeout; one that never published, the
-timeout itself)."""
+published its address and never connected, when gloo picked that peer to connect (it compares
+the two addresses; measured, torch 2.13: a peer stopped or killed just after publishing held
+the others 10.0 s with a 2 s timeout). A peer that never published is waited for the timeout
+itself; one stopped after publishing, whom the waiting rank connects to, not at all (the
+kernel accepts): its first collective waits instead, as any hang's does."""
 CONNECT_FLOOR_S = 1.0
 """The least time a gloo group's members get to publish their addresses (below)."""
 
 
 def gloo_connect_timeout(timeout_s: float) -> datetime.timedelta:
     """The timeout a gloo group is created with, so that its connect is bounded by the
-    collective timeout `timeout_s`, not GLOO_CONNECT_ATTEMPTS times it (chaos seed 5204, trial
-    19: a node lost while its peers built a recovery's subgroups held them 25 s in the
-    connect, with a 5 s collective timeout). The store wait for the members' addresses gets
-    the same timeout: all ranks have reached the store before (recovery/rendezvous.py,
-    `wait_arrivals`) and build the same groups in the same order, so a member is late by a
-    group's connect at most. `Comm.init` and `ready` then set the collective timeouts."""
+    collective timeout `timeout_s` (or by GLOO_CONNECT_ATTEMPTS x CONNECT_FLOOR_S, if that is
+    longer), not GLOO_CONNECT_ATTEMPTS times it (chaos seed 5204, trial 19: a node lost while
+    its peers built a recovery's subgroups held them 25 s in the connect, with a 5 s collective
+    timeout). The store wait for the members' addresses gets the same timeout: all ranks have
+    reached the store before (recovery/rendezvous.py, `wait_arrivals`) and build the same
+    groups in the same order, so a member is late by a group's connect at most. `Comm.init`
+    and `ready` then set the collective timeouts."""
     return datetime.timedelta(seconds=max(CONNECT_FLOOR_S, timeout_s / GLOO_CONNECT_ATTEMPTS))
 
 
