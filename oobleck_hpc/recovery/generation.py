@@ -81,7 +81,10 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
     the others already started the next one (each then gives up on the other). A rank that
     died instead never arrives; its loss opens a newer round, which ends the wait at once. A
     rank that hung never arrives either, and nothing else sees it: past a stall's threshold
-    the waiting ranks name its node (recovery/stall.py, `watched`), whose agent is probed.
+    the waiting ranks name its node (recovery/stall.py, `watched`), whose agent is probed; so
+    do the ranks that wait to connect to the store, for its host's node (chaos seed 5205,
+    trial 24: the store's host hung right before the rendezvous and held the others for its
+    3.3 s lease).
     """
     from oobleck_hpc.engine import Comm, PlanGroups, default_backend
     from oobleck_hpc.engine.tied import tied_layers
@@ -89,12 +92,14 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
     rank = plan.rank_of(s.node, s.local_rank)
     host = s.client.hosts_store(m)
     abort = partial(round_opened, s)
+    recovery = m.gen > 0  # (a start's ranks import torch at their own pace: left to the lease)
     old = s.store
-    s.store = open_store(m.store_host, m.store_port, host, timeout_s, abort, secret=s.secret,
-                         generation=m.gen)
+    s.store = open_store(m.store_host, m.store_port, host, timeout_s,
+                         watched(s, m.gen, "the store's connect", lambda: [m.store_node], abort)
+                         if recovery else abort, secret=s.secret, generation=m.gen)
     s.store_at = None if host else (m.gen, m.store_host, m.store_port)
     del old
-    if m.gen > 0:  # (a start's ranks import torch at their own pace: left to the lease)
+    if recovery:
         late = partial(missing_nodes, s.store, "arrived", plan.nodes, plan.gpus_per_node)
         abort = watched(s, m.gen, "the rendezvous", late, abort)
     wait_arrivals(s.store, "arrived", s.node, plan.world_size, timeout_s, abort)
