@@ -26,11 +26,12 @@ A recovery's rendezvous reports the same way (`watched`, recovery/generation.py)
 has waited that threshold (STALL_FLOOR_S before any step committed) for the plan's ranks to
 reach the store names the nodes of those still missing (recovery/rendezvous.py,
 `missing_nodes`; chaos seed 5202, trial 33: a node hung in generation 2's rendezvous held the
-others for its 3.3 s lease), and so does its transfer, naming the peers of the rank that waits
-(recovery/transfer.py, `peers`). Not watched: a start, a recovery's group build (gloo's
-connect cannot be interrupted, and is bounded by the collective timeout instead:
-engine/groups.py, `gloo_connect_timeout`), and a worker's first step (no usual time yet):
-there the lease alone finds a hung node.
+others for its 3.3 s lease); so do its connect to the generation's store, naming the store's
+host, and its transfer, naming the peers of the rank that waits (recovery/transfer.py,
+`peers`). Not watched: a start, a recovery's group build (gloo's connect cannot be
+interrupted, and is bounded by the collective timeout instead: engine/groups.py,
+`gloo_connect_timeout`), and a worker's first step (no usual time yet): there the lease alone
+finds a hung node.
 """
 
 from __future__ import annotations
