@@ -93,10 +93,11 @@ def regroup(s: DriverState, m: Membership, plan: Plan,
     host = s.client.hosts_store(m)
     abort = partial(round_opened, s)
     recovery = m.gen > 0  # (a start's ranks import torch at their own pace: left to the lease)
+    connect_abort = (watched(s, m.gen, "the store's connect", lambda: [m.store_node], abort)
+                     if recovery else abort)
     old = s.store
-    s.store = open_store(m.store_host, m.store_port, host, timeout_s,
-                         watched(s, m.gen, "the store's connect", lambda: [m.store_node], abort)
-                         if recovery else abort, secret=s.secret, generation=m.gen)
+    s.store = open_store(m.store_host, m.store_port, host, timeout_s, connect_abort,
+                         secret=s.secret, generation=m.gen)
     s.store_at = None if host else (m.gen, m.store_host, m.store_port)
     del old
     if recovery:
